@@ -1,0 +1,561 @@
+"""Train HF LlamaForCausalLM with several FSDP stacks side by side and print a table.
+
+All stacks run one after the other in ONE torchrun process group, on the same
+model (same seed, fp32 init), the same random token ids and the same AdamW, so
+their first-step losses should agree to bf16 rounding. Each stack is built,
+warmed up, timed and fully torn down before the next one, so peak memory is
+per stack.
+
+Stacks (--stacks, default all; one that cannot run is listed with the reason):
+  fsdp8     fsdp8.fully_shard, strategy "optim_grads_params" (ZeRO-3)
+  fsdp2     torch.distributed.fsdp.fully_shard per decoder layer, then the root
+  megatron  megatron_fsdp.fully_shard_model + fully_shard_optimizer (ZeRO-3),
+            PyPI package megatron-fsdp, CUDA only
+All use bf16 compute weights, fp32 gradient reduction and fp32 main weights.
+
+On 2 GPUs:
+    torchrun --nproc_per_node 2 benchmarks/peers.py --models A,B --out runs/peers.json
+CPU smoke test (gloo; memory and MFU columns are n/a):
+    torchrun --nproc_per_node 2 benchmarks/peers.py --model tiny --device cpu \
+        --stacks fsdp2 --steps 2 --warmup 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Benchmark the checkout's fsdp8, installed or not.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+STACKS = ("fsdp8", "fsdp2", "megatron")
+FLOPS_FORMULA = (
+    "FLOPs/token = 6*N + 12*L*H*S (N = all parameters incl. embedding and lm_head, L layers, H hidden, S seq)"
+)
+GIB = 1024**3
+LEAK_WARN_BYTES = 256 * 1024**2
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    seq: int
+    micro_batch: int
+
+
+MODELS = {
+    "A": ModelSpec("A", 2048, 8192, 16, 16, 8, 32000, 2048, 4),
+    "B": ModelSpec("B", 4096, 14336, 8, 32, 8, 32000, 2048, 2),
+    "tiny": ModelSpec("tiny", 64, 256, 2, 4, 2, 1024, 64, 2),
+}
+
+
+@dataclass
+class Context:
+    """What every stack needs to know about the run."""
+
+    args: argparse.Namespace
+    device: torch.device
+    rank: int
+    world: int
+    mesh: object = None
+    megatron_mesh: object = None
+
+
+@dataclass
+class Built:
+    """A sharded model and its optimizer, as one stack made them."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    notes: list[str] = field(default_factory=list)
+    fused_unverified: bool = False
+
+
+@dataclass
+class Result:
+    model: str
+    stack: str
+    status: str  # "ok" | "skipped" | "failed"
+    note: str = ""
+    n_params: int = 0
+    flops_per_token: int = 0
+    tokens_per_s_per_gpu: float | None = None
+    step_ms_median: float | None = None
+    step_ms_mean_wall: float | None = None
+    mfu: float | None = None
+    peak_alloc_gib: float | None = None
+    peak_reserved_gib: float | None = None
+    loss_first: float | None = None
+    loss_last: float | None = None
+    losses: list[float] = field(default_factory=list)  # every step, mean over ranks
+    step_ms_all: list[float] = field(default_factory=list)
+    memory_report: str | None = None
+    error: str | None = None
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", "--model", dest="models", default="A", help="comma list of A, B, tiny")
+    p.add_argument("--stacks", default=",".join(STACKS), help="comma list of " + ", ".join(STACKS))
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H200 SXM: 989)")
+    p.add_argument("--order", choices=("fixed", "rotate"), default="fixed",
+                   help="fixed: --stacks order for every model; rotate: shift the order by one per model")
+    p.add_argument("--timeout-s", type=int, default=300,
+                   help="collective timeout, so a broken stack cannot hang the run")
+    p.add_argument("--out", default="runs/peers.json", help="JSON results file (rank 0 writes it)")
+    args = p.parse_args(argv)
+    args.models = _split(args.models, MODELS)
+    args.stacks = _split(args.stacks, STACKS)
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def _split(text: str, allowed) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise SystemExit(f"unknown or empty names {unknown or text!r}; choose from {', '.join(allowed)}")
+    return names
+
+
+def init_process_group(args) -> Context:
+    """torchrun env -> process group (nccl on cuda, gloo on cpu) and a 1-D world mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    timeout = timedelta(seconds=args.timeout_s)
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    ctx = Context(args=args, device=device, rank=rank, world=world)
+    ctx.mesh = init_device_mesh(device.type, (world,))
+    return ctx
+
+
+def build_hf_model(spec: ModelSpec, device: torch.device, seed: int) -> torch.nn.Module:
+    """The same fp32 LlamaForCausalLM on every rank and for every stack."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.seq, tie_word_embeddings=False, use_cache=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    dtypes = {p.dtype for p in model.parameters()}
+    if dtypes != {torch.float32}:
+        raise RuntimeError(f"expected an fp32 model, got parameter dtypes {dtypes}")
+    return model
+
+
+def make_batches(spec: ModelSpec, n: int, ctx: Context) -> list[torch.Tensor]:
+    """Random token ids: a fixed stream per rank, identical for every stack."""
+    gen = torch.Generator().manual_seed(ctx.args.seed * 1_000_003 + ctx.rank)
+    shape = (spec.micro_batch, spec.seq)
+    return [torch.randint(0, spec.vocab, shape, generator=gen).to(ctx.device) for _ in range(n)]
+
+
+def flops_per_token(spec: ModelSpec, n_params: int) -> int:
+    return 6 * n_params + 12 * spec.layers * spec.hidden * spec.seq
+
+
+def decoder_layer_cls():
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return LlamaDecoderLayer
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def make_adamw(params, ctx: Context, fused: bool) -> torch.optim.Optimizer:
+    kind = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(params, lr=ctx.args.lr, **kind)
+
+
+def wants_fused(ctx: Context) -> bool:
+    return ctx.device.type == "cuda"
+
+
+def optimizer_step(built: Built, ctx: Context) -> None:
+    """optimizer.step(); the first fused step that fails on DTensors falls back to foreach."""
+    if not built.fused_unverified:
+        built.optimizer.step()
+        return
+    built.fused_unverified = False
+    try:
+        built.optimizer.step()
+    except (RuntimeError, NotImplementedError, TypeError) as err:
+        params = [p for group in built.optimizer.param_groups for p in group["params"]]
+        built.optimizer = make_adamw(params, ctx, fused=False)
+        built.notes.append(f"fused AdamW failed ({_short(err)}); foreach used")
+        built.optimizer.step()
+
+
+def plain_optimizer(model: torch.nn.Module, ctx: Context) -> Built:
+    fused = wants_fused(ctx)
+    return Built(model, make_adamw(model.parameters(), ctx, fused), fused_unverified=fused)
+
+
+# ----------------------------------------------------------------------------- stacks
+
+
+def unavailable_reason(stack: str, ctx: Context) -> str | None:
+    """None when the stack can run here, else why not."""
+    if stack == "fsdp8":
+        try:
+            import fsdp8
+        except Exception as err:  # the engine is optional for this script
+            return f"fsdp8 not importable: {_short(err)}"
+        missing = [n for n in ("init_distributed", "fully_shard", "Precision") if not hasattr(fsdp8, n)]
+        return f"fsdp8 lacks {', '.join(missing)}" if missing else None
+    if stack == "fsdp2":
+        try:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: F401
+        except ImportError as err:
+            return f"torch FSDP2 not importable: {_short(err)}"
+        return None
+    if stack == "megatron":
+        if ctx.device.type != "cuda":
+            return "megatron-fsdp needs CUDA (it creates torch.cuda streams)"
+        try:
+            import megatron_fsdp  # noqa: F401
+        except Exception as err:
+            return f"megatron_fsdp not importable: {_short(err)}"
+        return None
+    raise ValueError(stack)
+
+
+def build_fsdp8(model: torch.nn.Module, ctx: Context) -> Built:
+    import fsdp8
+
+    fsdp8.init_distributed()
+    model = fsdp8.fully_shard(
+        model,
+        units=[decoder_layer_cls()],
+        strategy="optim_grads_params",
+        precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    )
+    return plain_optimizer(model, ctx)
+
+
+def build_fsdp2(model: torch.nn.Module, ctx: Context) -> Built:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=ctx.mesh, mp_policy=policy)
+    fully_shard(model, mesh=ctx.mesh, mp_policy=policy)
+    return plain_optimizer(model, ctx)
+
+
+def build_megatron(model: torch.nn.Module, ctx: Context) -> Built:
+    import megatron_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if ctx.megatron_mesh is None:
+        # megatron-fsdp wants named (dp_shard, tp) dims; one mesh for all models.
+        ctx.megatron_mesh = init_device_mesh("cuda", (ctx.world, 1), mesh_dim_names=("fsdp", "tp"))
+    _bf16_params_with_fp32_main_init(model)
+    model = megatron_fsdp.fully_shard_model(
+        model,
+        device_mesh=ctx.megatron_mesh,
+        dp_shard_dim="fsdp",
+        tp_dim="tp",
+        fsdp_unit_modules=[decoder_layer_cls()],
+        zero_dp_strategy="optim_grads_params",
+        device=ctx.device,
+        mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(
+            main_params_dtype=torch.float32, main_grads_dtype=torch.float32, grad_comm_dtype=torch.float32
+        ),
+    )
+    notes = ["optimizer pre-stepped once with zero grads by fully_shard_optimizer"]
+    try:
+        optimizer = megatron_fsdp.fully_shard_optimizer(make_adamw(model.parameters(), ctx, wants_fused(ctx)))
+    except (RuntimeError, NotImplementedError, TypeError) as err:
+        if not wants_fused(ctx):
+            raise
+        notes.append(f"fused AdamW failed ({_short(err)}); foreach used")
+        optimizer = megatron_fsdp.fully_shard_optimizer(make_adamw(model.parameters(), ctx, fused=False))
+    return Built(model, optimizer, notes)
+
+
+def _bf16_params_with_fp32_main_init(model: torch.nn.Module) -> None:
+    """Cast parameters (not buffers) to bf16, keeping their fp32 values for the main weights.
+
+    Megatron-FSDP computes in the model's own parameter dtype and fills its fp32
+    main-weight buffer from the parameters. Without this its fp32 masters would
+    start from bf16-rounded values, unlike the other stacks. It reads the exact
+    init through the `get_high_precision_init_val` hook it offers for
+    TransformerEngine FP8 parameters. RoPE buffers stay fp32, as under FSDP2.
+    """
+    for param in model.parameters():
+        fp32 = param.detach().clone()
+        param.data = param.data.to(torch.bfloat16)
+        param.get_high_precision_init_val = lambda fp32=fp32: fp32
+        param.clear_high_precision_init_val = lambda p=param: _drop_init_hooks(p)
+
+
+def _drop_init_hooks(param: torch.nn.Parameter) -> None:
+    del param.get_high_precision_init_val
+    del param.clear_high_precision_init_val
+
+
+BUILDERS = {"fsdp8": build_fsdp8, "fsdp2": build_fsdp2, "megatron": build_megatron}
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def train_step(built: Built, batch: torch.Tensor, ctx: Context) -> torch.Tensor:
+    loss = built.model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    optimizer_step(built, ctx)
+    built.optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def run_steps(built: Built, batches: list[torch.Tensor], ctx: Context) -> tuple[list[torch.Tensor], list[float], float]:
+    """Warmup then timed steps: (losses of all steps, timed per-step ms, mean wall ms of timed steps)."""
+    warmup = ctx.args.warmup
+    losses = [train_step(built, b, ctx) for b in batches[:warmup]]
+    cuda = ctx.device.type == "cuda"
+    _sync(ctx)
+    dist.barrier()
+    wall0 = time.perf_counter()
+    marks = []
+    for batch in batches[warmup:]:
+        start = _mark(cuda)
+        losses.append(train_step(built, batch, ctx))
+        marks.append((start, _mark(cuda)))
+    _sync(ctx)
+    wall_ms = (time.perf_counter() - wall0) * 1e3 / len(marks)
+    step_ms = [s.elapsed_time(e) if cuda else (e - s) * 1e3 for s, e in marks]
+    return losses, step_ms, wall_ms
+
+
+def _mark(cuda: bool):
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _sync(ctx: Context) -> None:
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+
+
+def _all_reduce(values: list[float], op, ctx: Context) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def measure(spec: ModelSpec, stack: str, ctx: Context, result: Result) -> None:
+    """Build, train and time one stack on one model; fill `result`."""
+    batches = make_batches(spec, ctx.args.warmup + ctx.args.steps, ctx)
+    model = build_hf_model(spec, ctx.device, ctx.args.seed)
+    result.n_params = sum(p.numel() for p in model.parameters())
+    result.flops_per_token = flops_per_token(spec, result.n_params)
+    built = BUILDERS[stack](model, ctx)
+    del model
+    gc.collect()
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)  # peak of training, not of the full-model init
+
+    losses, step_ms, wall_ms = run_steps(built, batches, ctx)
+
+    mean_losses = [x / ctx.world for x in _all_reduce([x.item() for x in losses], dist.ReduceOp.SUM, ctx)]
+    result.losses = [round(x, 5) for x in mean_losses]
+    result.loss_first, result.loss_last = mean_losses[0], mean_losses[-1]
+    median, wall = _all_reduce([statistics.median(step_ms), wall_ms], dist.ReduceOp.MAX, ctx)
+    result.step_ms_median, result.step_ms_mean_wall = median, wall
+    result.step_ms_all = [round(x, 3) for x in step_ms]
+    result.tokens_per_s_per_gpu = spec.micro_batch * spec.seq / (median / 1e3)
+    if ctx.device.type == "cuda":
+        result.mfu = result.tokens_per_s_per_gpu * result.flops_per_token / (ctx.args.peak_tflops * 1e12)
+        peaks = [torch.cuda.max_memory_allocated(ctx.device), torch.cuda.max_memory_reserved(ctx.device)]
+        result.peak_alloc_gib, result.peak_reserved_gib = (x / GIB for x in _all_reduce(peaks, dist.ReduceOp.MAX, ctx))
+    report = getattr(built.model, "memory_report", None)
+    if callable(report):
+        result.memory_report = str(report())
+    result.note = "; ".join(built.notes)
+
+
+def release(ctx: Context) -> int:
+    """Free what the last stack left; returns bytes still allocated on this device."""
+    gc.collect()
+    if ctx.device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(ctx.device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    return torch.cuda.memory_allocated(ctx.device)
+
+
+def run_stack(spec: ModelSpec, stack: str, ctx: Context) -> Result:
+    result = Result(model=spec.name, stack=stack, status="ok")
+    reason = unavailable_reason(stack, ctx)
+    if reason is not None:
+        result.status, result.note = "skipped", reason
+        return result
+    try:
+        measure(spec, stack, ctx, result)
+    except Exception as err:  # report and go on with the next stack
+        result.status, result.note, result.error = "failed", _short(err), traceback.format_exc()
+        if ctx.rank == 0:
+            print(f"[peers] {stack} on model {spec.name} failed:\n{result.error}", file=sys.stderr, flush=True)
+    left = release(ctx)
+    if left > LEAK_WARN_BYTES:
+        result.note = "; ".join(filter(None, [result.note, f"{left / GIB:.2f} GiB still allocated after teardown"]))
+    dist.barrier()
+    return result
+
+
+def stack_order(stacks: list[str], model_index: int, order: str) -> list[str]:
+    if order == "fixed":
+        return list(stacks)
+    shift = model_index % len(stacks)
+    return stacks[shift:] + stacks[:shift]
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def _short(err: BaseException, limit: int = 160) -> str:
+    text = f"{type(err).__name__}: {err}".replace("\n", " ").replace("|", "/")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _fmt(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def environment(ctx: Context) -> dict:
+    import transformers
+
+    env = {
+        "world_size": ctx.world,
+        "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peak_tflops": ctx.args.peak_tflops,
+        "flops_formula": FLOPS_FORMULA,
+        "timing": ("CUDA events per step, median; max over ranks" if ctx.device.type == "cuda"
+                   else "perf_counter per step, median; max over ranks"),
+        "memory": "torch.cuda.max_memory_{allocated,reserved} over warmup+timed steps, max over ranks",
+        "warmup": ctx.args.warmup,
+        "steps": ctx.args.steps,
+    }
+    try:
+        import megatron_fsdp
+
+        env["megatron_fsdp"] = megatron_fsdp.__version__
+    except Exception:
+        env["megatron_fsdp"] = None
+    return env
+
+
+def markdown_table(results: list[Result]) -> str:
+    head = ("| model | stack | tokens/s/GPU | step ms (median) | MFU | peak alloc GiB | peak reserved GiB "
+            "| loss step 1 | loss last | notes |")
+    rows = [head, "|" + "---|" * 10]
+    for r in results:
+        mfu = None if r.mfu is None else 100 * r.mfu
+        note = r.note if r.status == "ok" else f"{r.status.upper()}: {r.note}"
+        rows.append(
+            f"| {r.model} | {r.stack} | {_fmt(r.tokens_per_s_per_gpu, ',.0f')} | {_fmt(r.step_ms_median, '.1f')} "
+            f"| {_fmt(mfu, '.1f')}{'%' if mfu is not None else ''} | {_fmt(r.peak_alloc_gib, '.2f')} "
+            f"| {_fmt(r.peak_reserved_gib, '.2f')} | {_fmt(r.loss_first, '.4f')} | {_fmt(r.loss_last, '.4f')} "
+            f"| {note} |"
+        )
+    return "\n".join(rows)
+
+
+def print_report(env: dict, orders: dict, results: list[Result]) -> None:
+    print(f"\n## peers: {env['world_size']} x {env['device']}, torch {env['torch']}, "
+          f"transformers {env['transformers']}, megatron-fsdp {env['megatron_fsdp'] or 'not installed'}")
+    print(f"- {env['flops_formula']}; MFU = tokens/s/GPU * FLOPs/token / ({env['peak_tflops']:g} TFLOP/s)")
+    print(f"- timing: {env['timing']}, {env['warmup']} warmup + {env['steps']} timed steps")
+    print(f"- memory: {env['memory']}")
+    for model, order in orders.items():
+        print(f"- stack order for model {model}: {' -> '.join(order)}")
+    print()
+    print(markdown_table(results))
+    for r in results:
+        if r.memory_report:
+            print(f"\n### {r.stack} memory_report, model {r.model}\n{r.memory_report}")
+    sys.stdout.flush()
+
+
+def write_json(path: str, env: dict, orders: dict, results: list[Result]) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"environment": env, "stack_order": orders, "results": [asdict(r) for r in results]}
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    ctx = init_process_group(args)
+    results, orders = [], {}
+    for index, name in enumerate(args.models):
+        spec = MODELS[name]
+        orders[name] = stack_order(args.stacks, index, args.order)
+        for stack in orders[name]:
+            if ctx.rank == 0:
+                print(f"[peers] model {name}: {stack} ...", flush=True)
+            results.append(run_stack(spec, stack, ctx))
+    if ctx.rank == 0:
+        env = environment(ctx)
+        print_report(env, orders, results)
+        write_json(args.out, env, orders, results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
