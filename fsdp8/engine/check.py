@@ -1,0 +1,53 @@
+"""Cross-rank agreement checks that run before any collective could hang on a mismatch."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class DesyncError(RuntimeError):
+    """Ranks disagree about something that must be identical everywhere."""
+
+
+def _digest(lines: List[str]) -> int:
+    h = hashlib.sha256("\n".join(lines).encode()).digest()
+    return int.from_bytes(h[:8], "little", signed=True)
+
+
+def first_difference(a: List[str], b: List[str]) -> str:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"entry {i}: {x!r} vs {y!r}"
+    if len(a) != len(b):
+        longer, which = (a, "first") if len(a) > len(b) else (b, "second")
+        return f"the {which} has {abs(len(a) - len(b))} more entries, starting with {longer[min(len(a), len(b))]!r}"
+    return "no difference"
+
+
+def check_same_everywhere(lines: List[str], what: str, group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+    """Raise ``DesyncError`` on every rank unless all ranks of ``group`` hold equal ``lines``.
+
+    The common case costs one all-gather of an 8-byte digest; only on a mismatch are the
+    descriptions exchanged to name the first difference."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    mine = torch.tensor([_digest(lines)], dtype=torch.int64, device=device)
+    digests = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(digests, mine, group=group)
+    if bool((digests == digests[0]).all()):
+        return
+    everyone: List[Optional[List[str]]] = [None] * world
+    dist.all_gather_object(everyone, lines, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    for i in range(1, world):
+        if everyone[i] != everyone[0]:
+            raise DesyncError(
+                f"ranks disagree about {what}: rank {ranks[0]} and rank {ranks[i]} differ at "
+                f"{first_difference(everyone[0], everyone[i])}. Every rank must build the same "
+                "model and call fully_shard with the same arguments."
+            )

@@ -1,0 +1,124 @@
+"""Collectives on side streams: one place where fsdp8 talks to torch.distributed.
+
+[Note: streams and memory]
+On CUDA, parameter all-gathers run on ``gather_stream`` and gradient reductions on
+``reduce_stream``, ordered against the compute stream with events only, never with a host
+synchronization. Every buffer a side stream touches is allocated on the compute stream,
+and the side stream first waits for the compute stream, so the caching allocator's
+per-stream reuse rule already orders its first use. Such a buffer is released only after
+the compute stream has waited for the side stream's event, so no later compute-stream
+allocation can reuse memory the side stream still reads or writes. No ``record_stream``
+is needed and memory is returned deterministically.
+
+On CPU (gloo) every collective is synchronous and the streams are stand-ins that do
+nothing, so the same engine code runs in CI.
+
+A group of one rank never issues a collective: the data is copied locally, so a single
+process pays no communication cost at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+
+class _NoStream:
+    """Stand-in for a CUDA stream on CPU, where gloo collectives are synchronous."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return None
+
+
+class Streams:
+    """The compute stream and the two side streams of one engine."""
+
+    def __init__(self, device: torch.device):
+        self.is_cuda = device.type == "cuda"
+        if self.is_cuda:
+            self.gather = torch.cuda.Stream(device=device, priority=-1)
+            self.reduce = torch.cuda.Stream(device=device, priority=-1)
+        else:
+            self.gather = _NoStream()
+            self.reduce = _NoStream()
+
+    def compute(self):
+        return torch.cuda.current_stream() if self.is_cuda else _NoStream()
+
+    def use(self, stream):
+        """Context manager making ``stream`` current (a no-op on CPU)."""
+        if self.is_cuda:
+            return torch.cuda.stream(stream)
+        return contextlib.nullcontext()
+
+    def record(self, stream):
+        """Record an event on ``stream`` (None on CPU)."""
+        return stream.record_event() if self.is_cuda else None
+
+    def wait(self, event) -> None:
+        """Make the compute stream wait for ``event``."""
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _supports_avg(tensor: torch.Tensor) -> bool:
+    # NCCL averages natively; gloo (CPU) sums and we divide afterwards.
+    return tensor.is_cuda
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group, label: str) -> None:
+    """Gather ``inp`` from every rank of ``group`` into ``out`` (rank-major)."""
+    if group_size(group) == 1:
+        out.copy_(inp.view(out.shape))
+        return
+    with record_function(f"fsdp8::all_gather[{label}]"):
+        dist.all_gather_into_tensor(out, inp, group=group)
+
+
+def reduce_scatter_avg(out: torch.Tensor, inp: torch.Tensor, group, label: str) -> None:
+    """Average ``inp`` over ``group`` and keep this rank's slice in ``out``."""
+    n = group_size(group)
+    if n == 1:
+        out.copy_(inp.view(out.shape))
+        return
+    with record_function(f"fsdp8::reduce_scatter[{label}]"):
+        if _supports_avg(out):
+            dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.AVG, group=group)
+        else:
+            dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=group)
+            out.div_(n)
+
+
+def all_reduce_avg(tensor: torch.Tensor, group, label: str) -> None:
+    """Average ``tensor`` in place over ``group``."""
+    n = group_size(group)
+    if n == 1:
+        return
+    with record_function(f"fsdp8::all_reduce[{label}]"):
+        if _supports_avg(tensor):
+            dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
+        else:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+            tensor.div_(n)
+
+
+def all_reduce(tensor: torch.Tensor, group, op, label: str) -> None:
+    """All-reduce ``tensor`` in place with ``op`` (used for norms and checks)."""
+    if group_size(group) == 1:
+        return
+    with record_function(f"fsdp8::all_reduce[{label}]"):
+        dist.all_reduce(tensor, op=op, group=group)

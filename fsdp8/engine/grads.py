@@ -1,0 +1,56 @@
+"""Gradient utilities over sharded parameters: the global norm and clipping."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, List, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from . import comm
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def clip_grad_norm_(
+    model: Union[nn.Module, Iterable[torch.Tensor]],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Scale gradients so their global ``norm_type``-norm is at most ``max_norm``; return the norm.
+
+    For a sharded model the norm covers every shard on every rank with one all-reduce
+    (sum of ``|g|^p``, or max for ``inf``) over the ranks that hold distinct chunks; no host
+    synchronization unless ``error_if_nonfinite``. Other modules fall back to torch's."""
+    from .model import ShardedModel
+
+    if not isinstance(model, ShardedModel):
+        params = model.parameters() if isinstance(model, nn.Module) else model
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+    norm_type = float(norm_type)
+    if norm_type <= 0 and not math.isinf(norm_type):
+        raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
+    grads: List[torch.Tensor] = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    engine = model._fsdp8
+    device = engine.all_units[0].device if engine.all_units else torch.device("cpu")
+    grads = [g for g in grads if g.numel() > 0]
+    if grads:
+        norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
+        local = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+    else:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    comm.all_reduce(local, engine.topology.main_group, op, "grad_norm")
+    total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"the total gradient norm is {total.item()}; some gradient holds NaN or Inf")
+    if grads:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef)
+    return total

@@ -1,0 +1,366 @@
+"""fully_shard() and ShardedModel: turn a module into a sharded one in place."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from ..config import OuterStrategy, Precision, Strategy
+from ..parallel.mesh import default_device_type, init_distributed
+from . import comm
+from .check import check_same_everywhere
+from .layout import plan_unit
+from .materialize import materialize_and_load, meta_leftovers, rng_fingerprint
+from .schedule import Schedule
+from .state_dict import load_sharded_state_dict
+from .topology import Topology
+from .unit import ParamSlot, ShardedUnit
+
+UnitSpec = Union[None, Sequence[Type[nn.Module]], Callable[[str, nn.Module], bool]]
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes per rank held by the engine, by kind."""
+
+    strategy: str
+    main_weights: int  # main-dtype chunks the optimizer updates
+    grads: int  # optimizer-visible gradient chunks (present after a backward)
+    compute_copies: int  # compute-dtype copies kept between steps
+    grad_accumulation: int  # ZeRO-0/1 unsharded gradient accumulators
+    largest_unsharded_unit: int  # transient: the biggest unit gathered for compute (ZeRO-3)
+
+    @property
+    def persistent(self) -> int:
+        return self.main_weights + self.grads + self.compute_copies + self.grad_accumulation
+
+    def __str__(self) -> str:
+        mib = lambda b: f"{b / 2**20:10.2f} MiB"  # noqa: E731
+        rows = [
+            ("main weights", self.main_weights),
+            ("gradients", self.grads),
+            ("compute copies", self.compute_copies),
+            ("grad accumulation", self.grad_accumulation),
+            ("persistent total", self.persistent),
+            ("largest unsharded unit", self.largest_unsharded_unit),
+        ]
+        return f"fsdp8 memory per rank ({self.strategy})\n" + "\n".join(f"  {k:<24}{mib(v)}" for k, v in rows)
+
+
+class Engine:
+    """Everything fully_shard built for one model."""
+
+    def __init__(self, topology: Topology, precision: Precision, units: List[ShardedUnit], root_unit, schedule: Schedule):
+        self.topology = topology
+        self.precision = precision
+        self.units = units
+        self.root_unit = root_unit
+        self.schedule = schedule
+        self.all_units = schedule.all_units
+        self._unit_of_param = {id(s.main): u for u in self.all_units for s in u.slots}
+
+    def note_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Mark units whose main weights this optimizer may have changed as stale."""
+        touched = set()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                unit = self._unit_of_param.get(id(p))
+                if unit is not None:
+                    touched.add(unit)
+        for unit in touched:
+            unit.mark_stale()
+
+
+_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_HOOK_INSTALLED = False
+
+
+def _on_optimizer_step(optimizer, args, kwargs) -> None:
+    for engine in list(_ENGINES):
+        engine.note_optimizer_step(optimizer)
+
+
+def _install_optimizer_hook() -> None:
+    # A global post-step hook sees every torch.optim optimizer without wrapping it; fused
+    # and foreach steps on DTensors do not bump version counters, so those alone miss steps.
+    global _HOOK_INSTALLED
+    if not _HOOK_INSTALLED:
+        register_optimizer_step_post_hook(_on_optimizer_step)
+        _HOOK_INSTALLED = True
+
+
+class ShardedModel(nn.Module):
+    """Mixin given to a module by ``fully_shard`` (its class becomes ``Sharded<Class>``)."""
+
+    _fsdp8: Engine
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without the communication a synced backward does.
+
+        ZeRO-0/1 keep gradients unsharded and reduce nothing; ZeRO-2/3 still
+        reduce-scatter (gradients are sharded) but defer the HSDP cross-replica all-reduce."""
+        schedule = self._fsdp8.schedule
+        previous = schedule.sync_grads
+        schedule.sync_grads = False
+        try:
+            yield
+        finally:
+            schedule.sync_grads = previous
+
+    def memory_report(self) -> MemoryReport:
+        engine = self._fsdp8
+        units = engine.all_units
+        main_elem = _element_size(engine.precision.main_dtype)
+        compute_elem = _element_size(engine.precision.compute_dtype)
+        reduce_elem = _element_size(engine.precision.grad_reduce_dtype)
+        acc = 0
+        if engine.topology.grads_unsharded:
+            acc = sum(u.layout.num_chunks * u.layout.trainable_numel * reduce_elem for u in units)
+        largest = 0
+        if engine.topology.strategy.shards_params:
+            largest = max((u.layout.unsharded_numel * compute_elem for u in units if not u.aliased), default=0)
+        return MemoryReport(
+            strategy=engine.topology.strategy.label,
+            main_weights=sum(u.layout.chunk_numel * main_elem for u in units),
+            grads=sum(u.layout.trainable_numel * main_elem for u in units),
+            compute_copies=sum(u.persistent_compute_bytes() for u in units),
+            grad_accumulation=acc,
+            largest_unsharded_unit=largest,
+        )
+
+    @contextlib.contextmanager
+    def _main_registered(self):
+        compute = [u for u in self._fsdp8.all_units if u.exposes_compute]
+        for u in compute:
+            u.register(compute=False)
+        try:
+            yield
+        finally:
+            for u in compute:
+                u.register(compute=True)
+
+    def state_dict(self, *args, **kwargs):
+        """Original FQNs; parameters as main-dtype DTensors, buffers as plain tensors."""
+        with self._main_registered():
+            return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load full tensors or DTensors; missing, unexpected and mis-shaped keys are all listed."""
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the sharded parameters; use assign=False")
+        with self._main_registered():
+            expected = super().state_dict(keep_vars=True)
+        return load_sharded_state_dict(self, self._fsdp8, expected, state_dict, strict)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+_SHARDED_CLASSES: Dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    if cls not in _SHARDED_CLASSES:
+        _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModel, cls), {})
+    return _SHARDED_CLASSES[cls]
+
+
+# -- choosing units -----------------------------------------------------------------------
+def _unit_modules(root: nn.Module, units: UnitSpec) -> List[Tuple[str, nn.Module]]:
+    if units is None:
+        chosen = []
+        for name, module in root.named_modules():
+            if isinstance(module, nn.ModuleList):
+                prefix = f"{name}." if name else ""
+                chosen.extend((prefix + child_name, child) for child_name, child in module.named_children())
+        return [(n, m) for n, m in chosen if any(True for _ in m.parameters())]
+    if callable(units) and not isinstance(units, (list, tuple)) and not isinstance(units, type):
+        match = units
+    else:
+        classes = tuple(units) if isinstance(units, (list, tuple)) else (units,)
+        for c in classes:
+            if not isinstance(c, type) or not issubclass(c, nn.Module):
+                raise TypeError(f"units must be nn.Module classes or a callable(name, module) -> bool, got {c!r}")
+        match = lambda name, module: isinstance(module, classes)  # noqa: E731
+    chosen = [(n, m) for n, m in root.named_modules() if n and match(n, m)]
+    if not chosen:
+        raise ValueError(
+            f"units={units!r} matches no submodule of {type(root).__name__}; pass the block classes "
+            "(e.g. units=[MyBlock]) or a callable(name, module) -> bool that selects some modules"
+        )
+    return chosen
+
+
+def _collect_slots(root: nn.Module, unit_modules: List[Tuple[str, nn.Module]]):
+    """Assign every distinct parameter to the innermost unit containing all its registrations."""
+    unit_of_module: Dict[int, str] = {}
+    unit_names = {id(m): n for n, m in unit_modules}
+
+    def walk(module: nn.Module, prefix: str, current: str) -> None:
+        current = unit_names.get(id(module), current)
+        unit_of_module[id(module)] = current
+        for child_name, child in module.named_children():
+            walk(child, f"{prefix}{child_name}.", current)
+
+    walk(root, "", "")
+    registrations: Dict[int, List[Tuple[str, nn.Module, str, str]]] = {}
+    params: Dict[int, nn.Parameter] = {}
+    for mod_name, module in root.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is None:
+                continue
+            fqn = f"{mod_name}.{attr}" if mod_name else attr
+            registrations.setdefault(id(p), []).append((fqn, module, attr, unit_of_module[id(module)]))
+            params[id(p)] = p
+    per_unit: Dict[str, List[ParamSlot]] = {n: [] for n, _ in [("", root)] + unit_modules}
+    originals: Dict[int, nn.Parameter] = {}
+    for pid, regs in registrations.items():
+        p = params[pid]
+        owners = sorted({r[3] for r in regs})
+        if len(owners) > 1:
+            names = ", ".join(repr(o or "<root>") for o in owners)
+            raise ValueError(
+                f"parameter {regs[0][0]!r} is shared by units {names}; a parameter must belong to one "
+                "unit: put the modules that share it in the same unit (or outside all units), or untie it"
+            )
+        if isinstance(p, DTensor) or isinstance(getattr(p, "data", None), DTensor):
+            raise NotImplementedError(
+                f"parameter {regs[0][0]!r} is already a DTensor; tensor-parallel inputs are not supported yet"
+            )
+        if p.dim() == 0:
+            raise ValueError(f"parameter {regs[0][0]!r} is 0-dimensional; give it shape (1,) so it can be sharded")
+        if not p.is_floating_point():
+            raise ValueError(f"parameter {regs[0][0]!r} has dtype {p.dtype}; only floating-point parameters can be sharded")
+        slot = ParamSlot(fqn=regs[0][0], aliases=[(m, a) for _, m, a, _ in regs], layout=None, requires_grad=p.requires_grad)
+        per_unit[owners[0]].append(slot)
+        originals[id(slot)] = p
+    return per_unit, originals
+
+
+def _describe(per_unit, originals, extra: List[str]) -> List[str]:
+    lines = list(extra)
+    for unit_name, slots in per_unit.items():
+        lines.append(f"unit {unit_name or '<root>'}")
+        for s in slots:
+            p = originals[id(s)]
+            lines.append(f"  {s.fqn} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}")
+    return lines
+
+
+def _resolve_mesh(mesh: Optional[DeviceMesh], device_type: str, outer: OuterStrategy) -> DeviceMesh:
+    world = dist.get_world_size()
+    if mesh is None:
+        if outer is OuterStrategy.OPTIM:
+            raise ValueError("outer_strategy='optim' needs a 2-D (replicate, shard) mesh; pass mesh=fsdp8.make_mesh(dp_replicate=R)")
+        return init_device_mesh(device_type, (world,))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D {tuple(mesh.shape)}")
+    if mesh.size() != world:
+        raise ValueError(
+            f"mesh {tuple(mesh.shape)} covers {mesh.size()} ranks but the world has {world}; "
+            "the data-parallel mesh must cover every rank (tensor parallelism is not supported yet)"
+        )
+    if mesh.ndim == 1 and outer is OuterStrategy.OPTIM:
+        raise ValueError("outer_strategy='optim' needs a 2-D (replicate, shard) mesh; got a 1-D mesh")
+    return mesh
+
+
+def fully_shard(
+    module: nn.Module,
+    mesh: Optional[DeviceMesh] = None,
+    units: UnitSpec = None,
+    strategy: Union[str, int, Strategy] = "optim_grads_params",
+    outer_strategy: Union[str, int, OuterStrategy] = "no_shard",
+    precision: Optional[Precision] = None,
+    device: Optional[Union[str, torch.device]] = None,
+    reshard_after_forward: bool = True,
+) -> ShardedModel:
+    """Shard ``module`` in place over the data-parallel ranks and return it as a ShardedModel."""
+    if isinstance(module, ShardedModel):
+        raise RuntimeError(f"{type(module).__name__} is already sharded by fsdp8.fully_shard; wrap a model only once")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    strategy = Strategy.parse(strategy)
+    outer = OuterStrategy.parse(outer_strategy)
+    precision = precision if precision is not None else Precision()
+    if not isinstance(precision, Precision):
+        raise TypeError(f"precision must be fsdp8.Precision, got {type(precision).__name__}")
+    init_distributed()
+    device_type = mesh.device_type if isinstance(mesh, DeviceMesh) else default_device_type()
+    mesh = _resolve_mesh(mesh, device_type, outer)
+    device = torch.device(device) if device is not None else _default_device(device_type)
+    if device.type != device_type:
+        raise ValueError(f"device {device} does not match the mesh's device type {device_type!r}")
+
+    unit_modules = _unit_modules(module, units)
+    per_unit, originals = _collect_slots(module, unit_modules)
+    has_meta = any(p.is_meta for p in originals.values())
+    header = [
+        f"strategy={strategy.label} outer={outer.label} mesh={tuple(mesh.shape)}",
+        f"precision={precision}",
+        f"reshard_after_forward={reshard_after_forward}",
+    ]
+    if has_meta:
+        header.append(f"rng={rng_fingerprint(device)}")
+    check_same_everywhere(_describe(per_unit, originals, header), "the sharded model's structure", None, device)
+
+    topology = Topology(mesh, strategy, outer)
+    streams = comm.Streams(device)
+    built: Dict[str, ShardedUnit] = {}
+    for (name, unit_module) in [("", module)] + unit_modules:
+        slots = sorted(per_unit[name], key=lambda s: not s.requires_grad)  # trainable first (stable)
+        if not slots:
+            continue
+        shapes = [tuple(originals[id(s)].shape) for s in slots]
+        layout = plan_unit(shapes, sum(s.requires_grad for s in slots), topology.plan.num_chunks)
+        for s, p in zip(slots, layout.params):
+            s.layout = p
+        built[name] = ShardedUnit(
+            name, unit_module, slots, layout, topology, precision, device, streams,
+            reshard_after_forward=reshard_after_forward and name != "",
+        )
+    slot_unit = {id(s): u for u in built.values() for s in u.slots}
+    materialize_and_load(module, built, originals, slot_unit, device)
+    for unit in built.values():
+        unit.register(compute=False)
+
+    root_unit = built.get("")
+    units_list = [built[n] for n, _ in unit_modules if n in built]
+    schedule = Schedule(module, root_unit, units_list, precision.param_dtype if precision.casts_inputs else None)
+    engine = Engine(topology, precision, units_list, root_unit, schedule)
+
+    def preflight() -> None:
+        leftovers = meta_leftovers(module)
+        if leftovers:
+            raise RuntimeError(
+                f"forward called while {', '.join(leftovers[:5])}{' ...' if len(leftovers) > 5 else ''} "
+                "are still on the meta device; give their modules a reset_parameters() that fills them, "
+                "or build those buffers on a real device"
+            )
+
+    schedule._preflight = preflight
+    schedule.install()
+    module.__class__ = _sharded_class(type(module))
+    module._fsdp8 = engine
+    _ENGINES.add(engine)
+    _install_optimizer_hook()
+    return module
+
+
+def _default_device(device_type: str) -> torch.device:
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,402 @@
+"""ShardedUnit: the buffers of one unit and its gather, reshard and gradient-reduce steps.
+
+A unit owns three kinds of storage (sizes from ``layout.py``):
+
+- ``main``: this rank's chunk of every parameter in ``main_dtype``, one flat tensor; each
+  parameter the optimizer sees is a ``Shard(0)`` (or ``Replicate``) DTensor viewing it.
+- ``unsharded``: every parameter in full, param-major, in the compute dtype; module code
+  sees plain ``nn.Parameter`` aliases of it. ZeRO-3 frees it between uses (the storage is
+  resized to 0, so the aliases survive); ZeRO-0/1/2 keep it and refresh it after each
+  optimizer step. With one chunk and no dtype change it *is* ``main`` (no copy at all).
+- gradient buffers: unsharded gradients are packed rank-major by ``torch._chunk_cat``,
+  reduced, and land in one flat main-dtype buffer that the DTensor ``.grad`` views share.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from ..config import Precision
+from . import comm
+from .layout import ParamLayout, UnitLayout
+from .topology import Topology
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"  # no unsharded storage
+    GATHERING = "gathering"  # all-gather issued on the gather stream, not yet waited for
+    UNSHARDED = "unsharded"  # unsharded storage valid for compute
+
+
+@dataclass
+class ParamSlot:
+    """One distinct parameter of a unit and every (module, name) it is registered under."""
+
+    fqn: str
+    aliases: List[Tuple[nn.Module, str]]
+    layout: ParamLayout
+    requires_grad: bool
+    main: Optional[nn.Parameter] = None  # DTensor over the main chunk
+    compute: Optional[nn.Parameter] = None  # plain alias into the unsharded buffer
+    spec: Optional[DTensorSpec] = None
+
+
+@dataclass
+class PendingReduce:
+    """Buffers a gradient reduction still reads or writes, and the event that ends it."""
+
+    event: Optional[object]
+    buffers: List[torch.Tensor] = field(default_factory=list)
+
+
+def _alias(storage_owner: torch.Tensor, offset: int, shape) -> torch.Tensor:
+    """A tensor on ``storage_owner``'s storage with its *own* version counter.
+
+    Autograd checks the version of tensors saved for backward; refilling the unsharded
+    buffer before backward must not count as modifying the parameters saved in forward."""
+    alias = torch.empty(0, dtype=storage_owner.dtype, device=storage_owner.device)
+    alias.set_(storage_owner.untyped_storage(), offset, torch.Size(shape))
+    return alias
+
+
+def _contiguous_stride(shape) -> Tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
+class ShardedUnit:
+    """Buffers and collectives of one unit (a module and the parameters it owns)."""
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        slots: List[ParamSlot],
+        layout: UnitLayout,
+        topology: Topology,
+        precision: Precision,
+        device: torch.device,
+        streams: comm.Streams,
+        reshard_after_forward: bool,
+    ):
+        self.name = name or "<root>"
+        self.module = module
+        self.slots = slots
+        self.layout = layout
+        self.topology = topology
+        self.precision = precision
+        self.device = device
+        self.streams = streams
+        self.compute_dtype = precision.compute_dtype
+        self.reduce_dtype = precision.grad_reduce_dtype
+        self.main_dtype = precision.main_dtype
+        self.shards_params = topology.strategy.shards_params
+        self.reshard_after_forward = reshard_after_forward and self.shards_params
+        plan = topology.plan
+        self.chunk_index = plan.chunk_index
+        self.two_hop = self.shards_params and plan.outer_sharded
+        self.aliased = layout.num_chunks == 1 and self.compute_dtype == self.main_dtype
+
+        self.main = torch.zeros(layout.chunk_numel, dtype=self.main_dtype, device=device)
+        if self.aliased:
+            self.unsharded = self.main
+        else:
+            self.unsharded = torch.empty(layout.unsharded_numel, dtype=self.compute_dtype, device=device)
+            self.unsharded.untyped_storage().resize_(0)
+        # ZeRO-3 + outer optim keeps this rank's R outer chunks between steps (see topology.py).
+        self.outer_cache: Optional[torch.Tensor] = None
+        self.state = UnitState.UNSHARDED if self.aliased else UnitState.SHARDED
+        self._gather_event = None
+        self._gather_buffers: List[torch.Tensor] = []
+        self.exposes_compute = False
+        # Staleness of persistent compute copies: optimizer steps and in-place edits.
+        self.step_generation = 0
+        self._synced = None
+        self.grad_acc: Optional[torch.Tensor] = None  # ZeRO-0/1 unsynced unsharded grads
+        self.grad_acc_full = False
+        self.shard_acc: Optional[torch.Tensor] = None  # HSDP: reduce-scattered, not yet across replicas
+        # Weak references: the optimizer's .grad DTensors own the gradient buffer, so that
+        # zero_grad(set_to_none=True) frees it.
+        self._grad_buffer_ref = None
+        self._grad_refs: List[weakref.ref] = []
+        self._make_params()
+
+    # -- construction --------------------------------------------------------------------
+    def _make_params(self) -> None:
+        mesh, placements = self.topology.main_placement()
+        for slot in self.slots:
+            p = slot.layout
+            chunk_shape = p.chunk_shape(self.chunk_index)
+            local = self.main[p.offset : p.offset + _numel(chunk_shape)].view(chunk_shape)
+            meta = TensorMeta(torch.Size(p.shape), _contiguous_stride(p.shape), self.main_dtype)
+            slot.spec = DTensorSpec(mesh, placements, tensor_meta=meta)
+            slot.main = nn.Parameter(
+                DTensor(local, slot.spec, requires_grad=False), requires_grad=slot.requires_grad
+            )
+            slot.compute = nn.Parameter(
+                _alias(self.unsharded, p.unsharded_offset, p.shape), requires_grad=slot.requires_grad
+            )
+
+    def main_view(self, slot: ParamSlot) -> torch.Tensor:
+        """This rank's rows of ``slot``'s parameter inside ``main``."""
+        return slot.main._local_tensor
+
+    def load_full(self, slot: ParamSlot, full: torch.Tensor) -> None:
+        """Copy this rank's rows of a full (unsharded) tensor into the main chunk."""
+        start, stop = slot.layout.chunk_row_range(self.chunk_index)
+        with torch.no_grad():
+            self.main_view(slot).copy_(full[start:stop])
+        self.mark_stale()
+
+    # -- staleness -------------------------------------------------------------------------
+    def _version_key(self):
+        return (self.step_generation, sum(s.main._version for s in self.slots))
+
+    def mark_stale(self) -> None:
+        self.step_generation += 1
+
+    def _persistent_copy_stale(self) -> bool:
+        return self._synced != self._version_key()
+
+    # -- gather ----------------------------------------------------------------------------
+    def needs_gather(self) -> bool:
+        if self.aliased:
+            return False
+        if self.state is UnitState.SHARDED:
+            return True
+        if self.shards_params:
+            return False
+        return self.state is UnitState.UNSHARDED and self._persistent_copy_stale()
+
+    def gather(self) -> None:
+        """Issue the all-gather(s) that make ``unsharded`` valid; returns before they finish."""
+        if not self.needs_gather():
+            return
+        streams, topo = self.streams, self.topology
+        n, m = self.layout.num_chunks, self.layout.chunk_numel
+        # Allocate everything on the compute stream (see comm.py [Note: streams and memory]).
+        if self.unsharded.untyped_storage().nbytes() == 0:
+            self.unsharded.untyped_storage().resize_(self.layout.unsharded_numel * self.unsharded.element_size())
+        refresh_outer = self.two_hop and (self.outer_cache is None or self._persistent_copy_stale())
+        if self.two_hop and self.outer_cache is None:
+            self.outer_cache = torch.empty(topo.plan.replicate_size * m, dtype=self.compute_dtype, device=self.device)
+        needs_send = n > 1 and (refresh_outer or not self.two_hop)
+        cast = needs_send and self.compute_dtype != self.main_dtype
+        send = torch.empty_like(self.main, dtype=self.compute_dtype) if cast else self.main
+        gathered = torch.empty(n * m, dtype=self.compute_dtype, device=self.device) if n > 1 else None
+        streams.gather.wait_stream(streams.compute())
+        with streams.use(streams.gather):
+            if cast:
+                send.copy_(self.main)
+            if n == 1:
+                # One chunk: the chunk layout already is the param-major layout.
+                self.unsharded.copy_(self.main)
+            elif self.two_hop:
+                if refresh_outer:
+                    comm.all_gather(self.outer_cache, send, topo.replicate_group, f"{self.name}/outer")
+                comm.all_gather(gathered, self.outer_cache, topo.shard_group, self.name)
+                source = gathered.view(topo.plan.shard_size, topo.plan.replicate_size, m).transpose(0, 1)
+                self._copy_out(source)
+            else:
+                comm.all_gather(gathered, send, topo.main_group, self.name)
+                self._copy_out(gathered.view(1, n, m))
+        self._gather_event = streams.record(streams.gather)
+        self._gather_buffers = [b for b in (send, gathered) if b is not None and b is not self.main]
+        if not self.shards_params or self.two_hop:
+            self._synced = self._version_key()
+        self.state = UnitState.GATHERING
+
+    def _copy_out(self, source: torch.Tensor) -> None:
+        """Rank-major gathered chunks ``[A, B, M]`` -> param-major padded parameters."""
+        a, b = source.shape[0], source.shape[1]
+        outs = [
+            self.unsharded[p.unsharded_offset : p.unsharded_offset + p.padded_numel].view(a, b, p.chunk_numel)
+            for p in self.layout.params
+        ]
+        torch.split_with_sizes_copy(source, list(self.layout.split_sizes), dim=2, out=outs)
+
+    def wait_gather(self) -> None:
+        """Make the compute stream wait for this unit's gather and drop its temporaries."""
+        if self.state is UnitState.GATHERING:
+            self.streams.wait(self._gather_event)
+            self._gather_event = None
+            self._gather_buffers = []
+            self.state = UnitState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters (ZeRO-3 only; others keep them between steps)."""
+        if not self.shards_params or self.aliased or self.state is UnitState.SHARDED:
+            return
+        self.wait_gather()
+        self.unsharded.untyped_storage().resize_(0)
+        self.state = UnitState.SHARDED
+
+    def register(self, compute: bool) -> None:
+        """Point the modules' attributes at the compute parameters or back at the main DTensors."""
+        for slot in self.slots:
+            param = slot.compute if compute else slot.main
+            for module, attr in slot.aliases:
+                module._parameters[attr] = param
+        self.exposes_compute = compute
+
+    # -- gradients -------------------------------------------------------------------------
+    @property
+    def trainable_slots(self) -> List[ParamSlot]:
+        return [s for s in self.slots if s.requires_grad]
+
+    def has_unsharded_grads(self) -> bool:
+        return any(s.compute.grad is not None for s in self.trainable_slots)
+
+    def _take_unsharded_grads(self) -> List[torch.Tensor]:
+        grads = []
+        for slot in self.trainable_slots:
+            g = slot.compute.grad
+            slot.compute.grad = None
+            grads.append(torch.zeros(slot.layout.shape, dtype=self.compute_dtype, device=self.device) if g is None else g)
+        return grads
+
+    def reduce_grads(self, sync: bool) -> Optional[PendingReduce]:
+        """Pack, reduce and land this backward's gradients; returns what the reduction holds.
+
+        ZeRO-0/1 add the packed gradients to a persistent unsharded accumulator and reduce
+        it only when ``sync``. ZeRO-2/3 reduce-scatter every backward; inside ``no_sync``
+        an HSDP run defers just the cross-replica all-reduce (``shard_acc``)."""
+        if not self.trainable_slots:
+            return None
+        streams = self.streams
+        n, mt = self.layout.num_chunks, self.layout.trainable_numel
+        grads = self._take_unsharded_grads()
+        keep: List[torch.Tensor] = list(grads)
+        unsharded_grads = self.topology.grads_unsharded
+        # Allocate everything on the compute stream (see comm.py [Note: streams and memory]).
+        if unsharded_grads:
+            if self.grad_acc is None:
+                self.grad_acc = torch.empty(n, mt, dtype=self.reduce_dtype, device=self.device)
+            packed = torch.empty_like(self.grad_acc) if self.grad_acc_full else self.grad_acc
+        else:
+            packed = torch.empty(n, mt, dtype=self.reduce_dtype, device=self.device)
+        keep.append(packed)
+        communicate = sync or not unsharded_grads
+        steps = self.topology.grad_reduce_steps(sync) if communicate else []
+        deferred = communicate and len(steps) < len(self.topology.grad_reduce_steps(True))
+        landing = self._prepare_landing() if communicate and not deferred else None
+        outs = self._allocate_step_outputs(steps, n * mt, landing)
+        keep.extend(o for o in outs if o is not None)
+        if self.shard_acc is not None and not deferred and communicate:
+            keep.append(self.shard_acc)
+
+        streams.reduce.wait_stream(streams.compute())
+        with streams.use(streams.reduce):
+            torch._chunk_cat(grads, dim=0, num_chunks=n, out=packed)
+            if unsharded_grads:
+                if packed is not self.grad_acc:
+                    self.grad_acc.add_(packed)
+                self.grad_acc_full = not sync
+                packed = self.grad_acc
+            if communicate:
+                result = self._run_steps(steps, outs, packed.view(-1))
+                if deferred:
+                    if self.shard_acc is None:
+                        self.shard_acc = result
+                    else:
+                        self.shard_acc.add_(result)
+                else:
+                    self._land(result, landing)
+        return PendingReduce(streams.record(streams.reduce), keep)
+
+    def _allocate_step_outputs(self, steps, numel: int, landing) -> List[Optional[torch.Tensor]]:
+        """One output per reduce-scatter (None for in-place all-reduces); the last one may be
+        the fresh main-grad buffer itself, saving a copy."""
+        outs: List[Optional[torch.Tensor]] = []
+        last_rs = max((i for i, (op, _) in enumerate(steps) if op == "rs"), default=None)
+        direct = landing is not None and landing[0] == "fresh" and self.reduce_dtype == self.main_dtype
+        for i, (op, group) in enumerate(steps):
+            if op != "rs":
+                outs.append(None)
+                continue
+            numel //= comm.group_size(group)
+            if i == last_rs and direct:
+                outs.append(landing[1])
+            else:
+                outs.append(torch.empty(numel, dtype=self.reduce_dtype, device=self.device))
+        return outs
+
+    def _run_steps(self, steps, outs, buf: torch.Tensor) -> torch.Tensor:
+        first_rs = True
+        for (op, group), out in zip(steps, outs):
+            if op == "rs":
+                comm.reduce_scatter_avg(out, buf, group, self.name)
+                buf = out
+                if first_rs and self.shard_acc is not None:
+                    # Micro-batches reduce-scattered under no_sync join before the all-reduce.
+                    buf.add_(self.shard_acc)
+                    self.shard_acc = None
+                first_rs = False
+            else:
+                comm.all_reduce_avg(buf, group, self.name)
+        return buf
+
+    def _prepare_landing(self):
+        """Where the reduced gradient goes: added to our current grads, or a new buffer."""
+        current = [s.main.grad for s in self.trainable_slots]
+        buffer = self._grad_buffer_ref() if self._grad_buffer_ref is not None else None
+        ours = buffer is not None and len(self._grad_refs) == len(current) and all(
+            g is not None and g is ref() for g, ref in zip(current, self._grad_refs)
+        )
+        if ours:
+            return ("add", buffer)
+        buffer = torch.empty(self.layout.trainable_numel, dtype=self.main_dtype, device=self.device)
+        return ("fresh" if all(g is None for g in current) else "merge", buffer)
+
+    def _land(self, result: torch.Tensor, landing) -> None:
+        kind, buffer = landing
+        if kind == "add":
+            buffer.add_(result)
+            return
+        if result is not buffer:
+            buffer.copy_(result)
+        if kind == "merge":
+            for slot, g in zip(self.trainable_slots, [s.main.grad for s in self.trainable_slots]):
+                if g is not None:
+                    view = self._grad_view(buffer, slot)
+                    view.add_(g._local_tensor if isinstance(g, DTensor) else g)
+        self._grad_buffer_ref = weakref.ref(buffer)
+        self._grad_refs = []
+        for slot in self.trainable_slots:
+            grad = DTensor(self._grad_view(buffer, slot), slot.spec, requires_grad=False)
+            slot.main.grad = grad
+            self._grad_refs.append(weakref.ref(grad))
+
+    def _grad_view(self, buffer: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+        shape = slot.layout.chunk_shape(self.chunk_index)
+        return buffer[slot.layout.offset : slot.layout.offset + _numel(shape)].view(shape)
+
+    # -- accounting ------------------------------------------------------------------------
+    def persistent_compute_bytes(self) -> int:
+        """Bytes of compute copies kept between steps (beyond the main chunk)."""
+        if self.aliased:
+            return 0
+        elem = torch.tensor([], dtype=self.compute_dtype).element_size()
+        if not self.shards_params:
+            return self.layout.unsharded_numel * elem
+        if self.two_hop:
+            return self.topology.plan.replicate_size * self.layout.chunk_numel * elem
+        return 0
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,121 @@
+"""A pool of gloo worker processes per world size, reused across tests.
+
+Starting processes and importing torch costs seconds; each world size gets one pool of
+workers that stays up for the whole pytest session and runs one test function at a time
+on every rank. A failure on any rank is re-raised with that rank's traceback. A test that
+hangs (a collective mismatch) is stopped by the timeout and its pool is replaced.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Dict, List
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+    sys.path.insert(0, REPO)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=90))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        module, name, args = task
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            results.put((rank, True, fn(*args)))
+        except BaseException:  # report everything, keep serving
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        port = _free_port()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable, *args, timeout: float = 240.0) -> List[Any]:
+        for q in self.tasks:
+            q.put((fn.__module__, fn.__name__, args))
+        out: Dict[int, Any] = {}
+        for _ in range(self.world):
+            try:
+                rank, ok, value = self.results.get(timeout=timeout)
+            except queue.Empty:
+                self.close()
+                raise RankFailure(f"{fn.__name__} timed out after {timeout}s at world size {self.world} (hang?)")
+            if not ok:
+                # Other ranks may now wait in a collective forever: replace the whole pool.
+                self.close()
+                raise RankFailure(f"{fn.__name__} failed on rank {rank} of {self.world}:\n{value}")
+            out[rank] = value
+        return [out[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+        self.procs = []
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.is_alive() for p in self.procs)
+
+
+_POOLS: Dict[int, RankPool] = {}
+
+
+def run_on_ranks(world: int, fn: Callable, *args, timeout: float = 240.0) -> List[Any]:
+    """Run ``fn(*args)`` on every rank of a gloo group of ``world`` processes; return per-rank results.
+
+    ``fn`` must be a module-level function of an importable module."""
+    pool = _POOLS.get(world)
+    if pool is None or not pool.alive:
+        pool = _POOLS[world] = RankPool(world)
+    try:
+        return pool.run(fn, *args, timeout=timeout)
+    finally:
+        if not pool.alive:
+            _POOLS.pop(world, None)
+
+
+@atexit.register
+def _close_all() -> None:
+    for pool in _POOLS.values():
+        pool.close()
