@@ -1,0 +1,275 @@
+"""The built-in reference model: a plain Llama (RMSNorm, rotary, GQA attention, SwiGLU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    max_seq_len: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    checkpoint_activations: bool = False
+
+    def __post_init__(self):
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads} "
+                "(each kv head serves a whole group of query heads)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head_dim = dim / n_heads = {self.head_dim} must be even for rotary embeddings"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                        ffn_dim=384, max_seq_len=256),
+    "small": LlamaConfig(vocab_size=256, dim=512, n_layers=8, n_heads=8, n_kv_heads=4,
+                         ffn_dim=1536, max_seq_len=1024),
+    "1b": LlamaConfig(vocab_size=32000, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                      ffn_dim=8192, max_seq_len=2048),
+    "8b": LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                      ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0),
+}
+
+
+def preset(name: str, **overrides) -> LlamaConfig:
+    """The named preset config, with any fields in `overrides` replaced (and re-validated)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown Llama preset {name!r}; valid names: {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+# [Note: initialisation lives in leaf modules only]
+# A model built on the meta device is materialised by calling reset_parameters() on each
+# module that directly owns a meta tensor, in model.modules() order. So every random draw
+# happens in the reset_parameters() of the module that owns the parameter, and no parent
+# defines one: a parent re-initialising its children would draw twice, and a tied head
+# would overwrite the embedding it shares.
+
+
+class Linear(nn.Linear):
+    """Bias-free linear layer initialised from normal(0, std)."""
+
+    def __init__(self, in_features: int, out_features: int, std: float):
+        self.std = std  # nn.Linear.__init__ calls reset_parameters, which needs it
+        super().__init__(in_features, out_features, bias=False)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, std={self.std:.3g}"
+
+
+class Embedding(nn.Embedding):
+    """Token embedding initialised from normal(0, std)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, std: float):
+        self.std = std
+        super().__init__(num_embeddings, embedding_dim)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, std={self.std:.3g}"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The mean of squares overflows or loses precision in bf16/fp16.
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for rotary position embeddings, [max_seq_len, head_dim / 2]."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+        super().__init__()
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        # Non-persistent: derived from the config, so checkpoints need not carry them.
+        shape = (max_seq_len, head_dim // 2)
+        self.register_buffer("cos", torch.empty(shape, dtype=torch.float32), persistent=False)
+        self.register_buffer("sin", torch.empty(shape, dtype=torch.float32), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        device = self.cos.device
+        inv_freq = 1.0 / self.theta ** (
+            torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        )
+        positions = torch.arange(self.max_seq_len, dtype=torch.float32, device=device)
+        angles = torch.outer(positions, inv_freq)
+        with torch.no_grad():
+            self.cos.copy_(angles.cos())
+            self.sin.copy_(angles.sin())
+
+    def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq_len > self.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={self.max_seq_len}")
+        return self.cos[:seq_len].to(dtype), self.sin[:seq_len].to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, theta={self.theta}"
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [batch, heads, seq, head_dim] by position.
+
+    Pairs dimension i with i + head_dim/2 (the Hugging Face layout), so HF Llama weights
+    load without permuting wq and wk.
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        std, out_std = config.init_std, config.init_std / math.sqrt(2 * config.n_layers)
+        kv_dim = config.n_kv_heads * config.head_dim
+        self.wq = Linear(config.dim, config.dim, std)
+        self.wk = Linear(config.dim, kv_dim, std)
+        self.wv = Linear(config.dim, kv_dim, std)
+        self.wo = Linear(config.dim, config.dim, out_std)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:
+            # Explicit expansion rather than SDPA's enable_gqa: every backend supports it.
+            group = self.n_heads // self.n_kv_heads
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(batch, seq, dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        std, out_std = config.init_std, config.init_std / math.sqrt(2 * config.n_layers)
+        self.w1 = Linear(config.dim, config.ffn_dim, std)
+        self.w3 = Linear(config.dim, config.ffn_dim, std)
+        self.w2 = Linear(config.ffn_dim, config.dim, out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.checkpoint_activations = config.checkpoint_activations
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attn = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_activations:
+            # Non-reentrant: works with hooks and with inputs that do not require grad.
+            return checkpoint(self._body, x, cos, sin, use_reentrant=False)
+        return self._body(x, cos, sin)
+
+    def _body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), cos, sin)
+        return h + self.ffn(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.embed = Embedding(config.vocab_size, config.dim, config.init_std)
+        self.rotary = Rotary(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.head = Linear(config.dim, config.vocab_size, config.init_std)
+        if config.tie_embeddings:
+            # head comes after embed in modules() order, so materialisation skips it.
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [batch, seq, vocab], or the mean cross-entropy loss when targets are given."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        x = self.embed(tokens)
+        cos, sin = self.rotary(tokens.shape[1], x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        logits = self.head(self.norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Number of distinct parameters; a tied head counts once, as the embedding."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding:
+            n -= self.embed.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 * N + 12 * n_layers * dim * seq_len.
+
+        N counts the parameters used in matmuls (all but the embedding table, counting the
+        head even when tied); 6 = forward (2) + backward (4) per multiply-add. The second
+        term is attention scores and values, counted as if not causal (the PaLM convention
+        used for MFU).
+        """
+        c = self.config
+        n = self.num_params(exclude_embedding=True) + (c.vocab_size * c.dim if c.tie_embeddings else 0)
+        return 6 * n + 12 * c.n_layers * c.dim * seq_len
