@@ -8,6 +8,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from . import comm
+
 
 class DesyncError(RuntimeError):
     """Ranks disagree about something that must be identical everywhere."""
@@ -38,7 +40,7 @@ def check_same_everywhere(lines: List[str], what: str, group: Optional[dist.Proc
         return
     mine = torch.tensor([_digest(lines)], dtype=torch.int64, device=device)
     digests = torch.empty(world, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(digests, mine, group=group)
+    comm.all_gather(digests, mine, group, "structure check")
     if bool((digests == digests[0]).all()):
         return
     everyone: List[Optional[List[str]]] = [None] * world

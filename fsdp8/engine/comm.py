@@ -71,7 +71,17 @@ class Streams:
             torch.cuda.current_stream().wait_event(event)
 
 
+def _all_gather_fn():
+    # torch >= 2.13 renames the tensor collectives; look them up per call so tests can patch either.
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_fn():
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    """Ranks in ``group``; None means no group at all (nothing to communicate)."""
     return 1 if group is None else dist.get_world_size(group)
 
 
@@ -86,7 +96,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, label: str) -> None:
         out.copy_(inp.view(out.shape))
         return
     with record_function(f"fsdp8::all_gather[{label}]"):
-        dist.all_gather_into_tensor(out, inp, group=group)
+        _all_gather_fn()(out, inp, group=group)
 
 
 def reduce_scatter_avg(out: torch.Tensor, inp: torch.Tensor, group, label: str) -> None:
@@ -97,9 +107,9 @@ def reduce_scatter_avg(out: torch.Tensor, inp: torch.Tensor, group, label: str) 
         return
     with record_function(f"fsdp8::reduce_scatter[{label}]"):
         if _supports_avg(out):
-            dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.AVG, group=group)
+            _reduce_scatter_fn()(out, inp, op=dist.ReduceOp.AVG, group=group)
         else:
-            dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=group)
+            _reduce_scatter_fn()(out, inp, op=dist.ReduceOp.SUM, group=group)
             out.div_(n)
 
 

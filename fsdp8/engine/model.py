@@ -315,7 +315,7 @@ def fully_shard(
     ]
     if has_meta:
         header.append(f"rng={rng_fingerprint(device)}")
-    check_same_everywhere(_describe(per_unit, originals, header), "the sharded model's structure", None, device)
+    check_same_everywhere(_describe(per_unit, originals, header), "the sharded model's structure", dist.group.WORLD, device)
 
     topology = Topology(mesh, strategy, outer)
     streams = comm.Streams(device)

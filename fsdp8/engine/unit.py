@@ -113,7 +113,6 @@ class ShardedUnit:
             self.unsharded = self.main
         else:
             self.unsharded = torch.empty(layout.unsharded_numel, dtype=self.compute_dtype, device=device)
-            self.unsharded.untyped_storage().resize_(0)
         # ZeRO-3 + outer optim keeps this rank's R outer chunks between steps (see topology.py).
         self.outer_cache: Optional[torch.Tensor] = None
         self.state = UnitState.UNSHARDED if self.aliased else UnitState.SHARDED
@@ -131,6 +130,9 @@ class ShardedUnit:
         self._grad_buffer_ref = None
         self._grad_refs: List[weakref.ref] = []
         self._make_params()
+        if not self.aliased:
+            # Aliases are made while the storage has its full size (set_ would grow it).
+            self.unsharded.untyped_storage().resize_(0)
 
     # -- construction --------------------------------------------------------------------
     def _make_params(self) -> None:
@@ -186,8 +188,9 @@ class ShardedUnit:
         streams, topo = self.streams, self.topology
         n, m = self.layout.num_chunks, self.layout.chunk_numel
         # Allocate everything on the compute stream (see comm.py [Note: streams and memory]).
-        if self.unsharded.untyped_storage().nbytes() == 0:
-            self.unsharded.untyped_storage().resize_(self.layout.unsharded_numel * self.unsharded.element_size())
+        unsharded_nbytes = self.layout.unsharded_numel * self.unsharded.element_size()
+        if self.unsharded.untyped_storage().nbytes() != unsharded_nbytes:
+            self.unsharded.untyped_storage().resize_(unsharded_nbytes)
         refresh_outer = self.two_hop and (self.outer_cache is None or self._persistent_copy_stale())
         if self.two_hop and self.outer_cache is None:
             self.outer_cache = torch.empty(topo.plan.replicate_size * m, dtype=self.compute_dtype, device=self.device)

@@ -1,0 +1,167 @@
+"""Models, data and reference trainers shared by the distributed tests (run inside workers)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fsdp8
+
+VOCAB_EXTRA = 1  # vocab = 4 * world + 1: rows never divide evenly
+
+
+class UnevenBlock(nn.Module):
+    """Odd widths (17) and a projection narrower (3) than the largest world size (4)."""
+
+    def __init__(self, dim: int = 17, narrow: int = 3):
+        super().__init__()
+        self.up = nn.Linear(dim, dim)
+        self.narrow = nn.Linear(dim, narrow)
+        self.back = nn.Linear(narrow, dim, bias=False)
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x + self.back(torch.tanh(self.narrow(torch.relu(self.up(x))))) * self.scale
+
+
+class UnevenModel(nn.Module):
+    def __init__(self, vocab: int, dim: int = 17, layers: int = 2, tied: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([UnevenBlock(dim) for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens, targets=None):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def world() -> int:
+    return dist.get_world_size()
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def build(kind: str, seed: int = 0, **kw) -> nn.Module:
+    torch.manual_seed(seed)
+    vocab = 4 * max(world(), 1) + VOCAB_EXTRA
+    if kind == "uneven":
+        return UnevenModel(vocab, **kw)
+    if kind == "llama":
+        from fsdp8.models.llama import Llama, LlamaConfig
+
+        cfg = LlamaConfig(
+            vocab_size=vocab, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=24, max_seq_len=16, **kw
+        )
+        return Llama(cfg)
+    raise ValueError(kind)
+
+
+def global_batch(step: int, batch: int, seq: int, vocab: int, seed: int = 1234) -> Tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def rank_slice(t: torch.Tensor, r: int, w: int) -> torch.Tensor:
+    b = t.shape[0] // w
+    return t[r * b : (r + 1) * b]
+
+
+def vocab_of(model: nn.Module) -> int:
+    return 4 * world() + VOCAB_EXTRA
+
+
+def train_sharded(model, steps: int, batch_per_rank: int = 2, seq: int = 8, lr: float = 1e-3, clip: float = 1.0,
+                  micro_batches: int = 1, device: str = "cpu") -> List[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    losses = []
+    w, r = world(), rank()
+    for step in range(steps):
+        x, y = global_batch(step, batch_per_rank * w * micro_batches, seq, vocab_of(model))
+        x, y = rank_slice(x, r, w).to(device), rank_slice(y, r, w).to(device)
+        total = 0.0
+        for mb in range(micro_batches):
+            xs, ys = x.chunk(micro_batches)[mb], y.chunk(micro_batches)[mb]
+            last = mb == micro_batches - 1
+            ctx = model.no_sync() if not last else _null()
+            with ctx:
+                loss = model(xs, ys) / micro_batches
+                loss.backward()
+            total += float(loss.detach())
+        if clip:
+            fsdp8.clip_grad_norm_(model, clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def train_reference(model, steps: int, batch_per_rank: int = 2, seq: int = 8, lr: float = 1e-3, clip: float = 1.0,
+                    ranks: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None, micro_batches: int = 1) -> nn.Module:
+    """Single-process training on the global batch.
+
+    fp32: one forward over the whole global batch. With ``compute_dtype`` it mirrors the
+    data-parallel recipe exactly (fp32 masters, a compute copy per step, one forward per
+    rank slice, fp32 average of the per-rank gradients) so differences are only the
+    order of the fp32 gradient sum."""
+    w = ranks or world()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    for step in range(steps):
+        x, y = global_batch(step, batch_per_rank * w * micro_batches, seq, vocab_of(model))
+        if compute_dtype is None:
+            model(x, y).backward()
+        else:
+            compute = copy.deepcopy(model).to(compute_dtype)
+            for r in range(w):
+                xr, yr = rank_slice(x, r, w), rank_slice(y, r, w)
+                for mb in range(micro_batches):
+                    # Each micro-batch's gradient leaves the compute dtype at once, as in the engine.
+                    (compute(xr.chunk(micro_batches)[mb], yr.chunk(micro_batches)[mb]) / micro_batches).backward()
+                    for p, c in zip(model.parameters(), compute.parameters()):
+                        if c.grad is None:
+                            continue
+                        g = c.grad.float() / w
+                        p.grad = g if p.grad is None else p.grad + g
+                        c.grad = None
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def relative_errors(sharded, reference: nn.Module) -> Dict[str, float]:
+    """``|a - b| / |b|`` per parameter (Frobenius norms), from the sharded state dict."""
+    sd = sharded.state_dict()
+    out = {}
+    for name, ref in reference.state_dict().items():
+        if name not in sd:
+            continue
+        got = sd[name]
+        got = got.full_tensor() if hasattr(got, "full_tensor") else got
+        out[name] = float((got.float().cpu() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
+    return out

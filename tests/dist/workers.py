@@ -1,0 +1,293 @@
+"""Functions run on every rank by the distributed tests (module-level so workers import them)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import fsdp8
+
+from . import common
+
+
+def _mesh(shape):
+    if shape is None:
+        return None
+    if len(shape) == 2:
+        return fsdp8.make_mesh(dp_replicate=shape[0], dp_shard=shape[1])
+    return fsdp8.make_mesh(dp_shard=shape[0])
+
+
+def parity(kind, strategy, outer="no_shard", mesh_shape=None, precision="fp32", steps=10, micro_batches=1,
+           model_kw=None, reshard_after_forward=True):
+    """Train sharded and single-process from the same init and data; return relative errors."""
+    model = common.build(kind, **(model_kw or {}))
+    reference = copy.deepcopy(model)
+    prec = fsdp8.Precision() if precision == "fp32" else fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    sharded = fsdp8.fully_shard(model, mesh=_mesh(mesh_shape), strategy=strategy, outer_strategy=outer,
+                                precision=prec, reshard_after_forward=reshard_after_forward)
+    common.train_sharded(sharded, steps, micro_batches=micro_batches)
+    common.train_reference(reference, steps, compute_dtype=None if precision == "fp32" else torch.bfloat16,
+                           micro_batches=micro_batches)
+    return common.relative_errors(sharded, reference)
+
+
+
+# -- collectives -------------------------------------------------------------------------
+COLLECTIVES = (
+    "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
+    "all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "reduce_scatter", "all_to_all_single",
+)
+
+
+class CountCollectives:
+    """Counts every torch.distributed collective called while active (by kind)."""
+
+    def __init__(self):
+        self.counts = {}
+        self._saved = {}
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        for name in COLLECTIVES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self._saved[name] = original
+
+            def counted(*a, __name=name, __orig=original, **k):
+                kind = "all_gather" if __name.startswith("all_gather") else "reduce_scatter" if __name.startswith("reduce_scatter") else __name
+                self.counts[kind] = self.counts.get(kind, 0) + 1
+                return __orig(*a, **k)
+
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+        return False
+
+
+def collective_counts(strategy, micro_batches=1, mesh_shape=None, outer="no_shard"):
+    """Collectives of the second training step (the first one records the order)."""
+    model = common.build("llama")
+    sharded = fsdp8.fully_shard(model, mesh=_mesh(mesh_shape), strategy=strategy, outer_strategy=outer)
+    common.train_sharded(sharded, 1, micro_batches=micro_batches, clip=0)
+    with CountCollectives() as counter:
+        common.train_sharded(sharded, 1, micro_batches=micro_batches, clip=0)
+    return counter.counts, len(sharded._fsdp8.all_units)
+
+
+def no_collectives_at_world_one(strategy, precision):
+    """At world size 1 nothing may reach torch.distributed after set-up."""
+    model = common.build("llama")
+    prec = fsdp8.Precision() if precision == "fp32" else fsdp8.Precision(param_dtype=torch.bfloat16)
+    with CountCollectives() as counter:
+        sharded = fsdp8.fully_shard(model, strategy=strategy, precision=prec)
+        common.train_sharded(sharded, 3, micro_batches=2)
+    return counter.counts
+
+
+# -- memory ------------------------------------------------------------------------------
+def memory_report(strategy, mesh_shape=None, outer="no_shard", precision="bf16"):
+    """The report, the same numbers measured from live storages, and the layout-free formula."""
+    model = common.build("llama")
+    shapes = {n: (tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()}
+    prec = fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else fsdp8.Precision()
+    sharded = fsdp8.fully_shard(model, mesh=_mesh(mesh_shape), strategy=strategy, outer_strategy=outer, precision=prec)
+    common.train_sharded(sharded, 1)
+    report = sharded.memory_report()
+    x, y = common.global_batch(0, 2, 8, common.vocab_of(sharded))
+    sharded(x, y).backward()  # grads present for the measurement
+    measured_main = _storage_bytes([p._local_tensor for p in sharded.parameters()])
+    measured_grads = _storage_bytes([p.grad._local_tensor for p in sharded.parameters() if p.grad is not None])
+    units = sharded._fsdp8.all_units
+    measured_copies = _storage_bytes([u.unsharded for u in units if not u.aliased and not u.shards_params]
+                                     + [u.outer_cache for u in units if u.outer_cache is not None])
+    measured_acc = _storage_bytes([u.grad_acc for u in units if u.grad_acc is not None])
+    return {
+        "report": (report.main_weights, report.grads, report.compute_copies, report.grad_accumulation, report.largest_unsharded_unit),
+        "measured": (measured_main, measured_grads, measured_copies, measured_acc),
+        "shapes": shapes,
+        "units": [sorted(n for n in u_names) for u_names in _unit_param_names(sharded)],
+    }
+
+
+def _storage_bytes(tensors):
+    seen, total = set(), 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def _unit_param_names(sharded):
+    return [[s.fqn for s in u.slots] for u in sharded._fsdp8.all_units]
+
+
+# -- initialization ------------------------------------------------------------------------
+def meta_init(strategy, tied):
+    """A model built on meta equals the same-seed CPU model after fully_shard, then trains in parity."""
+    from fsdp8.models.llama import Llama
+
+    cpu_model = common.build("llama", tie_embeddings=tied)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta_model = Llama(cpu_model.config)
+    sharded = fsdp8.fully_shard(meta_model, strategy=strategy)
+    init_errors = common.relative_errors(sharded, cpu_model)
+    tied_ok = (not tied) or sharded.head.weight is sharded.embed.weight
+    reference = copy.deepcopy(cpu_model)
+    common.train_sharded(sharded, 5)
+    common.train_reference(reference, 5)
+    return init_errors, common.relative_errors(sharded, reference), tied_ok, torch.isfinite(sharded.rotary.cos).all().item()
+
+
+def meta_rng_desync():
+    """Meta init with different RNG states per rank must fail on every rank, before any collective hangs."""
+    from fsdp8.models.llama import Llama
+
+    cfg = common.build("llama").config
+    torch.manual_seed(common.rank())
+    with torch.device("meta"):
+        model = Llama(cfg)
+    try:
+        fsdp8.fully_shard(model)
+    except fsdp8.DesyncError as e:
+        return str(e)
+    return None
+
+
+def structure_desync():
+    """Rank-dependent model shapes fail on every rank with the first difference named."""
+    model = common.UnevenModel(vocab=9 + common.rank(), dim=17)
+    try:
+        fsdp8.fully_shard(model)
+    except fsdp8.DesyncError as e:
+        return str(e)
+    return None
+
+
+# -- special module structures ---------------------------------------------------------------
+class TwiceModel(torch.nn.Module):
+    """One block is used twice in a forward (weight sharing across depth)."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, 17)
+        self.blocks = torch.nn.ModuleList([common.UnevenBlock(), common.UnevenBlock()])
+        self.head = torch.nn.Linear(17, vocab)
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        x = self.blocks[0](x)
+        x = self.blocks[1](x)
+        x = self.blocks[0](x)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def twice(strategy):
+    torch.manual_seed(0)
+    model = TwiceModel(common.vocab_of(None))
+    reference = copy.deepcopy(model)
+    sharded = fsdp8.fully_shard(model, strategy=strategy)
+    with CountCollectives() as counter:
+        common.train_sharded(sharded, 4)
+    common.train_reference(reference, 4)
+    return common.relative_errors(sharded, reference), counter.counts
+
+
+def frozen(strategy):
+    """Frozen parameters (a whole embedding, and part of a unit) stay put and get no gradient."""
+    model = common.build("uneven")
+    model.embed.weight.requires_grad_(False)
+    model.blocks[0].up.weight.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    sharded = fsdp8.fully_shard(model, strategy=strategy)
+    common.train_sharded(sharded, 5)
+    common.train_reference(reference, 5)
+    sd = sharded.state_dict()
+    frozen_err = max(float((sd[n].full_tensor() - v).abs().max()) for n, v in frozen_before.items())
+    frozen_grads = [n for n, p in sharded.named_parameters() if not p.requires_grad and p.grad is not None]
+    report = sharded.memory_report()
+    trainable = sum(u.layout.trainable_numel for u in sharded._fsdp8.all_units)
+    total = sum(u.layout.chunk_numel for u in sharded._fsdp8.all_units)
+    return common.relative_errors(sharded, reference), frozen_err, frozen_grads, report.grads, trainable, total
+
+
+# -- state dict and clipping ---------------------------------------------------------------------
+def state_dict_roundtrip(strategy, mesh_shape=None, outer="no_shard"):
+    model = common.build("llama")
+    reference = copy.deepcopy(model)
+    sharded = fsdp8.fully_shard(model, mesh=_mesh(mesh_shape), strategy=strategy, outer_strategy=outer)
+    common.train_sharded(sharded, 2)
+    sd = sharded.state_dict()
+    keys_ok = sorted(sd) == sorted(reference.state_dict())
+    kinds = {k: type(v).__name__ for k, v in sd.items()}
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
+    # Load the reference's (untrained) full tensors, then our own DTensors back.
+    sharded.load_state_dict(reference.state_dict())
+    back_to_init = max(common.relative_errors(sharded, reference).values())
+    sharded.load_state_dict(sd)
+    restored = max(float((sharded.state_dict()[k].full_tensor() - full[k]).abs().max()) for k in full if kinds[k] == "DTensor")
+    # Training continues correctly after a load: the compute copies were refreshed.
+    x, y = common.global_batch(0, 2, 8, common.vocab_of(sharded))
+    loss_after = float(sharded(x, y))
+    reference.load_state_dict(full)
+    loss_ref = float(reference(x, y))
+    return keys_ok, kinds, back_to_init, restored, loss_after, loss_ref
+
+
+def state_dict_errors():
+    model = common.build("llama")
+    sharded = fsdp8.fully_shard(model)
+    sd = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sharded.state_dict().items()}
+    bad = dict(sd)
+    bad.pop("norm.weight")
+    bad.pop("layers.0.attn.wq.weight")
+    bad["layers.9.ffn.w1.weight"] = torch.zeros(3)
+    bad["embed.weight"] = torch.zeros(3, 3)
+    try:
+        sharded.load_state_dict(bad)
+    except fsdp8.StateDictError as e:
+        message = str(e)
+    else:
+        message = None
+    result = sharded.load_state_dict({k: v for k, v in sd.items() if k != "norm.weight"}, strict=False)
+    return message, list(result.missing_keys), list(result.unexpected_keys)
+
+
+def clip_norms(strategy, norm_type, mesh_shape=None, outer="no_shard"):
+    model = common.build("llama")
+    reference = copy.deepcopy(model)
+    sharded = fsdp8.fully_shard(model, mesh=_mesh(mesh_shape), strategy=strategy, outer_strategy=outer)
+    w, r = common.world(), common.rank()
+    x, y = common.global_batch(0, 2 * w, 8, common.vocab_of(sharded))
+    sharded(common.rank_slice(x, r, w), common.rank_slice(y, r, w)).backward()
+    reference(x, y).backward()
+    ours = float(fsdp8.clip_grad_norm_(sharded, 1e-3, norm_type))
+    theirs = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e-3, norm_type))
+    grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters()}
+    clipped = max(float((grads[n] - p.grad).norm() / p.grad.norm()) for n, p in reference.named_parameters())
+    return ours, theirs, clipped
+
+
+# -- bad input needing several ranks -----------------------------------------------------------
+def bad_mesh():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    partial = DeviceMesh("cpu", [0])
+    try:
+        fsdp8.fully_shard(common.build("uneven"), mesh=partial)
+    except ValueError as e:
+        return str(e)
+    return None
