@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -20,21 +20,28 @@ def _digest(lines: List[str]) -> int:
     return int.from_bytes(h[:8], "little", signed=True)
 
 
-def first_difference(a: List[str], b: List[str]) -> str:
+def first_difference(a: List[str], b: List[str]) -> Tuple[int, str]:
+    """Index of the first differing entry and a sentence describing it."""
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
-            return f"entry {i}: {x!r} vs {y!r}"
-    if len(a) != len(b):
-        longer, which = (a, "first") if len(a) > len(b) else (b, "second")
-        return f"the {which} has {abs(len(a) - len(b))} more entries, starting with {longer[min(len(a), len(b))]!r}"
-    return "no difference"
+            return i, f"entry {i}: {x!r} vs {y!r}"
+    i = min(len(a), len(b))
+    longer, which = (a, "first") if len(a) > len(b) else (b, "second")
+    return i, f"the {which} has {abs(len(a) - len(b))} more entries, starting with {longer[i]!r}"
 
 
-def check_same_everywhere(lines: List[str], what: str, group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+def check_same_everywhere(
+    lines: List[str],
+    what: str,
+    group: Optional[dist.ProcessGroup],
+    device: torch.device,
+    hints: Optional[dict] = None,
+) -> None:
     """Raise ``DesyncError`` on every rank unless all ranks of ``group`` hold equal ``lines``.
 
     The common case costs one all-gather of an 8-byte digest; only on a mismatch are the
-    descriptions exchanged to name the first difference."""
+    descriptions exchanged to name the first difference. ``hints`` maps a line prefix to
+    advice added when the first difference is on such a line."""
     world = dist.get_world_size(group)
     if world == 1:
         return
@@ -48,8 +55,10 @@ def check_same_everywhere(lines: List[str], what: str, group: Optional[dist.Proc
     ranks = dist.get_process_group_ranks(group)
     for i in range(1, world):
         if everyone[i] != everyone[0]:
-            raise DesyncError(
-                f"ranks disagree about {what}: rank {ranks[0]} and rank {ranks[i]} differ at "
-                f"{first_difference(everyone[0], everyone[i])}. Every rank must build the same "
-                "model and call fully_shard with the same arguments."
-            )
+            index, difference = first_difference(everyone[0], everyone[i])
+            line = everyone[0][index] if index < len(everyone[0]) else ""
+            advice = "Every rank must build the same model and call fully_shard with the same arguments."
+            for prefix, hint in (hints or {}).items():
+                if line.startswith(prefix):
+                    advice = hint
+            raise DesyncError(f"ranks disagree about {what}: rank {ranks[0]} and rank {ranks[i]} differ at {difference}. {advice}")

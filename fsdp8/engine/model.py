@@ -315,7 +315,13 @@ def fully_shard(
     ]
     if has_meta:
         header.append(f"rng={rng_fingerprint(device)}")
-    check_same_everywhere(_describe(per_unit, originals, header), "the sharded model's structure", dist.group.WORLD, device)
+    rng_hint = {
+        "rng=": "A meta-device model is initialized by reset_parameters() on every rank: call "
+        "torch.manual_seed(<same seed>) on every rank before fully_shard."
+    }
+    check_same_everywhere(
+        _describe(per_unit, originals, header), "the sharded model's structure", dist.group.WORLD, device, rng_hint
+    )
 
     topology = Topology(mesh, strategy, outer)
     streams = comm.Streams(device)
