@@ -6,6 +6,7 @@ from .engine.model import MemoryReport, ShardedModel, fully_shard
 from .engine.check import DesyncError
 from .engine.state_dict import StateDictError
 from .parallel.mesh import init_distributed, make_mesh
+from . import data
 
 __all__ = [
     "DesyncError",

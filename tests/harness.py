@@ -4,6 +4,9 @@ Starting processes and importing torch costs seconds; each world size gets one p
 workers that stays up for the whole pytest session and runs one test function at a time
 on every rank. A failure on any rank is re-raised with that rank's traceback. A test that
 hangs (a collective mismatch) is stopped by the timeout and its pool is replaced.
+
+``FSDP8_TEST_BACKEND=nccl`` runs the same tests with one GPU per rank (on the GPU machine);
+world sizes larger than the number of GPUs are skipped there.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKEND = os.environ.get("FSDP8_TEST_BACKEND", "gloo")
 
 
 class RankFailure(AssertionError):
@@ -39,7 +43,11 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=90))
+    kwargs = {}
+    if BACKEND == "nccl":
+        torch.cuda.set_device(rank)
+        kwargs["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(BACKEND, rank=rank, world_size=world, timeout=timedelta(seconds=90), **kwargs)
     while True:
         task = tasks.get()
         if task is None:
@@ -105,6 +113,12 @@ def run_on_ranks(world: int, fn: Callable, *args, timeout: float = 240.0) -> Lis
     """Run ``fn(*args)`` on every rank of a gloo group of ``world`` processes; return per-rank results.
 
     ``fn`` must be a module-level function of an importable module."""
+    if BACKEND == "nccl":
+        import pytest
+        import torch
+
+        if world > torch.cuda.device_count():
+            pytest.skip(f"world size {world} needs {world} GPUs, {torch.cuda.device_count()} visible")
     pool = _POOLS.get(world)
     if pool is None or not pool.alive:
         pool = _POOLS[world] = RankPool(world)

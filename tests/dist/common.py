@@ -49,6 +49,13 @@ class UnevenModel(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def device() -> torch.device:
+    """Where the engine and the reference run: the rank's GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def world() -> int:
     return dist.get_world_size()
 
@@ -58,7 +65,12 @@ def rank() -> int:
 
 
 def build(kind: str, seed: int = 0, **kw) -> nn.Module:
+    """A test model on ``device()``, identical on every rank."""
     torch.manual_seed(seed)
+    return _build(kind, **kw).to(device())
+
+
+def _build(kind: str, **kw) -> nn.Module:
     vocab = 4 * max(world(), 1) + VOCAB_EXTRA
     if kind == "uneven":
         return UnevenModel(vocab, **kw)
@@ -73,6 +85,7 @@ def build(kind: str, seed: int = 0, **kw) -> nn.Module:
 
 
 def global_batch(step: int, batch: int, seq: int, vocab: int, seed: int = 1234) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (CPU) of a step's global batch, the same on every rank."""
     g = torch.Generator().manual_seed(seed * 1000 + step)
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
@@ -88,13 +101,13 @@ def vocab_of(model: nn.Module) -> int:
 
 
 def train_sharded(model, steps: int, batch_per_rank: int = 2, seq: int = 8, lr: float = 1e-3, clip: float = 1.0,
-                  micro_batches: int = 1, device: str = "cpu") -> List[float]:
+                  micro_batches: int = 1) -> List[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     losses = []
     w, r = world(), rank()
     for step in range(steps):
         x, y = global_batch(step, batch_per_rank * w * micro_batches, seq, vocab_of(model))
-        x, y = rank_slice(x, r, w).to(device), rank_slice(y, r, w).to(device)
+        x, y = rank_slice(x, r, w).to(device()), rank_slice(y, r, w).to(device())
         total = 0.0
         for mb in range(micro_batches):
             xs, ys = x.chunk(micro_batches)[mb], y.chunk(micro_batches)[mb]
@@ -132,6 +145,7 @@ def train_reference(model, steps: int, batch_per_rank: int = 2, seq: int = 8, lr
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     for step in range(steps):
         x, y = global_batch(step, batch_per_rank * w * micro_batches, seq, vocab_of(model))
+        x, y = x.to(device()), y.to(device())
         if compute_dtype is None:
             model(x, y).backward()
         else:
@@ -163,5 +177,5 @@ def relative_errors(sharded, reference: nn.Module) -> Dict[str, float]:
             continue
         got = sd[name]
         got = got.full_tensor() if hasattr(got, "full_tensor") else got
-        out[name] = float((got.float().cpu() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
+        out[name] = float((got.float().cpu() - ref.float().cpu()).norm() / ref.float().cpu().norm().clamp_min(1e-12))
     return out

@@ -103,7 +103,7 @@ def memory_report(strategy, mesh_shape=None, outer="no_shard", precision="bf16")
     common.train_sharded(sharded, 1)
     report = sharded.memory_report()
     x, y = common.global_batch(0, 2, 8, common.vocab_of(sharded))
-    sharded(x, y).backward()  # grads present for the measurement
+    sharded(x.to(common.device()), y.to(common.device())).backward()  # grads present for the measurement
     measured_main = _storage_bytes([p._local_tensor for p in sharded.parameters()])
     measured_grads = _storage_bytes([p.grad._local_tensor for p in sharded.parameters() if p.grad is not None])
     units = sharded._fsdp8.all_units
@@ -196,7 +196,7 @@ class TwiceModel(torch.nn.Module):
 
 def twice(strategy):
     torch.manual_seed(0)
-    model = TwiceModel(common.vocab_of(None))
+    model = TwiceModel(common.vocab_of(None)).to(common.device())
     reference = copy.deepcopy(model)
     sharded = fsdp8.fully_shard(model, strategy=strategy)
     with CountCollectives() as counter:
@@ -241,6 +241,7 @@ def state_dict_roundtrip(strategy, mesh_shape=None, outer="no_shard"):
     restored = max(float((sharded.state_dict()[k].full_tensor() - full[k]).abs().max()) for k in full if kinds[k] == "DTensor")
     # Training continues correctly after a load: the compute copies were refreshed.
     x, y = common.global_batch(0, 2, 8, common.vocab_of(sharded))
+    x, y = x.to(common.device()), y.to(common.device())
     loss_after = float(sharded(x, y).detach())
     reference.load_state_dict(full)
     loss_ref = float(reference(x, y).detach())
@@ -272,6 +273,7 @@ def clip_norms(strategy, norm_type, mesh_shape=None, outer="no_shard"):
     sharded = fsdp8.fully_shard(model, mesh=_mesh(mesh_shape), strategy=strategy, outer_strategy=outer)
     w, r = common.world(), common.rank()
     x, y = common.global_batch(0, 2 * w, 8, common.vocab_of(sharded))
+    x, y = x.to(common.device()), y.to(common.device())
     sharded(common.rank_slice(x, r, w), common.rank_slice(y, r, w)).backward()
     reference(x, y).backward()
     ours = float(fsdp8.clip_grad_norm_(sharded, 1e-3, norm_type))
@@ -285,7 +287,7 @@ def clip_norms(strategy, norm_type, mesh_shape=None, outer="no_shard"):
 def bad_mesh():
     from torch.distributed.device_mesh import DeviceMesh
 
-    partial = DeviceMesh("cpu", [0])
+    partial = DeviceMesh(common.device().type, [0])
     try:
         fsdp8.fully_shard(common.build("uneven"), mesh=partial)
     except ValueError as e:

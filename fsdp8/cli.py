@@ -1,0 +1,53 @@
+"""The ``fsdp8`` command line: ``fsdp8 train`` (the main job)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+from typing import List, Optional
+
+from .config import STRATEGY_NAMES
+from .launch import launch
+from .models.llama import PRESETS
+from .train import PRECISIONS, TrainConfig, train
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train the built-in Llama on the built-in corpus",
+                       description="Train the built-in Llama on the built-in corpus: all local GPUs, or "
+                                   "2 gloo worker processes on a CPU-only machine. Works under torchrun too.")
+    defaults = TrainConfig()
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--preset", choices=sorted(PRESETS), default=defaults.preset)
+    p.add_argument("--strategy", choices=STRATEGY_NAMES, default=defaults.strategy)
+    p.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
+                   help="compute dtype; auto = bf16 on GPUs, fp32 on CPUs (main weights stay fp32)")
+    p.add_argument("--nproc", type=int, default=None, help="worker processes (default: all GPUs, or 2 on CPU)")
+    p.add_argument("--out", default=defaults.out, help="directory for metrics.jsonl, loss.png, summary.json")
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    p.add_argument("--micro-batches", type=int, default=defaults.micro_batches)
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--log-every", type=int, default=defaults.log_every)
+    p.add_argument("--eval-every", type=int, default=defaults.eval_every)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="fsdp8", description="Sharded data-parallel training with FP8.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        names = {f.name for f in fields(TrainConfig)}
+        try:
+            cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+        except ValueError as e:
+            parser.error(str(e))
+        launch(train, (cfg,), nproc=args.nproc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""GPU checks (NCCL, streams): run on the lent GPU machine with FSDP8_TEST_BACKEND=nccl."""
+
+import os
+
+import pytest
+import torch
+
+from tests.harness import run_on_ranks
+from tests.gpu import workers
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("FSDP8_TEST_BACKEND") != "nccl",
+                       reason="needs CUDA GPUs and FSDP8_TEST_BACKEND=nccl"),
+]
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads", "optim", "no_shard"])
+def test_training_step_has_no_host_sync(strategy):
+    assert all(run_on_ranks(2, workers.sync_free_step, strategy))
