@@ -127,8 +127,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H200 SXM: 989)")
-    p.add_argument("--order", choices=("fixed", "rotate"), default="fixed",
-                   help="fixed: --stacks order for every model; rotate: shift the order by one per model")
     p.add_argument("--timeout-s", type=int, default=300,
                    help="collective timeout, so a broken stack cannot hang the run")
     p.add_argument("--out", default="runs/peers.json", help="JSON results file (rank 0 writes it)")
@@ -454,13 +452,6 @@ def run_stack(spec: ModelSpec, stack: str, ctx: Context) -> Result:
     return result
 
 
-def stack_order(stacks: list[str], model_index: int, order: str) -> list[str]:
-    if order == "fixed":
-        return list(stacks)
-    shift = model_index % len(stacks)
-    return stacks[shift:] + stacks[:shift]
-
-
 # ----------------------------------------------------------------------------- reporting
 
 
@@ -521,7 +512,7 @@ def print_report(env: dict, orders: dict, results: list[Result]) -> None:
     print(f"- timing: {env['timing']}, {env['warmup']} warmup + {env['steps']} timed steps")
     print(f"- memory: {env['memory']}")
     for model, order in orders.items():
-        print(f"- stack order for model {model}: {' -> '.join(order)}")
+        print(f"- run order: each stack over all models, stacks in turn: {' -> '.join(order)} (model {model})")
     print()
     print(markdown_table(results))
     for r in results:
@@ -541,14 +532,15 @@ def write_json(path: str, env: dict, orders: dict, results: list[Result]) -> Non
 def main(argv=None) -> None:
     args = parse_args(argv)
     ctx = init_process_group(args)
-    results, orders = [], {}
-    for index, name in enumerate(args.models):
-        spec = MODELS[name]
-        orders[name] = stack_order(args.stacks, index, args.order)
-        for stack in orders[name]:
+    results = []
+    # Stack-major: memory a stack fails to free after teardown only weighs on its own later runs.
+    for stack in args.stacks:
+        for name in args.models:
             if ctx.rank == 0:
                 print(f"[peers] model {name}: {stack} ...", flush=True)
-            results.append(run_stack(spec, stack, ctx))
+            results.append(run_stack(MODELS[name], stack, ctx))
+    results.sort(key=lambda r: args.models.index(r.model))
+    orders = {name: list(args.stacks) for name in args.models}
     if ctx.rank == 0:
         env = environment(ctx)
         print_report(env, orders, results)

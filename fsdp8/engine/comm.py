@@ -3,12 +3,20 @@
 [Note: streams and memory]
 On CUDA, parameter all-gathers run on ``gather_stream`` and gradient reductions on
 ``reduce_stream``, ordered against the compute stream with events only, never with a host
-synchronization. Every buffer a side stream touches is allocated on the compute stream,
-and the side stream first waits for the compute stream, so the caching allocator's
-per-stream reuse rule already orders its first use. Such a buffer is released only after
-the compute stream has waited for the side stream's event, so no later compute-stream
-allocation can reuse memory the side stream still reads or writes. No ``record_stream``
-is needed and memory is returned deterministically.
+synchronization. The caching allocator keeps a pool per stream and reuses a freed block
+only for later work of the stream it was allocated on, which gives two rules:
+
+- A buffer that only a side stream touches (the all-gather output, the packed gradients,
+  intermediate reduce outputs) is allocated on that side stream and released as soon as
+  its last use is enqueued: later allocations of that stream queue behind the use.
+- A buffer shared with the compute stream (the unsharded parameters, the gradients
+  autograd produced, the landed main-weight gradients) is allocated on the compute
+  stream, the side stream first waits for the compute stream, and the buffer is released
+  only after the compute stream has waited for the side stream's event.
+
+No ``record_stream`` is needed and memory is returned deterministically. Releasing the
+side-stream temporaries at once is what keeps a prefetched unit from costing more than its
+unsharded parameters.
 
 On CPU (gloo) every collective is synchronous and the streams are stand-ins that do
 nothing, so the same engine code runs in CI.

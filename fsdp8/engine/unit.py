@@ -117,7 +117,6 @@ class ShardedUnit:
         self.outer_cache: Optional[torch.Tensor] = None
         self.state = UnitState.UNSHARDED if self.aliased else UnitState.SHARDED
         self._gather_event = None
-        self._gather_buffers: List[torch.Tensor] = []
         self.exposes_compute = False
         # Staleness of persistent compute copies: optimizer steps and in-place edits.
         self.step_generation = 0
@@ -187,35 +186,38 @@ class ShardedUnit:
             return
         streams, topo = self.streams, self.topology
         n, m = self.layout.num_chunks, self.layout.chunk_numel
-        # Allocate everything on the compute stream (see comm.py [Note: streams and memory]).
+        # Shared with the compute stream, so allocated there (comm.py [Note: streams and memory]).
         unsharded_nbytes = self.layout.unsharded_numel * self.unsharded.element_size()
         if self.unsharded.untyped_storage().nbytes() != unsharded_nbytes:
             self.unsharded.untyped_storage().resize_(unsharded_nbytes)
         refresh_outer = self.two_hop and (self.outer_cache is None or self._persistent_copy_stale())
         if self.two_hop and self.outer_cache is None:
             self.outer_cache = torch.empty(topo.plan.replicate_size * m, dtype=self.compute_dtype, device=self.device)
-        needs_send = n > 1 and (refresh_outer or not self.two_hop)
-        cast = needs_send and self.compute_dtype != self.main_dtype
-        send = torch.empty_like(self.main, dtype=self.compute_dtype) if cast else self.main
-        gathered = torch.empty(n * m, dtype=self.compute_dtype, device=self.device) if n > 1 else None
+        cast = self.compute_dtype != self.main_dtype
         streams.gather.wait_stream(streams.compute())
         with streams.use(streams.gather):
-            if cast:
-                send.copy_(self.main)
+            # Temporaries below live and die on the gather stream.
             if n == 1:
                 # One chunk: the chunk layout already is the param-major layout.
                 self.unsharded.copy_(self.main)
             elif self.two_hop:
                 if refresh_outer:
-                    comm.all_gather(self.outer_cache, send, topo.replicate_group, f"{self.name}/outer")
+                    r = topo.plan.replicate_rank
+                    own = self.outer_cache[r * m : (r + 1) * m]  # gathered in place
+                    own.copy_(self.main)
+                    comm.all_gather(self.outer_cache, own, topo.replicate_group, f"{self.name}/outer")
+                gathered = torch.empty(n * m, dtype=self.compute_dtype, device=self.device)
                 comm.all_gather(gathered, self.outer_cache, topo.shard_group, self.name)
-                source = gathered.view(topo.plan.shard_size, topo.plan.replicate_size, m).transpose(0, 1)
-                self._copy_out(source)
+                self._copy_out(gathered.view(topo.plan.shard_size, topo.plan.replicate_size, m).transpose(0, 1))
             else:
+                gathered = torch.empty(n * m, dtype=self.compute_dtype, device=self.device)
+                k = self.chunk_index
+                send = gathered[k * m : (k + 1) * m] if cast else self.main  # cast straight into place
+                if cast:
+                    send.copy_(self.main)
                 comm.all_gather(gathered, send, topo.main_group, self.name)
                 self._copy_out(gathered.view(1, n, m))
         self._gather_event = streams.record(streams.gather)
-        self._gather_buffers = [b for b in (send, gathered) if b is not None and b is not self.main]
         if not self.shards_params or self.two_hop:
             self._synced = self._version_key()
         self.state = UnitState.GATHERING
@@ -234,7 +236,6 @@ class ShardedUnit:
         if self.state is UnitState.GATHERING:
             self.streams.wait(self._gather_event)
             self._gather_event = None
-            self._gather_buffers = []
             self.state = UnitState.UNSHARDED
 
     def reshard(self) -> None:
@@ -279,35 +280,33 @@ class ShardedUnit:
             return None
         streams = self.streams
         n, mt = self.layout.num_chunks, self.layout.trainable_numel
+        # The unsharded gradients come from the compute stream: they stay referenced until
+        # the compute stream has waited for this reduction (the returned PendingReduce).
         grads = self._take_unsharded_grads()
-        keep: List[torch.Tensor] = list(grads)
         unsharded_grads = self.topology.grads_unsharded
-        # Allocate everything on the compute stream (see comm.py [Note: streams and memory]).
-        if unsharded_grads:
-            if self.grad_acc is None:
-                self.grad_acc = torch.empty(n, mt, dtype=self.reduce_dtype, device=self.device)
-            packed = torch.empty_like(self.grad_acc) if self.grad_acc_full else self.grad_acc
-        else:
-            packed = torch.empty(n, mt, dtype=self.reduce_dtype, device=self.device)
-        keep.append(packed)
         communicate = sync or not unsharded_grads
         steps = self.topology.grad_reduce_steps(sync) if communicate else []
         deferred = communicate and len(steps) < len(self.topology.grad_reduce_steps(True))
-        landing = self._prepare_landing() if communicate and not deferred else None
-        outs = self._allocate_step_outputs(steps, n * mt, landing)
-        keep.extend(o for o in outs if o is not None)
-        if self.shard_acc is not None and not deferred and communicate:
-            keep.append(self.shard_acc)
-
+        landing = self._prepare_landing() if communicate and not deferred else None  # compute-stream buffer
         streams.reduce.wait_stream(streams.compute())
         with streams.use(streams.reduce):
-            torch._chunk_cat(grads, dim=0, num_chunks=n, out=packed)
+            # Every other buffer here lives only on the reduce stream.
             if unsharded_grads:
-                if packed is not self.grad_acc:
+                if self.grad_acc is None:
+                    self.grad_acc = torch.empty(n, mt, dtype=self.reduce_dtype, device=self.device)
+                if self.grad_acc_full:
+                    packed = torch.empty_like(self.grad_acc)
+                    torch._chunk_cat(grads, dim=0, num_chunks=n, out=packed)
                     self.grad_acc.add_(packed)
+                else:
+                    torch._chunk_cat(grads, dim=0, num_chunks=n, out=self.grad_acc)
                 self.grad_acc_full = not sync
                 packed = self.grad_acc
+            else:
+                packed = torch.empty(n, mt, dtype=self.reduce_dtype, device=self.device)
+                torch._chunk_cat(grads, dim=0, num_chunks=n, out=packed)
             if communicate:
+                outs = self._allocate_step_outputs(steps, n * mt, landing)
                 result = self._run_steps(steps, outs, packed.view(-1))
                 if deferred:
                     if self.shard_acc is None:
@@ -316,7 +315,7 @@ class ShardedUnit:
                         self.shard_acc.add_(result)
                 else:
                     self._land(result, landing)
-        return PendingReduce(streams.record(streams.reduce), keep)
+        return PendingReduce(streams.record(streams.reduce), grads)
 
     def _allocate_step_outputs(self, steps, numel: int, landing) -> List[Optional[torch.Tensor]]:
         """One output per reduce-scatter (None for in-place all-reduces); the last one may be

@@ -138,10 +138,13 @@ def meta_init(strategy, tied):
     """A model built on meta equals the same-seed CPU model after fully_shard, then trains in parity."""
     from fsdp8.models.llama import Llama
 
-    cpu_model = common.build("llama", tie_embeddings=tied)
+    cfg = common.build("llama", tie_embeddings=tied).config
+    torch.manual_seed(0)
+    with torch.device(common.device()):  # same RNG stream as materializing on this device
+        cpu_model = Llama(cfg)
     torch.manual_seed(0)
     with torch.device("meta"):
-        meta_model = Llama(cpu_model.config)
+        meta_model = Llama(cfg)
     sharded = fsdp8.fully_shard(meta_model, strategy=strategy)
     init_errors = common.relative_errors(sharded, cpu_model)
     tied_ok = (not tied) or sharded.head.weight is sharded.embed.weight
