@@ -296,3 +296,93 @@ def bad_mesh():
     except ValueError as e:
         return str(e)
     return None
+
+
+# -- order, casting, meta materialization ----------------------------------------------------
+class ReversedModel(torch.nn.Module):
+    """Runs its blocks in the reverse of their definition order."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, 17)
+        self.blocks = torch.nn.ModuleList([common.UnevenBlock() for _ in range(3)])
+        self.head = torch.nn.Linear(17, vocab)
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        for block in reversed(self.blocks):
+            x = block(x)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def recorded_order():
+    """The prefetch order is the execution order of the first iteration, not definition order."""
+    torch.manual_seed(0)
+    model = ReversedModel(common.vocab_of(None)).to(common.device())
+    reference = copy.deepcopy(model)
+    sharded = fsdp8.fully_shard(model)
+    schedule = sharded._fsdp8.schedule
+    issued = []
+    for unit in schedule.units:
+        original = unit.gather
+
+        def logged(unit=unit, original=original):
+            if unit.needs_gather():
+                issued.append(f"gather {unit.name}")
+            original()
+
+        unit.gather = logged
+        # Runs after fsdp8's own pre-forward hook (which is prepended): marks the unit's use.
+        unit.module.register_forward_pre_hook(lambda m, a, name=unit.name: issued.append(f"run {name}"))
+    common.train_sharded(sharded, 2)
+    common.train_reference(reference, 2)
+    forward = [u.name for u in schedule.forward_order]
+    backward = [u.name for u in schedule.backward_order]
+    return forward, backward, issued, common.relative_errors(sharded, reference)
+
+
+class Probe(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.seen = []
+
+    def forward(self, x, extra=None):
+        self.seen.append((x.dtype, None if extra is None else extra.dtype))
+        return self.lin(x)
+
+
+def input_cast():
+    """Floating inputs of the root forward are cast to param_dtype; integer inputs are left alone."""
+    model = Probe().to(common.device())
+    sharded = fsdp8.fully_shard(model, precision=fsdp8.Precision(param_dtype=torch.bfloat16))
+    out = sharded(torch.randn(2, 4, device=common.device()), extra=torch.ones(2, device=common.device()))
+    return [(str(a), str(b)) for a, b in model.seen], str(out.dtype)
+
+
+class Watcher(torch.nn.Linear):
+    """Records, at each reset_parameters call, how many parameter elements are real (not meta)."""
+
+    log = []
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        root = Watcher.root
+        if root is not None:
+            real = sum(p.numel() for p in root.parameters() if not p.is_meta and type(p).__name__ != "DTensor"
+                       and not hasattr(p, "_local_tensor"))
+            Watcher.log.append((real, self.weight.numel() + self.bias.numel()))
+
+
+Watcher.root = None
+
+
+def meta_never_full():
+    Watcher.log = []
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[Watcher(32, 32) for _ in range(6)])
+    Watcher.root = model
+    fsdp8.fully_shard(model, units=[Watcher])
+    Watcher.root = None
+    return Watcher.log, sum(32 * 32 + 32 for _ in range(6))
