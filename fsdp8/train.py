@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -146,7 +147,7 @@ def train(cfg: TrainConfig) -> Optional[dict]:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         for mb, (xs, ys) in enumerate(zip(x.chunk(cfg.micro_batches), y.chunk(cfg.micro_batches))):
             last = mb == cfg.micro_batches - 1
-            with (model.no_sync() if not last else _nullcontext()):
+            with model.no_sync() if not last else contextlib.nullcontext():
                 loss = model(xs, ys) / cfg.micro_batches
                 loss.backward()
             running += loss.detach()
@@ -191,10 +192,3 @@ def train(cfg: TrainConfig) -> Optional[dict]:
           f"wrote {cfg.out}/metrics.jsonl, loss.png, summary.json", file=sys.stderr)
     return summary
 
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -112,7 +113,7 @@ def train_sharded(model, steps: int, batch_per_rank: int = 2, seq: int = 8, lr: 
         for mb in range(micro_batches):
             xs, ys = x.chunk(micro_batches)[mb], y.chunk(micro_batches)[mb]
             last = mb == micro_batches - 1
-            ctx = model.no_sync() if not last else _null()
+            ctx = model.no_sync() if not last else contextlib.nullcontext()
             with ctx:
                 loss = model(xs, ys) / micro_batches
                 loss.backward()
@@ -123,14 +124,6 @@ def train_sharded(model, steps: int, batch_per_rank: int = 2, seq: int = 8, lr: 
         opt.zero_grad()
         losses.append(total)
     return losses
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 def train_reference(model, steps: int, batch_per_rank: int = 2, seq: int = 8, lr: float = 1e-3, clip: float = 1.0,
