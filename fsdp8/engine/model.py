@@ -17,7 +17,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..config import OuterStrategy, Precision, Strategy
 from ..parallel.mesh import default_device_type, init_distributed
 from . import comm
+from ..fp8.convert import convert_to_fp8
+from ..fp8.linear import Float8Linear
+from ..fp8.recipes import Recipe
 from .check import check_same_everywhere
+from .fp8_scales import ScaleAgreement, delayed_states_of
+from .fp8_unit import Float8Unit
 from .layout import plan_unit
 from .materialize import materialize_and_load, meta_leftovers, rng_fingerprint
 from .schedule import Schedule
@@ -66,6 +71,7 @@ class Engine:
         self.root_unit = root_unit
         self.schedule = schedule
         self.all_units = schedule.all_units
+        self.scales: Optional["ScaleAgreement"] = None
         self._unit_of_param = {id(s.main): u for u in self.all_units for s in u.slots}
 
     def note_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -121,14 +127,13 @@ class ShardedModel(nn.Module):
         engine = self._fsdp8
         units = engine.all_units
         main_elem = _element_size(engine.precision.main_dtype)
-        compute_elem = _element_size(engine.precision.compute_dtype)
         reduce_elem = _element_size(engine.precision.grad_reduce_dtype)
         acc = 0
         if engine.topology.grads_unsharded:
             acc = sum(u.layout.num_chunks * u.layout.trainable_numel * reduce_elem for u in units)
         largest = 0
         if engine.topology.strategy.shards_params:
-            largest = max((u.layout.unsharded_numel * compute_elem for u in units if not u.aliased), default=0)
+            largest = max((u.unsharded_nbytes for u in units if not u.aliased), default=0)
         return MemoryReport(
             strategy=engine.topology.strategy.label,
             main_weights=sum(u.layout.chunk_numel * main_elem for u in units),
@@ -287,8 +292,14 @@ def fully_shard(
     precision: Optional[Precision] = None,
     device: Optional[Union[str, torch.device]] = None,
     reshard_after_forward: bool = True,
+    fp8: Optional[Recipe] = None,
+    fp8_filter: Optional[Callable[[str, nn.Linear], bool]] = None,
 ) -> ShardedModel:
-    """Shard ``module`` in place over the data-parallel ranks and return it as a ShardedModel."""
+    """Shard ``module`` in place over the data-parallel ranks and return it as a ShardedModel.
+
+    With ``fp8=recipe``, the ``nn.Linear`` layers inside units become Float8Linear (those
+    ``fp8_filter`` accepts; by default those with dimensions divisible by 16) and their
+    weights are all-gathered as FP8 bytes."""
     if isinstance(module, ShardedModel):
         raise RuntimeError(f"{type(module).__name__} is already sharded by fsdp8.fully_shard; wrap a model only once")
     if not isinstance(module, nn.Module):
@@ -306,11 +317,16 @@ def fully_shard(
         raise ValueError(f"device {device} does not match the mesh's device type {device_type!r}")
 
     unit_modules = _unit_modules(module, units)
+    if fp8 is not None:
+        if not isinstance(fp8, Recipe):
+            raise TypeError(f"fp8 must be an fsdp8 FP8 recipe (e.g. fsdp8.Float8CurrentScaling()), got {fp8!r}")
+        for name, unit_module in unit_modules:
+            convert_to_fp8(unit_module, fp8, fp8_filter, prefix=f"{name}.")
     per_unit, originals = _collect_slots(module, unit_modules)
     has_meta = any(p.is_meta for p in originals.values())
     header = [
         f"strategy={strategy.label} outer={outer.label} mesh={tuple(mesh.shape)}",
-        f"precision={precision}",
+        f"precision={precision} fp8={fp8}",
         f"reshard_after_forward={reshard_after_forward}",
     ]
     if has_meta:
@@ -334,10 +350,14 @@ def fully_shard(
         layout = plan_unit(shapes, sum(s.requires_grad for s in slots), topology.plan.num_chunks)
         for s, p in zip(slots, layout.params):
             s.layout = p
-        built[name] = ShardedUnit(
-            name, unit_module, slots, layout, topology, precision, device, streams,
-            reshard_after_forward=reshard_after_forward and name != "",
-        )
+        args = (name, unit_module, slots, layout, topology, precision, device, streams)
+        fp8_slots = [s for s in slots if _fp8_weight_owner(s) is not None]
+        if fp8_slots:
+            delayed = {id(s): _fp8_weight_owner(s).delayed_state(device) for s in fp8_slots if fp8.delayed}
+            built[name] = Float8Unit(*args, reshard_after_forward=reshard_after_forward and name != "",
+                                     recipe=fp8, fp8_slots=fp8_slots, delayed=delayed)
+        else:
+            built[name] = ShardedUnit(*args, reshard_after_forward=reshard_after_forward and name != "")
     slot_unit = {id(s): u for u in built.values() for s in u.slots}
     materialize_and_load(module, built, originals, slot_unit, device)
     for unit in built.values():
@@ -347,6 +367,14 @@ def fully_shard(
     units_list = [built[n] for n, _ in unit_modules if n in built]
     schedule = Schedule(module, root_unit, units_list, precision.param_dtype if precision.casts_inputs else None)
     engine = Engine(topology, precision, units_list, root_unit, schedule)
+    fp8_units = [u for u in built.values() if isinstance(u, Float8Unit)]
+    if fp8_units:
+        states = delayed_states_of(fp8_units)
+        for m in module.modules():
+            if isinstance(m, Float8Linear) and m.delayed_state(device) in states:
+                m.external_delayed_update = True  # folded in by the one all-reduce per step
+        engine.scales = ScaleAgreement(fp8_units, states, topology.dp_group)
+        schedule.before_forward.append(engine.scales.refresh)
 
     def preflight() -> None:
         leftovers = meta_leftovers(module)
@@ -364,6 +392,14 @@ def fully_shard(
     _ENGINES.add(engine)
     _install_optimizer_hook()
     return module
+
+
+def _fp8_weight_owner(slot: ParamSlot) -> Optional[Float8Linear]:
+    """The Float8Linear whose 2-D weight this slot is, if any."""
+    for module, attr in slot.aliases:
+        if isinstance(module, Float8Linear) and attr == "weight" and len(slot.layout.shape) == 2:
+            return module
+    return None
 
 
 def _default_device(device_type: str) -> torch.device:

@@ -103,6 +103,7 @@ class Schedule:
         self._streams = self.all_units[0].streams if self.all_units else None
         self._handles = []
         self._preflight = None  # set by the model: checks run before the first forward
+        self.before_forward: List = []  # called at each root forward before any gather (FP8 scales)
 
     # -- installation ------------------------------------------------------------------
     def install(self) -> None:
@@ -168,6 +169,8 @@ class Schedule:
             self._reduced.clear()
             self._backward_started.clear()
         self.phase = Phase.FORWARD
+        for callback in self.before_forward:
+            callback()
         first = self.forward_order[0] if self.forward_order else None
         if self.root_unit is not None:
             self._forward_calls[self.root_unit] = self._forward_calls.get(self.root_unit, 0) + 1

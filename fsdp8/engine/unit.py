@@ -106,13 +106,16 @@ class ShardedUnit:
         plan = topology.plan
         self.chunk_index = plan.chunk_index
         self.two_hop = self.shards_params and plan.outer_sharded
-        self.aliased = layout.num_chunks == 1 and self.compute_dtype == self.main_dtype
+        # What travels in all-gathers and what modules compute with: the compute dtype in the
+        # main layout here; FP8 units (fp8_unit.py) send bytes in a layout of their own.
+        self.wire_layout, self.wire_dtype = self._plan_wire()
+        self.aliased = layout.num_chunks == 1 and self.wire_dtype == self.main_dtype
 
         self.main = torch.zeros(layout.chunk_numel, dtype=self.main_dtype, device=device)
         if self.aliased:
             self.unsharded = self.main
         else:
-            self.unsharded = torch.empty(layout.unsharded_numel, dtype=self.compute_dtype, device=device)
+            self.unsharded = torch.empty(self.wire_layout.unsharded_numel, dtype=self.wire_dtype, device=device)
         # ZeRO-3 + outer optim keeps this rank's R outer chunks between steps (see topology.py).
         self.outer_cache: Optional[torch.Tensor] = None
         self.state = UnitState.UNSHARDED if self.aliased else UnitState.SHARDED
@@ -134,6 +137,13 @@ class ShardedUnit:
             self.unsharded.untyped_storage().resize_(0)
 
     # -- construction --------------------------------------------------------------------
+    def _plan_wire(self) -> Tuple[UnitLayout, torch.dtype]:
+        return self.layout, self.compute_dtype
+
+    def _make_compute_param(self, slot: ParamSlot) -> nn.Parameter:
+        p = slot.layout
+        return nn.Parameter(_alias(self.unsharded, p.unsharded_offset, p.shape), requires_grad=slot.requires_grad)
+
     def _make_params(self) -> None:
         mesh, placements = self.topology.main_placement()
         for slot in self.slots:
@@ -145,9 +155,7 @@ class ShardedUnit:
             slot.main = nn.Parameter(
                 DTensor(local, slot.spec, requires_grad=False), requires_grad=slot.requires_grad
             )
-            slot.compute = nn.Parameter(
-                _alias(self.unsharded, p.unsharded_offset, p.shape), requires_grad=slot.requires_grad
-            )
+            slot.compute = self._make_compute_param(slot)
 
     def main_view(self, slot: ParamSlot) -> torch.Tensor:
         """This rank's rows of ``slot``'s parameter inside ``main``."""
@@ -185,51 +193,63 @@ class ShardedUnit:
         if not self.needs_gather():
             return
         streams, topo = self.streams, self.topology
-        n, m = self.layout.num_chunks, self.layout.chunk_numel
+        n, m = self.wire_layout.num_chunks, self.wire_layout.chunk_numel
         # Shared with the compute stream, so allocated there (comm.py [Note: streams and memory]).
-        unsharded_nbytes = self.layout.unsharded_numel * self.unsharded.element_size()
-        if self.unsharded.untyped_storage().nbytes() != unsharded_nbytes:
-            self.unsharded.untyped_storage().resize_(unsharded_nbytes)
+        if self.unsharded.untyped_storage().nbytes() != self.unsharded_nbytes:
+            self.unsharded.untyped_storage().resize_(self.unsharded_nbytes)
         refresh_outer = self.two_hop and (self.outer_cache is None or self._persistent_copy_stale())
         if self.two_hop and self.outer_cache is None:
-            self.outer_cache = torch.empty(topo.plan.replicate_size * m, dtype=self.compute_dtype, device=self.device)
-        cast = self.compute_dtype != self.main_dtype
+            self.outer_cache = torch.empty(topo.plan.replicate_size * m, dtype=self.wire_dtype, device=self.device)
         streams.gather.wait_stream(streams.compute())
         with streams.use(streams.gather):
             # Temporaries below live and die on the gather stream.
             if n == 1:
                 # One chunk: the chunk layout already is the param-major layout.
-                self.unsharded.copy_(self.main)
+                self._pack(self.unsharded)
             elif self.two_hop:
                 if refresh_outer:
                     r = topo.plan.replicate_rank
                     own = self.outer_cache[r * m : (r + 1) * m]  # gathered in place
-                    own.copy_(self.main)
+                    self._pack(own)
                     comm.all_gather(self.outer_cache, own, topo.replicate_group, f"{self.name}/outer")
-                gathered = torch.empty(n * m, dtype=self.compute_dtype, device=self.device)
+                gathered = torch.empty(n * m, dtype=self.wire_dtype, device=self.device)
                 comm.all_gather(gathered, self.outer_cache, topo.shard_group, self.name)
                 self._copy_out(gathered.view(topo.plan.shard_size, topo.plan.replicate_size, m).transpose(0, 1))
             else:
-                gathered = torch.empty(n * m, dtype=self.compute_dtype, device=self.device)
-                k = self.chunk_index
-                send = gathered[k * m : (k + 1) * m] if cast else self.main  # cast straight into place
-                if cast:
-                    send.copy_(self.main)
+                gathered = torch.empty(n * m, dtype=self.wire_dtype, device=self.device)
+                if self.wire_dtype == self.main_dtype and self.wire_layout is self.layout:
+                    send = self.main  # nothing to convert: send the main chunk itself
+                else:
+                    k = self.chunk_index
+                    send = gathered[k * m : (k + 1) * m]  # converted straight into place
+                    self._pack(send)
                 comm.all_gather(gathered, send, topo.main_group, self.name)
                 self._copy_out(gathered.view(1, n, m))
+            self._after_gather()
         self._gather_event = streams.record(streams.gather)
         if not self.shards_params or self.two_hop:
             self._synced = self._version_key()
         self.state = UnitState.GATHERING
+
+    def _pack(self, dest: torch.Tensor) -> None:
+        """Write this rank's chunk, as it travels, into ``dest`` (on the gather stream)."""
+        dest.copy_(self.main)
+
+    def _after_gather(self) -> None:
+        """Work on the gathered parameters before compute may use them (on the gather stream)."""
+
+    @property
+    def unsharded_nbytes(self) -> int:
+        return self.wire_layout.unsharded_numel * self.unsharded.element_size()
 
     def _copy_out(self, source: torch.Tensor) -> None:
         """Rank-major gathered chunks ``[A, B, M]`` -> param-major padded parameters."""
         a, b = source.shape[0], source.shape[1]
         outs = [
             self.unsharded[p.unsharded_offset : p.unsharded_offset + p.padded_numel].view(a, b, p.chunk_numel)
-            for p in self.layout.params
+            for p in self.wire_layout.params
         ]
-        torch.split_with_sizes_copy(source, list(self.layout.split_sizes), dim=2, out=outs)
+        torch.split_with_sizes_copy(source, list(self.wire_layout.split_sizes), dim=2, out=outs)
 
     def wait_gather(self) -> None:
         """Make the compute stream wait for this unit's gather and drop its temporaries."""
@@ -389,11 +409,10 @@ class ShardedUnit:
         """Bytes of compute copies kept between steps (beyond the main chunk)."""
         if self.aliased:
             return 0
-        elem = torch.tensor([], dtype=self.compute_dtype).element_size()
         if not self.shards_params:
-            return self.layout.unsharded_numel * elem
+            return self.unsharded_nbytes
         if self.two_hop:
-            return self.topology.plan.replicate_size * self.layout.chunk_numel * elem
+            return self.topology.plan.replicate_size * self.wire_layout.chunk_numel * self.unsharded.element_size()
         return 0
 
 

@@ -172,3 +172,13 @@ def relative_errors(sharded, reference: nn.Module) -> Dict[str, float]:
         got = got.full_tensor() if hasattr(got, "full_tensor") else got
         out[name] = float((got.float().cpu() - ref.float().cpu()).norm() / ref.float().cpu().norm().clamp_min(1e-12))
     return out
+
+
+def build_fp8_llama(seed: int = 0, **kw) -> nn.Module:
+    """A tiny Llama whose block linears are all FP8-friendly (dimensions multiples of 16)."""
+    from fsdp8.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=4 * world() + VOCAB_EXTRA, dim=32, n_layers=2, n_heads=2, n_kv_heads=1,
+                      ffn_dim=64, max_seq_len=16, **kw)
+    return Llama(cfg).to(device())

@@ -386,3 +386,28 @@ def meta_never_full():
     fsdp8.fully_shard(model, units=[Watcher])
     Watcher.root = None
     return Watcher.log, sum(32 * 32 + 32 for _ in range(6))
+
+
+# -- FP8 ----------------------------------------------------------------------------------------
+def fp8_recipe(name):
+    from fsdp8.fp8.recipes import recipe_from_name
+
+    return recipe_from_name(name)
+
+
+def fp8_parity(recipe_name, strategy="optim_grads_params", mesh_shape=None, outer="no_shard", steps=6, micro_batches=1):
+    """The engine's FP8 training against the same recipe in one process (bf16 compute copies,
+    standalone Float8Linears that quantize their bf16 weights)."""
+    from fsdp8.fp8.convert import convert_to_fp8
+
+    recipe = fp8_recipe(recipe_name)
+    model = common.build_fp8_llama()
+    reference = copy.deepcopy(model)
+    for layer in reference.layers:
+        convert_to_fp8(layer, recipe)
+    sharded = fsdp8.fully_shard(model, mesh=_mesh(mesh_shape), strategy=strategy, outer_strategy=outer, fp8=recipe,
+                                precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    kinds = sorted({type(m).__name__ for m in sharded.modules() if "Float8" in type(m).__name__})
+    common.train_sharded(sharded, steps, micro_batches=micro_batches)
+    common.train_reference(reference, steps, compute_dtype=torch.bfloat16, micro_batches=micro_batches)
+    return common.relative_errors(sharded, reference), kinds

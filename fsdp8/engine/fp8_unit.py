@@ -1,0 +1,183 @@
+"""Float8Unit: a unit whose Float8Linear weights travel and compute as 8-bit bytes.
+
+[Note: the FP8 wire]
+A unit's all-gather carries bytes. Each rank writes its rows of every parameter in the
+form the GEMMs consume: FP8 weights quantized with scales agreed across all shards
+beforehand (whole-tensor or 128x128 block amaxes, fp8_scales.py), MX weights quantized
+with their row-local 1x32 scales (whose e8m0 bytes travel too), other parameters (norms,
+biases) in the compute dtype. Compute-dtype entries come first so their byte offsets stay
+aligned. After the gather, a Float8Linear's weight is a Float8Tensor viewing the gathered
+bytes: the forward GEMM uses them directly, the input-gradient GEMM uses their transpose
+(a copy made once per gather, freed at reshard), and no high-precision copy of an FP8
+weight exists beyond the fp32 main chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..fp8.formats import Granularity, e8m0_to_scale_inv, scale_inv_to_e8m0
+from ..fp8.kernels import amax, partial_block_amax, quantize, quantize_rows_with_grid, scales_for
+from ..fp8.recipes import W, DelayedState, Recipe
+from ..fp8.tensor import Float8Tensor
+from .layout import UnitLayout, plan_unit
+from .unit import ParamSlot, ShardedUnit
+
+
+def _alias_bytes(buffer: torch.Tensor, byte_offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A ``dtype`` tensor on ``buffer``'s storage at a byte offset, with its own version counter."""
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    if byte_offset % itemsize:
+        raise ValueError(f"byte offset {byte_offset} is not aligned to {dtype}")
+    alias = torch.empty(0, dtype=dtype, device=buffer.device)
+    alias.set_(buffer.untyped_storage(), byte_offset // itemsize, torch.Size(shape))
+    return alias
+
+
+class Float8Unit(ShardedUnit):
+    """A ShardedUnit whose gather sends FP8 bytes for the weights of its Float8Linears."""
+
+    def __init__(self, *args, recipe: Recipe, fp8_slots: List[ParamSlot], delayed: Dict[int, DelayedState], **kwargs):
+        self.recipe = recipe
+        self.fp8_ids = {id(s) for s in fp8_slots}
+        self.delayed = delayed  # id(slot) -> the DelayedState of the slot's Float8Linear
+        self.granularity = recipe.w_granularity
+        self.scales_version = 0
+        self._scales_seen = None
+        # Per FP8 weight: the agreed scale and the scale_inv its Float8Tensor carries.
+        self._scale: Dict[int, torch.Tensor] = {}
+        self._scale_inv: Dict[int, torch.Tensor] = {}
+        super().__init__(*args, **kwargs)
+
+    # -- layout ------------------------------------------------------------------------------
+    def _plan_wire(self) -> Tuple[UnitLayout, torch.dtype]:
+        itemsize = torch.tensor([], dtype=self.compute_dtype).element_size()
+        entries = [(s, "value", s.layout.row_numel * itemsize) for s in self.slots if id(s) not in self.fp8_ids]
+        entries += [(s, "fp8", s.layout.row_numel) for s in self.slots if id(s) in self.fp8_ids]
+        if self.recipe.w_granularity is Granularity.MX_1x32:
+            entries += [(s, "e8m0", math.ceil(s.layout.shape[1] / 32)) for s in self.slots if id(s) in self.fp8_ids]
+        layout = plan_unit([(s.layout.rows, row_bytes) for s, _, row_bytes in entries], len(entries), self.layout.num_chunks)
+        self._entries = [(s, kind, p) for (s, kind, _), p in zip(entries, layout.params)]
+        return layout, torch.uint8
+
+    def _entry(self, slot: ParamSlot, kind: str):
+        for s, k, p in self._entries:
+            if s is slot and k == kind:
+                return p
+        raise KeyError(kind)
+
+    def _scale_tensor(self, table: Dict[int, torch.Tensor], slot: ParamSlot) -> torch.Tensor:
+        if id(slot) not in table:
+            rows, cols = slot.layout.shape
+            shape = {
+                Granularity.TENSOR: (),
+                Granularity.BLOCK_128x128: (math.ceil(rows / 128), math.ceil(cols / 128)),
+                Granularity.MX_1x32: (rows, math.ceil(cols / 32)),
+            }[self.granularity]
+            table[id(slot)] = torch.ones(shape, dtype=torch.float32, device=self.device)
+        return table[id(slot)]
+
+    def scale_of(self, slot: ParamSlot) -> torch.Tensor:
+        return self._scale_tensor(self._scale, slot)
+
+    def scale_inv_of(self, slot: ParamSlot) -> torch.Tensor:
+        return self._scale_tensor(self._scale_inv, slot)
+
+    def _make_compute_param(self, slot: ParamSlot) -> nn.Parameter:
+        if id(slot) not in self.fp8_ids:
+            p = self._entry(slot, "value")
+            return nn.Parameter(_alias_bytes(self.unsharded, p.unsharded_offset, self.compute_dtype, slot.layout.shape),
+                                requires_grad=slot.requires_grad)
+        p = self._entry(slot, "fp8")
+        data = _alias_bytes(self.unsharded, p.unsharded_offset, self.recipe.fwd_dtype, slot.layout.shape)
+        weight = Float8Tensor(data, self.scale_inv_of(slot), self.granularity, self.compute_dtype)
+        return nn.Parameter(weight, requires_grad=slot.requires_grad)
+
+    # -- scales (agreed by fp8_scales.ScaleAgreement) --------------------------------------
+    def _version_key(self):
+        return super()._version_key() + (self.scales_version,)
+
+    def _rows(self, slot: ParamSlot) -> Tuple[torch.Tensor, int]:
+        """This rank's rows of a weight in the compute dtype, and the first row's index."""
+        start, _ = slot.layout.chunk_row_range(self.chunk_index)
+        return self.main_view(slot).to(self.compute_dtype), start
+
+    def weights_changed(self) -> bool:
+        return self._scales_seen != super()._version_key()
+
+    def local_amaxes(self) -> List[Tuple[ParamSlot, torch.Tensor]]:
+        """What this rank contributes to the max all-reduce: one amax per weight (per
+        tensor) or a grid with zeros outside this rank's rows (128x128). MX needs none."""
+        out = []
+        for slot in self.slots:
+            if id(slot) not in self.fp8_ids or self.granularity is Granularity.MX_1x32:
+                continue
+            rows, start = self._rows(slot)
+            if self.granularity is Granularity.TENSOR:
+                out.append((slot, amax(rows).reshape(1)))
+            else:
+                out.append((slot, partial_block_amax(rows, start, slot.layout.rows).flatten()))
+        return out
+
+    def set_amaxes(self, reduced: Dict[int, torch.Tensor]) -> None:
+        """Scales from the all-reduced amaxes, keyed by slot id (delayed scaling: from the
+        weight's history, which already holds the reduced amax)."""
+        for slot in self.slots:
+            if id(slot) not in reduced:
+                continue
+            state = self.delayed.get(id(slot))
+            if state is not None:
+                scale, inv = state.scale[W], state.scale_inv(W)
+            else:
+                scale, inv = scales_for(reduced[id(slot)].view(self.scale_of(slot).shape), self.granularity,
+                                        self.recipe.fwd_dtype)
+            self.scale_of(slot).copy_(scale)
+            self.scale_inv_of(slot).copy_(inv)
+        self._scales_seen = super()._version_key()
+        self.scales_version += 1
+
+    # -- gather ------------------------------------------------------------------------------
+    def _pack(self, dest: torch.Tensor) -> None:
+        k = self.chunk_index
+        e8m0 = {}
+        for slot, kind, p in self._entries:
+            rows = slot.layout.chunk_shape(k)[0]
+            region = dest[p.offset : p.offset + rows * p.row_numel]
+            if kind == "value":
+                region.view(self.compute_dtype).view(slot.layout.chunk_shape(k)).copy_(self.main_view(slot))
+            elif kind == "fp8":
+                w, start = self._rows(slot)
+                fp8 = self.recipe.fwd_dtype
+                if self.granularity is Granularity.MX_1x32:
+                    # 1x32 blocks stay inside a row: each rank quantizes its rows on its own.
+                    mx = quantize(w, fp8, Granularity.MX_1x32)
+                    e8m0[id(slot)] = scale_inv_to_e8m0(mx.scale_inv)
+                    q = mx.data
+                else:
+                    q = quantize_rows_with_grid(w, start, self.scale_of(slot), self.granularity, fp8)
+                region.view(fp8).view(q.shape).copy_(q)
+            else:
+                region.copy_(e8m0[id(slot)].flatten())
+
+    def _after_gather(self) -> None:
+        for slot in self.slots:
+            if id(slot) not in self.fp8_ids:
+                continue
+            slot.compute.clear_transpose()
+            if self.granularity is Granularity.MX_1x32:
+                p = self._entry(slot, "e8m0")
+                rows, cols = slot.layout.rows, p.row_numel
+                gathered = self.unsharded[p.unsharded_offset : p.unsharded_offset + rows * cols].view(rows, cols)
+                self.scale_inv_of(slot).copy_(e8m0_to_scale_inv(gathered))
+
+    def reshard(self) -> None:
+        super().reshard()
+        if self.shards_params:
+            for slot in self.slots:
+                if id(slot) in self.fp8_ids:
+                    slot.compute.clear_transpose()
+

@@ -1,0 +1,200 @@
+"""Quantize, dequantize, amax and cast+transpose: the torch reference, and Triton on CUDA.
+
+Every function here has one definition of its result, the torch code below: values are
+multiplied by the fp32 scale, clamped to the format's range and rounded to nearest-even;
+block scales come from the block's amax. ``fsdp8.fp8.triton_kernels`` computes the same
+bits faster on CUDA; ``use_triton`` chooses, and the GPU tests compare the two bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from .formats import FP8_MAX, Granularity, amax_to_e8m0, amax_to_scale, e8m0_to_scale_inv, scale_to_inv
+
+
+@dataclass
+class Quantized:
+    """A 2-D FP8 tensor and the fp32 ``scale_inv`` that turns it back (one per scaling block)."""
+
+    data: torch.Tensor  # (rows, cols), an FP8 dtype
+    scale_inv: torch.Tensor  # [] | (rows, ceil(cols/128)) | (ceil(rows/128), ceil(cols/128)) | (rows, ceil(cols/32))
+    granularity: Granularity
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.data.float() * expand_scale(self.scale_inv, self.granularity, self.data.shape)).to(dtype)
+
+    def t(self) -> "Quantized":
+        """The transpose (a view). Exact for whole-tensor and 128x128 scaling, whose blocks
+        are the same read either way; row blocks are not and must be quantized again."""
+        if self.granularity in (Granularity.ROW_1x128, Granularity.MX_1x32):
+            raise ValueError(f"{self.granularity.value} blocks run along rows; quantize the transpose instead")
+        scale_inv = self.scale_inv if self.granularity is Granularity.TENSOR else self.scale_inv.t()
+        return Quantized(self.data.t(), scale_inv, self.granularity)
+
+    def contiguous(self) -> "Quantized":
+        return Quantized(self.data.contiguous(), self.scale_inv, self.granularity)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scale_inv.numel() * self.scale_inv.element_size()
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Triton kernels run on CUDA tensors when Triton imports; everything else uses torch."""
+    if not x.is_cuda:
+        return False
+    from . import triton_kernels
+
+    return triton_kernels.available()
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _blocks(shape, block) -> Tuple[int, int]:
+    return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
+
+
+def expand_scale(scale: torch.Tensor, granularity: Granularity, shape) -> torch.Tensor:
+    """Broadcast a per-block scale to one value per element of a ``shape`` tensor."""
+    if granularity is Granularity.TENSOR:
+        return scale
+    bm, bk = granularity.block
+    return scale.repeat_interleave(bm, 0).repeat_interleave(bk, 1)[: shape[0], : shape[1]]
+
+
+def _padded_blocks(x: torch.Tensor, block) -> torch.Tensor:
+    """``x`` zero-padded to whole blocks and viewed as (row blocks, bm, col blocks, bk)."""
+    bm, bk = block
+    mb, kb = _blocks(x.shape, block)
+    pad_rows, pad_cols = mb * bm - x.shape[0], kb * bk - x.shape[1]
+    if pad_rows or pad_cols:
+        x = torch.nn.functional.pad(x, (0, pad_cols, 0, pad_rows))
+    return x.reshape(mb, bm, kb, bk)
+
+
+# -- reference ------------------------------------------------------------------------------
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """Largest magnitude as an fp32 scalar tensor; NaN propagates."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.detach().abs().amax().float()
+
+
+def block_amax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
+    """Per-block amax of a 2-D tensor (fp32), shaped like the block grid."""
+    if granularity is Granularity.TENSOR:
+        return amax(x)
+    return _padded_blocks(x.detach().float().abs(), granularity.block).amax(dim=(1, 3))
+
+
+def saturate_cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``round_to_nearest_even(clamp(x * scale, -max, max))`` in the FP8 dtype."""
+    fmax = FP8_MAX[fp8_dtype]
+    return (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype)
+
+
+def scales_for(block_amaxes: torch.Tensor, granularity: Granularity, fp8_dtype: torch.dtype, margin: int = 0):
+    """(scale, scale_inv) for amaxes: FP8_MAX / amax, or the MX power of two."""
+    if granularity is Granularity.MX_1x32:
+        scale_inv = e8m0_to_scale_inv(amax_to_e8m0(block_amaxes, fp8_dtype))
+        return torch.reciprocal(scale_inv), scale_inv
+    scale = amax_to_scale(block_amaxes, fp8_dtype, margin)
+    return scale, scale_to_inv(scale)
+
+
+def quantize(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    granularity: Granularity,
+    scale: Optional[torch.Tensor] = None,
+) -> Quantized:
+    """Quantize a 2-D tensor. ``scale`` (whole-tensor only) gives a precomputed scale, as
+    delayed scaling and cross-rank agreed scales do; otherwise scales come from this tensor."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize expects a 2-D tensor, got shape {tuple(x.shape)}")
+    if use_triton(x):
+        from . import triton_kernels
+
+        return triton_kernels.quantize(x, fp8_dtype, granularity, scale)
+    return quantize_reference(x, fp8_dtype, granularity, scale)
+
+
+def quantize_reference(x, fp8_dtype, granularity, scale=None) -> Quantized:
+    if granularity is Granularity.TENSOR:
+        if scale is None:
+            scale = amax_to_scale(amax(x), fp8_dtype)
+        scale = scale.float().reshape(())
+        return Quantized(saturate_cast(x, scale, fp8_dtype), scale_to_inv(scale), granularity)
+    if scale is not None:
+        raise ValueError("a precomputed scale applies to whole-tensor scaling only")
+    return quantize_with_block_amax(x, block_amax(x, granularity), fp8_dtype, granularity)
+
+
+def quantize_with_block_amax(x, block_amaxes, fp8_dtype, granularity, margin: int = 0) -> Quantized:
+    """Quantize with given per-block amaxes (e.g. agreed across the ranks sharing a block)."""
+    scale, scale_inv = scales_for(block_amaxes, granularity, fp8_dtype, margin)
+    if granularity is Granularity.TENSOR:
+        return Quantized(saturate_cast(x, scale, fp8_dtype), scale_inv, granularity)
+    blocks = _padded_blocks(x.float(), granularity.block)
+    fmax = FP8_MAX[fp8_dtype]
+    q = (blocks * scale[:, None, :, None]).clamp(-fmax, fmax).to(fp8_dtype)
+    mb, bm, kb, bk = q.shape
+    data = q.reshape(mb * bm, kb * bk)[: x.shape[0], : x.shape[1]].contiguous()
+    return Quantized(data, scale_inv, granularity)
+
+
+def cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
+    """Whole-tensor quantization of ``x`` and of ``x.t()`` (contiguous) plus the amax of
+    ``x``, in one pass over ``x`` on CUDA: what a linear needs for both of its GEMMs."""
+    if use_triton(x):
+        from . import triton_kernels
+
+        return triton_kernels.cast_transpose(x, scale, fp8_dtype)
+    q = saturate_cast(x, scale, fp8_dtype)
+    return q, q.t().contiguous(), amax(x)
+
+
+def quantize_rows_with_grid(rows: torch.Tensor, row_start: int, scale_grid: torch.Tensor,
+                            granularity: Granularity, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Quantize a 2-D slice of rows ``[row_start, row_start + len)`` of a larger tensor whose
+    scales are already known: a scalar, or a grid of 128x128 block scales of the whole tensor.
+    This is how a rank quantizes its shard with scales agreed across all shards."""
+    if granularity is Granularity.TENSOR:
+        return saturate_cast(rows, scale_grid, fp8_dtype)
+    if granularity is not Granularity.BLOCK_128x128:
+        raise ValueError(f"agreed scales exist for whole-tensor and 128x128 scaling, not {granularity.value}")
+    if use_triton(rows):
+        from . import triton_kernels
+
+        return triton_kernels.quantize_rows_with_grid(rows, row_start, scale_grid, fp8_dtype)
+    row_block = (torch.arange(rows.shape[0], device=rows.device) + row_start) // 128
+    scales = scale_grid[row_block].repeat_interleave(128, dim=1)[:, : rows.shape[1]]
+    return saturate_cast(rows, scales, fp8_dtype)
+
+
+def partial_block_amax(rows: torch.Tensor, row_start: int, total_rows: int) -> torch.Tensor:
+    """128x128 block amaxes of the whole tensor as seen from rows ``[row_start, +len)``:
+    blocks this slice does not touch hold 0, so a max all-reduce over the ranks yields the
+    amax of every block even where a block straddles two shards."""
+    cols = rows.shape[1]
+    grid = torch.zeros(math.ceil(total_rows / 128), math.ceil(cols / 128), dtype=torch.float32, device=rows.device)
+    if rows.shape[0] == 0:
+        return grid
+    first = row_start // 128
+    offset = row_start - first * 128  # pad in front so the slice starts on a block boundary
+    padded = torch.nn.functional.pad(rows.detach().float().abs(), (0, 0, offset, 0))
+    local = block_amax(padded, Granularity.BLOCK_128x128)
+    grid[first : first + local.shape[0]] = local
+    return grid

@@ -1,0 +1,192 @@
+"""FP8 linear: the three GEMMs (out, dgrad, wgrad) through torch._scaled_mm, emulated where
+the device has no native FP8 GEMM for the recipe (the quantization is identical)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .formats import Granularity, scale_inv_to_e8m0
+from .kernels import Quantized, amax, cast_transpose, quantize
+from .recipes import G, W, X, DelayedState, Recipe
+from .tensor import Float8Tensor
+
+
+# -- GEMM --------------------------------------------------------------------------------------
+def _outer_major(scale: torch.Tensor) -> torch.Tensor:
+    """cuBLAS wants 1x128 scales stored outer-dimension-major (column-major)."""
+    return scale.t().contiguous().t()
+
+
+def to_blocked(scale: torch.Tensor) -> torch.Tensor:
+    """MX scales in the tiled layout cuBLAS reads on sm100: 128x4 tiles, each split into
+    four 32x4 column groups stored side by side."""
+    rows, cols = scale.shape
+    r_blocks, c_blocks = -(-rows // 128), -(-cols // 4)
+    padded = torch.zeros(r_blocks * 128, c_blocks * 4, dtype=scale.dtype, device=scale.device)
+    padded[:rows, :cols] = scale
+    tiles = padded.view(r_blocks, 128, c_blocks, 4).permute(0, 2, 1, 3)
+    return tiles.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1, 32, 16).flatten()
+
+
+def _native_ok(a: Quantized, b: Quantized, recipe: Recipe) -> bool:
+    if not (a.data.is_cuda and recipe.native_gemm(a.data.device)):
+        return False
+    m, k = a.shape
+    n = b.shape[0]
+    if k % 16 or n % 16:
+        return False
+    pair = (a.granularity, b.granularity)
+    if Granularity.MX_1x32 in pair:
+        return pair == (Granularity.MX_1x32, Granularity.MX_1x32) and k % 32 == 0
+    if pair == (Granularity.TENSOR, Granularity.TENSOR):
+        return not (a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2)
+    return k % 128 == 0 and pair in (
+        (Granularity.ROW_1x128, Granularity.BLOCK_128x128),
+        (Granularity.ROW_1x128, Granularity.ROW_1x128),
+    )
+
+
+def fp8_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, recipe: Recipe, fast_accum: bool = False) -> torch.Tensor:
+    """``a @ b.T`` for row-major ``a`` (M, K) and ``b`` (N, K), both quantized along K."""
+    if not _native_ok(a, b, recipe):
+        # Emulation: exact dequantization, then one matmul (bf16 for MX: power-of-two scales
+        # keep the dequantized values exact in bf16; fp32 otherwise).
+        dtype = torch.bfloat16 if (a.data.is_cuda and a.granularity is Granularity.MX_1x32) else torch.float32
+        return (a.dequantize(dtype) @ b.dequantize(dtype).t()).to(out_dtype)
+    mat_b = b.data.t()  # column-major (K, N) view of the row-major (N, K) operand
+    if a.granularity is Granularity.TENSOR:
+        return torch._scaled_mm(a.data, mat_b, a.scale_inv, b.scale_inv, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    if a.granularity is Granularity.MX_1x32:
+        scale_a = to_blocked(_e8m0(a.scale_inv))
+        scale_b = to_blocked(_e8m0(b.scale_inv))
+        return torch._scaled_mm(a.data, mat_b, scale_a, scale_b, out_dtype=torch.bfloat16).to(out_dtype)
+    scale_b = b.scale_inv.t() if b.granularity is Granularity.BLOCK_128x128 else b.scale_inv.t().contiguous()
+    out = torch._scaled_mm(a.data, mat_b, _outer_major(a.scale_inv), scale_b, out_dtype=torch.bfloat16)
+    return out.to(out_dtype)
+
+
+def _e8m0(scale_inv: torch.Tensor) -> torch.Tensor:
+    return scale_inv_to_e8m0(scale_inv).view(torch.float8_e8m0fnu)
+
+
+# -- quantizing the three operands ---------------------------------------------------------------
+def _quantize_both_ways(t: torch.Tensor, granularity: Granularity, fp8_dtype, state: Optional[DelayedState], row: int):
+    """``t`` quantized along its rows and its transpose quantized along *its* rows."""
+    if granularity is Granularity.TENSOR:
+        if state is not None:
+            scale = state.scale[row]
+            state.record(row, amax(t))
+        else:
+            from .formats import amax_to_scale
+
+            scale = amax_to_scale(amax(t), fp8_dtype)
+        q, q_t, _ = cast_transpose(t, scale, fp8_dtype)
+        inv = torch.reciprocal(scale.float())
+        return Quantized(q, inv, granularity), Quantized(q_t, inv, granularity)
+    return quantize(t, fp8_dtype, granularity), quantize(t.t(), fp8_dtype, granularity)
+
+
+def _weight_operands(weight, recipe: Recipe, state: Optional[DelayedState], dtype) -> Quantized:
+    """The weight (N, K) quantized along K; an engine-gathered FP8 weight is used as is."""
+    if isinstance(weight, Float8Tensor):
+        return weight.quantized()
+    w = weight.detach().to(dtype)
+    if recipe.w_granularity is Granularity.TENSOR:
+        if state is not None:
+            state.record(W, amax(w))
+            return quantize(w, recipe.fwd_dtype, Granularity.TENSOR, scale=state.scale[W])
+        return quantize(w, recipe.fwd_dtype, Granularity.TENSOR)
+    return quantize(w, recipe.fwd_dtype, recipe.w_granularity)
+
+
+def _weight_transposed(weight, qw: Quantized, recipe: Recipe) -> Quantized:
+    """The weight's transpose (K, N) quantized along N, for the input-gradient GEMM.
+
+    Whole-tensor and 128x128 scaling read the same blocks either way, so this is a
+    transposed copy of the FP8 bytes (cached on an engine weight for the step); MX blocks
+    are not symmetric and are quantized again from the dequantized weight."""
+    if isinstance(weight, Float8Tensor):
+        return weight.transposed()
+    if qw.granularity is Granularity.MX_1x32:
+        return quantize(qw.dequantize(torch.float32).t().contiguous(), qw.fp8_dtype, Granularity.MX_1x32)
+    return qw.t().contiguous()
+
+
+class _Float8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, module: "Float8Linear"):
+        recipe, state = module.recipe, module.delayed_state(x.device)
+        x2d = x.reshape(-1, x.shape[-1])
+        compute_dtype = x.dtype
+        qw = _weight_operands(weight, recipe, state, compute_dtype)
+        qx, qx_t = _quantize_both_ways(x2d, recipe.x_granularity, recipe.fwd_dtype, state, X)
+        out = fp8_mm(qx, qw, compute_dtype, recipe, fast_accum=True)
+        if bias is not None:
+            out = out + bias.to(compute_dtype)
+        # Saved for backward: FP8 only (the input's transpose and the weight), no bf16 copy.
+        ctx.qx_t, ctx.qw, ctx.weight, ctx.module = qx_t, qw, weight, module
+        ctx.has_bias, ctx.x_shape, ctx.compute_dtype = bias is not None, x.shape, compute_dtype
+        ctx.weight_dtype = weight.dtype
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        recipe, module = ctx.module.recipe, ctx.module
+        state = module.delayed_state(dy.device)
+        dy2d = dy.reshape(-1, dy.shape[-1]).to(ctx.compute_dtype)
+        qdy, qdy_t = _quantize_both_ways(dy2d, recipe.g_granularity, recipe.bwd_dtype, state, G)
+        qw_t = _weight_transposed(ctx.weight, ctx.qw, recipe)
+        dx = fp8_mm(qdy, qw_t, ctx.compute_dtype, recipe)
+        dw = fp8_mm(qdy_t, ctx.qx_t, ctx.compute_dtype, recipe)
+        dbias = dy2d.sum(0) if ctx.has_bias else None
+        ctx.qx_t = ctx.qw = ctx.weight = None
+        return dx.view(ctx.x_shape), dw.to(ctx.weight_dtype), dbias, None
+
+
+_FLOAT8_CLASSES: dict = {}
+
+
+class Float8Linear(nn.Linear):
+    """``nn.Linear`` whose GEMMs run in FP8 under ``recipe`` (see fsdp8.fp8.recipes)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: Optional[Recipe] = None,
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        if recipe is None:
+            raise ValueError("Float8Linear needs a recipe, e.g. fsdp8.Float8CurrentScaling()")
+        self.recipe = recipe
+        self._delayed: Optional[DelayedState] = None
+        # Under fully_shard, the engine batches delayed-scaling updates across all linears.
+        self.external_delayed_update = False
+
+    @classmethod
+    def convert(cls, linear: nn.Linear, recipe: Recipe) -> "Float8Linear":
+        """Turn ``linear`` into a Float8Linear in place (same object, parameters, hooks and
+        custom ``reset_parameters``); a subclass of nn.Linear becomes ``Float8<Subclass>``."""
+        base = type(linear)
+        if base is not nn.Linear and base not in _FLOAT8_CLASSES:
+            _FLOAT8_CLASSES[base] = type(f"Float8{base.__name__}", (cls, base), {})
+        linear.__class__ = cls if base is nn.Linear else _FLOAT8_CLASSES[base]
+        linear.recipe = recipe
+        linear._delayed = None
+        linear.external_delayed_update = False
+        return linear
+
+    def delayed_state(self, device: torch.device) -> Optional[DelayedState]:
+        if not self.recipe.delayed:
+            return None
+        if self._delayed is None:
+            self._delayed = DelayedState(self.recipe, device)
+        return self._delayed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = self.delayed_state(x.device)
+        if state is not None and not self.external_delayed_update and state.dirty:
+            state.update()  # standalone use: fold last step's amaxes in before using the scales
+        return _Float8LinearFn.apply(x, self.weight, self.bias, self)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe}"

@@ -1,0 +1,184 @@
+"""FP8 recipes (frozen dataclasses) and the state delayed scaling keeps per linear."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .formats import E4M3, E5M2, Granularity, amax_to_scale, scale_to_inv
+
+_FORMATS = ("hybrid", "e4m3")
+
+
+class Recipe:
+    """What every recipe answers: dtypes and scaling granularity of x, w and dy."""
+
+    fp8_format: str = "hybrid"
+    x_granularity = Granularity.TENSOR
+    w_granularity = Granularity.TENSOR
+    g_granularity = Granularity.TENSOR
+    delayed = False
+    name = "recipe"
+
+    def _check_format(self, allowed=_FORMATS) -> None:
+        if self.fp8_format not in allowed:
+            raise ValueError(f"{type(self).__name__}.fp8_format={self.fp8_format!r}: use one of {', '.join(map(repr, allowed))}")
+
+    @property
+    def fwd_dtype(self) -> torch.dtype:
+        return E4M3
+
+    @property
+    def bwd_dtype(self) -> torch.dtype:
+        """'hybrid' keeps gradients in e5m2 (more range), 'e4m3' everywhere else."""
+        return E5M2 if self.fp8_format == "hybrid" else E4M3
+
+    def native_gemm(self, device: torch.device) -> bool:
+        """Whether this device multiplies this recipe's FP8 operands natively (else emulated)."""
+        if device.type != "cuda":
+            return False
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@dataclass(frozen=True)
+class DelayedScaling(Recipe):
+    """Per-tensor scales from a history of amaxes (one batched all-reduce per step)."""
+
+    amax_history_len: int = 1024
+    amax_compute: str = "max"  # or "most_recent"
+    margin: int = 0
+    fp8_format: str = "hybrid"
+
+    delayed = True
+    name = "delayed"
+
+    def __post_init__(self):
+        self._check_format()
+        if self.amax_history_len < 1:
+            raise ValueError(f"amax_history_len must be >= 1, got {self.amax_history_len}")
+        if self.amax_compute not in ("max", "most_recent"):
+            raise ValueError(f"amax_compute={self.amax_compute!r}: use 'max' or 'most_recent'")
+        if self.margin < 0:
+            raise ValueError(f"margin must be >= 0, got {self.margin}")
+
+
+@dataclass(frozen=True)
+class Float8CurrentScaling(Recipe):
+    """Per-tensor scales from the tensor's own amax, computed when it is quantized."""
+
+    fp8_format: str = "hybrid"
+    name = "current"
+
+    def __post_init__(self):
+        self._check_format()
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling(Recipe):
+    """1x128 blocks for activations and gradients, 128x128 for weights (DeepSeek-V3 style);
+    native through cuBLAS on Hopper (sm90)."""
+
+    fp8_format: str = "e4m3"
+    x_granularity = Granularity.ROW_1x128
+    w_granularity = Granularity.BLOCK_128x128
+    g_granularity = Granularity.ROW_1x128
+    name = "block"
+
+    def __post_init__(self):
+        self._check_format(("e4m3",))
+
+    def native_gemm(self, device: torch.device) -> bool:
+        return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+@dataclass(frozen=True)
+class MXFP8BlockScaling(Recipe):
+    """OCP MXFP8: 1x32 blocks with power-of-two (e8m0) scales. Native GEMMs need sm100;
+    elsewhere the GEMM is emulated (exact dequantize, bf16 matmul)."""
+
+    fp8_format: str = "e4m3"
+    x_granularity = Granularity.MX_1x32
+    w_granularity = Granularity.MX_1x32
+    g_granularity = Granularity.MX_1x32
+    name = "mxfp8"
+
+    def __post_init__(self):
+        self._check_format()
+
+    def native_gemm(self, device: torch.device) -> bool:
+        return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (10, 0)
+
+
+RECIPES = {
+    "fp8-delayed": DelayedScaling,
+    "fp8-current": Float8CurrentScaling,
+    "fp8-block": Float8BlockScaling,
+    "fp8-mxfp8": MXFP8BlockScaling,
+}
+
+
+def recipe_from_name(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise ValueError(f"unknown FP8 recipe {name!r}: use one of {', '.join(RECIPES)}")
+    return RECIPES[name]()
+
+
+X, W, G = 0, 1, 2  # rows of a DelayedState: input, weight, output gradient
+
+
+class DelayedState:
+    """Amax history and scales of one linear under delayed scaling.
+
+    Amaxes seen in a step collect in ``pending`` (a running max, no host sync); ``update``
+    folds them into the history and derives the scales used by the next step. Under the
+    sharding engine ``update_delayed_states`` does this for every linear at once, with one
+    all-reduce (max) over the data-parallel group."""
+
+    def __init__(self, recipe: DelayedScaling, device: torch.device):
+        self.recipe = recipe
+        self.dtypes = (recipe.fwd_dtype, recipe.fwd_dtype, recipe.bwd_dtype)
+        self.history = torch.zeros(3, recipe.amax_history_len, device=device)
+        self.scale = torch.ones(3, device=device)
+        self.pending = torch.zeros(3, device=device)
+        self.dirty = False  # host-side: amaxes recorded since the last update
+        self.steps = 0
+
+    def to(self, device: torch.device) -> "DelayedState":
+        for name in ("history", "scale", "pending"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+    def record(self, row: int, amax: torch.Tensor) -> None:
+        self.pending[row] = torch.maximum(self.pending[row], amax.to(self.pending.device))
+        self.dirty = True
+
+    def update(self, amaxes: Optional[torch.Tensor] = None) -> None:
+        """Roll ``amaxes`` (default: this state's pending) into the history; recompute scales."""
+        amaxes = self.pending if amaxes is None else amaxes
+        self.history = torch.roll(self.history, 1, dims=1)
+        self.history[:, 0] = amaxes
+        if self.recipe.amax_compute == "max":
+            current = self.history.amax(dim=1)
+        else:
+            current = self.history[:, 0]
+        self.scale = torch.stack([amax_to_scale(current[i], self.dtypes[i], self.recipe.margin) for i in range(3)])
+        self.pending.zero_()
+        self.dirty = False
+        self.steps += 1
+
+    def scale_inv(self, row: int) -> torch.Tensor:
+        return scale_to_inv(self.scale[row])
+
+
+def update_delayed_states(states: Sequence[DelayedState], group=None) -> None:
+    """One batched max all-reduce of every state's pending amaxes, then each ``update``."""
+    if not states:
+        return
+    stacked = torch.stack([s.pending for s in states])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=group)
+    for state, row in zip(states, stacked):
+        state.update(row)

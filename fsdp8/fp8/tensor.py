@@ -1,0 +1,74 @@
+"""Float8Tensor: FP8 bytes and their scales, posing as a tensor of the compute dtype.
+
+The sharding engine gives a Float8Linear its gathered weight as a Float8Tensor, so the
+GEMMs use the 8-bit bytes that travelled over the wire as they are. Any other op sees the
+dequantized value, so code that does not know about FP8 still works (slowly).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .formats import Granularity
+from .kernels import Quantized
+
+_ALIAS_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+
+
+class Float8Tensor(torch.Tensor):
+    """A 2-D FP8 tensor with ``scale_inv`` (per tensor or per block) and a logical dtype."""
+
+    _data: torch.Tensor
+    _scale_inv: torch.Tensor
+    _granularity: Granularity
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, granularity: Granularity,
+                dtype: torch.dtype, requires_grad: bool = False):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, dtype=dtype, device=data.device, requires_grad=requires_grad
+        )
+
+    def __init__(self, data, scale_inv, granularity, dtype, requires_grad: bool = False):
+        self._data = data
+        self._scale_inv = scale_inv
+        self._granularity = granularity
+        self._transpose: Optional[Quantized] = None
+
+    def __repr__(self) -> str:
+        return (f"Float8Tensor(shape={tuple(self.shape)}, fp8={self._data.dtype}, "
+                f"granularity={self._granularity.value}, dtype={self.dtype})")
+
+    def quantized(self) -> Quantized:
+        return Quantized(self._data, self._scale_inv, self._granularity)
+
+    def transposed(self) -> Quantized:
+        """The transposed FP8 copy the input-gradient GEMM needs, made once per gather."""
+        if self._transpose is None:
+            q = self.quantized()
+            if self._granularity is Granularity.MX_1x32:
+                from .kernels import quantize
+
+                self._transpose = quantize(q.dequantize(torch.float32).t().contiguous(), q.fp8_dtype, Granularity.MX_1x32)
+            else:
+                self._transpose = q.t().contiguous()
+        return self._transpose
+
+    def clear_transpose(self) -> None:
+        self._transpose = None
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        return self.quantized().dequantize(dtype or self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _ALIAS_OPS:
+            src = args[0]
+            return Float8Tensor(src._data, src._scale_inv, src._granularity, src.dtype)
+        # Everything else runs on the dequantized value.
+        unwrap = lambda t: t.dequantize() if isinstance(t, Float8Tensor) else t  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
