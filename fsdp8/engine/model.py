@@ -17,7 +17,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..config import OuterStrategy, Precision, Strategy
 from ..parallel.mesh import default_device_type, init_distributed
 from . import comm
-from ..fp8.convert import convert_to_fp8
+from ..fp8.convert import convert_linears, warn_skipped
 from ..fp8.linear import Float8Linear
 from ..fp8.recipes import Recipe
 from .check import check_same_everywhere
@@ -320,8 +320,10 @@ def fully_shard(
     if fp8 is not None:
         if not isinstance(fp8, Recipe):
             raise TypeError(f"fp8 must be an fsdp8 FP8 recipe (e.g. fsdp8.Float8CurrentScaling()), got {fp8!r}")
+        skipped = []
         for name, unit_module in unit_modules:
-            convert_to_fp8(unit_module, fp8, fp8_filter, prefix=f"{name}.")
+            skipped += convert_linears(unit_module, fp8, fp8_filter, prefix=f"{name}.")[1]
+        warn_skipped(skipped)
     per_unit, originals = _collect_slots(module, unit_modules)
     has_meta = any(p.is_meta for p in originals.values())
     header = [

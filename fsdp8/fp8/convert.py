@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch.nn as nn
 
@@ -23,6 +23,14 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, filter: Optional[LinearFilt
     """Turn every ``nn.Linear`` in ``model`` that ``filter(name, linear)`` accepts into a
     Float8Linear, in place; returns the converted names. The default filter skips layers
     whose dimensions are not multiples of 16 and says so once."""
+    converted, skipped = convert_linears(model, recipe, filter, prefix)
+    warn_skipped(skipped)
+    return converted
+
+
+def convert_linears(model: nn.Module, recipe: Recipe, filter: Optional[LinearFilter] = None,
+                    prefix: str = "") -> Tuple[List[str], List[str]]:
+    """convert_to_fp8 without the warning: (converted names, skipped by the default filter)."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be an fsdp8 FP8 recipe (e.g. Float8CurrentScaling()), got {type(recipe).__name__}")
     accept = filter or fp8_friendly
@@ -34,9 +42,12 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, filter: Optional[LinearFilt
         if accept(full, module):
             Float8Linear.convert(module, recipe)
             converted.append(full)
-        else:
+        elif filter is None:
             skipped.append(f"{full} ({module.in_features}x{module.out_features})")
-    if skipped and filter is None:
-        warnings.warn(f"fsdp8: kept {len(skipped)} linear layer(s) in high precision, dimensions not multiples of 16: "
-                      + ", ".join(skipped), stacklevel=2)
-    return converted
+    return converted, skipped
+
+
+def warn_skipped(skipped: List[str]) -> None:
+    if skipped:
+        warnings.warn(f"fsdp8: kept {len(skipped)} linear layer(s) in high precision, dimensions not multiples "
+                      f"of 16: {', '.join(skipped)}", stacklevel=3)

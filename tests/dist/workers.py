@@ -411,3 +411,96 @@ def fp8_parity(recipe_name, strategy="optim_grads_params", mesh_shape=None, oute
     common.train_sharded(sharded, steps, micro_batches=micro_batches)
     common.train_reference(reference, steps, compute_dtype=torch.bfloat16, micro_batches=micro_batches)
     return common.relative_errors(sharded, reference), kinds
+
+
+def fp8_gathered_weight(recipe_name, strategy="optim_grads_params", mesh_shape=None, outer="no_shard", dim=32, ffn=64):
+    """Compare each gathered FP8 weight with quantizing the full (fp32-gathered) weight; count bytes."""
+    from fsdp8.fp8.kernels import quantize
+    from fsdp8.fp8.tensor import Float8Tensor
+    from fsdp8.models.llama import Llama, LlamaConfig
+
+    recipe = fp8_recipe(recipe_name)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=4 * common.world() + 1, dim=dim, n_layers=2, n_heads=2, n_kv_heads=1,
+                      ffn_dim=ffn, max_seq_len=16)
+    model = Llama(cfg).to(common.device())
+    sharded = fsdp8.fully_shard(model, mesh=_mesh(mesh_shape), strategy=strategy, outer_strategy=outer, fp8=recipe,
+                                precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    common.train_sharded(sharded, 2)  # scales and weights after real optimizer steps
+    unit = sharded._fsdp8.units[0]
+    full = {s.fqn: s.main.full_tensor() for s in unit.slots}  # fp32 all-gather, for the check only
+    sharded._fsdp8.scales.refresh()
+    with CountCollectives() as counter, _GatherBytes() as wire:
+        unit.gather()
+        unit.wait_gather()
+    worst, checked = 0.0, 0
+    for slot in unit.slots:
+        if not isinstance(slot.compute, Float8Tensor):
+            with torch.no_grad():
+                got = slot.compute.float()
+                worst = max(worst, float((got - full[slot.fqn].to(torch.bfloat16).float()).abs().max()))
+            continue
+        weight = full[slot.fqn].to(torch.bfloat16)
+        if recipe.delayed:  # the scale comes from the weight's amax history
+            state = slot.aliases[0][0]._delayed
+            expected = quantize(weight, recipe.fwd_dtype, recipe.w_granularity, scale=state.scale[1])
+        else:
+            expected = quantize(weight, recipe.fwd_dtype, recipe.w_granularity)
+        got = slot.compute.quantized()
+        same_bytes = torch.equal(got.data.view(torch.uint8), expected.data.view(torch.uint8))
+        same_scales = torch.equal(got.scale_inv, expected.scale_inv)
+        if not (same_bytes and same_scales):
+            return {"mismatch": slot.fqn}
+        checked += 1
+    fp8_elems = sum(s.layout.numel for s in unit.slots if isinstance(s.compute, Float8Tensor))
+    other_elems = sum(s.layout.numel for s in unit.slots if not isinstance(s.compute, Float8Tensor))
+    return {"checked": checked, "other_max_err": worst, "wire_bytes": wire.bytes, "fp8_elems": fp8_elems,
+            "other_elems": other_elems, "collectives": counter.counts, "world": common.world(),
+            "padded_rows": [s.layout.chunk_rows * unit.layout.num_chunks - s.layout.rows for s in unit.slots]}
+
+
+class _GatherBytes:
+    """Sums the bytes every rank receives from all-gathers while active (the payload)."""
+
+    def __enter__(self):
+        from fsdp8.engine import comm
+
+        self.bytes = 0
+        self._orig = comm.all_gather
+
+        def counted(out, inp, group, label):
+            self.bytes += out.numel() * out.element_size()
+            return self._orig(out, inp, group, label)
+
+        comm.all_gather = counted
+        return self
+
+    def __exit__(self, *exc):
+        from fsdp8.engine import comm
+
+        comm.all_gather = self._orig
+        return False
+
+
+def delayed_scaling_engine(steps=3):
+    """Delayed scaling under the engine: one max all-reduce per step (fp8 amaxes) and
+    identical histories on every rank, each holding the max over ranks of the amaxes."""
+    from fsdp8.fp8.linear import Float8Linear
+    from fsdp8.fp8.recipes import DelayedScaling
+
+    recipe = DelayedScaling(amax_history_len=4)
+    model = common.build_fp8_llama()
+    sharded = fsdp8.fully_shard(model, fp8=recipe,
+                                precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    common.train_sharded(sharded, 1, clip=0)
+    linears = [m for m in sharded.modules() if isinstance(m, Float8Linear)]
+    with CountCollectives() as counter:
+        common.train_sharded(sharded, steps, clip=0)
+        sharded._fsdp8.scales.refresh()  # fold the last step in, as the next forward would
+    states = [m._delayed for m in linears]
+    return {
+        "all_reduces": counter.counts.get("all_reduce", 0),
+        "history": torch.stack([s.history for s in states]).cpu(),
+        "scale": torch.stack([s.scale for s in states]).cpu(),
+        "external": all(m.external_delayed_update for m in linears),
+    }

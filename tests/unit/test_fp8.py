@@ -1,0 +1,259 @@
+"""FP8 formats, quantization, recipes and the FP8 linear (single process, CPU)."""
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fsdp8.fp8.convert import convert_to_fp8
+from fsdp8.fp8.formats import (
+    E4M3, E5M2, FP8_MAX, Granularity, amax_to_e8m0, amax_to_scale, e8m0_to_scale_inv, scale_inv_to_e8m0,
+)
+from fsdp8.fp8.kernels import Quantized, quantize, quantize_reference, saturate_cast
+from fsdp8.fp8.linear import Float8Linear
+from fsdp8.fp8.recipes import (
+    DelayedScaling, DelayedState, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, update_delayed_states,
+)
+from fsdp8.fp8.tensor import Float8Tensor
+
+GRANULARITIES = list(Granularity)
+# Half an ulp, relative, of a normal FP8 value: 2**-(mantissa bits + 1).
+UNIT_ROUNDOFF = {E4M3: 2.0**-4, E5M2: 2.0**-3}
+# Half the subnormal spacing, the absolute error floor in the scaled domain.
+SUBNORMAL_HALF = {E4M3: 2.0**-10, E5M2: 2.0**-17}
+
+
+def _slow_block_quantize(x, fp8, granularity):
+    """Block quantization written out block by block (independent of fsdp8's kernels)."""
+    bm, bk = granularity.block
+    rows, cols = x.shape
+    data = torch.empty_like(x, dtype=fp8)
+    inv = torch.empty(math.ceil(rows / bm), math.ceil(cols / bk))
+    for i in range(inv.shape[0]):
+        for j in range(inv.shape[1]):
+            block = x[i * bm:(i + 1) * bm, j * bk:(j + 1) * bk].float()
+            a = block.abs().max()
+            if granularity is Granularity.MX_1x32:
+                exponent = max(math.floor(math.log2(a)) - (8 if fp8 == E4M3 else 15), -127) if a > 0 else -127
+                scale_inv = 2.0 ** exponent
+                scale = 1.0 / scale_inv
+            else:
+                # tensor / tensor is an IEEE division (float / tensor would multiply by a reciprocal)
+                scale = torch.tensor(FP8_MAX[fp8]) / a.float() if a > 0 else torch.tensor(1.0)
+                scale_inv = torch.reciprocal(scale)
+            inv[i, j] = scale_inv
+            data[i * bm:(i + 1) * bm, j * bk:(j + 1) * bk] = (block * scale).clamp(-FP8_MAX[fp8], FP8_MAX[fp8]).to(fp8)
+    return data, inv
+
+
+@pytest.mark.parametrize("granularity", [Granularity.ROW_1x128, Granularity.BLOCK_128x128, Granularity.MX_1x32])
+@pytest.mark.parametrize("shape", [(130, 260), (7, 33), (256, 128)])
+def test_block_quantization_matches_block_by_block(granularity, shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape) * torch.logspace(-3, 3, shape[1])  # columns of very different size
+    q = quantize_reference(x, E4M3, granularity)
+    data, inv = _slow_block_quantize(x, E4M3, granularity)
+    assert torch.equal(q.data.view(torch.uint8), data.view(torch.uint8))
+    assert torch.equal(q.scale_inv, inv.float())
+
+
+@pytest.mark.parametrize("fp8,granularity", [(f, g) for f in (E4M3, E5M2) for g in GRANULARITIES
+                                             if not (g is Granularity.MX_1x32 and f == E5M2)])  # MX is e4m3 only
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-3, 1.0, 1e4, 1e30])
+def test_round_trip_within_format_bound(fp8, granularity, magnitude):
+    torch.manual_seed(1)
+    x = torch.randn(64, 256) * magnitude
+    q = quantize(x, fp8, granularity)
+    back = q.dequantize(torch.float32)
+    from fsdp8.fp8.kernels import expand_scale
+
+    scale = 1.0 / expand_scale(q.scale_inv, granularity, x.shape)
+    bound = torch.maximum(UNIT_ROUNDOFF[fp8] * x.abs(), SUBNORMAL_HALF[fp8] / scale)
+    if granularity is Granularity.MX_1x32:
+        # Power-of-two scales map a block's amax into [256, 512): values above 448 saturate.
+        bound = torch.maximum(bound, (x.abs() - FP8_MAX[fp8] / scale).clamp_min(0))
+    assert torch.all((back - x).abs() <= bound * (1 + 1e-6))
+
+
+def test_saturation_zeros_and_nan():
+    assert saturate_cast(torch.tensor([1e9, -1e9, 500.0]), torch.tensor(1.0), E4M3).float().tolist() == [448, -448, 448]
+    assert saturate_cast(torch.tensor([1e9]), torch.tensor(1.0), E5M2).float().item() == 57344
+    zeros = quantize(torch.zeros(4, 8), E4M3, Granularity.TENSOR)
+    assert zeros.scale_inv.item() == 1.0 and torch.all(zeros.dequantize() == 0)
+    x = torch.randn(4, 32)
+    x[1, 3] = float("nan")
+    for granularity in GRANULARITIES:
+        back = quantize(x, E4M3, granularity).dequantize()
+        assert torch.isnan(back[1, 3])
+    inf = quantize(torch.tensor([[float("inf"), 1.0]]), E4M3, Granularity.TENSOR)
+    assert inf.scale_inv.item() == 1.0 and inf.dequantize()[0, 0].item() == 448.0
+
+
+def test_amax_to_scale():
+    amax = torch.tensor([448.0, 1.0, 0.0, float("inf"), float("nan")])
+    assert amax_to_scale(amax, E4M3).tolist()[:3] == [1.0, 448.0, 1.0]
+    assert amax_to_scale(amax, E4M3).tolist()[3] == 1.0 and amax_to_scale(amax, E4M3).tolist()[4] == 1.0
+    assert amax_to_scale(torch.tensor(1.0), E4M3, margin=2).item() == 112.0
+
+
+def test_e8m0_scales_are_exact_powers_of_two():
+    amax = torch.tensor([448.0, 1.0, 3.0, 1e-30, 0.0, 1e38, float("nan")])
+    e8m0 = amax_to_e8m0(amax, E4M3)
+    # floor(log2(amax)) - 8 + 127: 448 -> 8, 1 -> 0, 3 -> 1, 1e-30 -> -100, 1e38 -> 126; 0 -> 0; NaN -> 255
+    assert e8m0.tolist() == [127, 119, 120, 19, 0, 245, 255]
+    inv = e8m0_to_scale_inv(e8m0)
+    finite = inv[:-1]
+    assert torch.equal(torch.log2(finite), torch.log2(finite).round())
+    assert inv[4].item() == 2.0**-127 and torch.isnan(inv[-1])
+    assert torch.equal(scale_inv_to_e8m0(inv[:-1]), e8m0[:-1])
+    q = quantize(torch.randn(8, 64), E4M3, Granularity.MX_1x32)
+    assert torch.equal(torch.log2(q.scale_inv), torch.log2(q.scale_inv).round())
+
+
+def test_transpose_of_whole_tensor_and_128_blocks_is_exact():
+    x = torch.randn(256, 384)
+    for granularity in (Granularity.TENSOR, Granularity.BLOCK_128x128):
+        q = quantize(x, E4M3, granularity)
+        qt = quantize(x.t().contiguous(), E4M3, granularity)
+        assert torch.equal(q.t().contiguous().data.view(torch.uint8), qt.data.view(torch.uint8))
+        assert torch.equal(q.t().scale_inv, qt.scale_inv)
+    with pytest.raises(ValueError, match="quantize the transpose instead"):
+        quantize(x, E4M3, Granularity.ROW_1x128).t()
+
+
+# -- the linear -------------------------------------------------------------------------------------
+RECIPES = [Float8CurrentScaling(), DelayedScaling(amax_history_len=8), Float8BlockScaling(), MXFP8BlockScaling(),
+           Float8CurrentScaling(fp8_format="e4m3")]
+
+
+def _emulated_reference(x, w, b, dy, recipe, state=None):
+    """Out, dx, dw from explicitly quantized operands and fp32 matmuls."""
+    xg, wg, gg = recipe.x_granularity, recipe.w_granularity, recipe.g_granularity
+    f, bw = recipe.fwd_dtype, recipe.bwd_dtype
+
+    def q(t, dtype, g, row):
+        if state is not None:
+            return quantize(t, dtype, g, scale=state.scale[row])
+        return quantize(t, dtype, g)
+
+    qx, qxt = q(x, f, xg, 0), q(x.t().contiguous(), f, xg, 0)
+    qw = q(w, f, wg, 1)
+    qwt = (quantize(qw.dequantize().t().contiguous(), f, wg) if wg is Granularity.MX_1x32 else qw.t().contiguous())
+    qdy, qdyt = q(dy, bw, gg, 2), q(dy.t().contiguous(), bw, gg, 2)
+    deq = lambda t: t.dequantize(torch.float32)  # noqa: E731
+    out = (deq(qx) @ deq(qw).t()).to(x.dtype) + b
+    dx = (deq(qdy) @ deq(qwt).t()).to(x.dtype)
+    dw = (deq(qdyt) @ deq(qxt).t()).to(x.dtype)
+    return out, dx, dw
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: f"{r.name}-{r.fp8_format}")
+def test_float8_linear_equals_emulated_reference_exactly(recipe):
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 128).to(torch.bfloat16)
+    convert_to_fp8(lin, recipe)
+    x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(64, 128, dtype=torch.bfloat16)
+    state = lin.delayed_state(x.device)
+    if state is not None:  # give delayed scaling a non-trivial history first
+        lin(x.detach()).backward(dy)
+        lin.zero_grad(set_to_none=True)
+        state.update()
+        scales = state.scale.clone()
+    out = lin(x)
+    out.backward(dy)
+    ref_state = None
+    if state is not None:
+        ref_state = DelayedState(recipe, x.device)
+        ref_state.scale = scales
+    ref_out, ref_dx, ref_dw = _emulated_reference(x.detach(), lin.weight.detach(), lin.bias.detach(), dy, recipe, ref_state)
+    assert torch.equal(out, ref_out)
+    assert torch.equal(x.grad, ref_dx)
+    assert torch.equal(lin.weight.grad, ref_dw)
+    assert torch.equal(lin.bias.grad, dy.float().sum(0).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: f"{r.name}-{r.fp8_format}")
+def test_float8_linear_close_to_bf16_linear(recipe):
+    """For operands with independent relative rounding errors uniform in [-u, u], a dot
+    product's relative error has RMS sqrt((u_a**2 + u_b**2) / 3); allow 1.5x that."""
+    torch.manual_seed(0)
+    ref = nn.Linear(512, 256).to(torch.bfloat16)
+    lin = nn.Linear(512, 256).to(torch.bfloat16)
+    lin.load_state_dict(ref.state_dict())
+    convert_to_fp8(lin, recipe)
+    x = torch.randn(128, 512, dtype=torch.bfloat16)
+    dy = torch.randn(128, 256, dtype=torch.bfloat16)
+    outs = []
+    for module in (ref, lin):
+        xi = x.clone().requires_grad_()
+        y = module(xi)
+        y.backward(dy)
+        outs.append((y, xi.grad, module.weight.grad))
+    u_f, u_b = UNIT_ROUNDOFF[recipe.fwd_dtype], UNIT_ROUNDOFF[recipe.bwd_dtype]
+    bound_fwd = 1.5 * math.sqrt(2 * u_f**2 / 3)
+    bound_bwd = 1.5 * math.sqrt((u_f**2 + u_b**2) / 3)
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    (y0, dx0, dw0), (y1, dx1, dw1) = outs
+    assert rel(y1, y0) <= bound_fwd
+    assert rel(dx1, dx0) <= bound_bwd
+    assert rel(dw1, dw0) <= bound_bwd
+
+
+def test_delayed_history_rolls_and_reduces():
+    recipe = DelayedScaling(amax_history_len=3, margin=1)
+    state = DelayedState(recipe, torch.device("cpu"))
+    for amax in (1.0, 4.0, 2.0, 0.5):
+        state.record(0, torch.tensor(amax))
+        state.update()
+    assert state.history[0].tolist() == [0.5, 2.0, 4.0]  # newest first; the 1.0 rolled out
+    assert state.scale[0].item() == 448.0 / 4.0 / 2  # max of the history, margin 1
+    most_recent = DelayedState(DelayedScaling(amax_history_len=3, amax_compute="most_recent"), torch.device("cpu"))
+    most_recent.record(2, torch.tensor(8.0))
+    most_recent.update()
+    assert most_recent.scale[2].item() == 57344.0 / 8.0  # hybrid: gradients in e5m2
+    a, b = DelayedState(recipe, torch.device("cpu")), DelayedState(recipe, torch.device("cpu"))
+    a.record(1, torch.tensor(3.0))
+    b.record(1, torch.tensor(5.0))
+    update_delayed_states([a, b])
+    assert a.history[1, 0].item() == 3.0 and b.history[1, 0].item() == 5.0 and not a.dirty
+
+
+def test_recipe_validation():
+    with pytest.raises(ValueError, match="fp8_format='e5m2'"):
+        Float8CurrentScaling(fp8_format="e5m2")
+    with pytest.raises(ValueError, match="use one of 'e4m3'"):
+        Float8BlockScaling(fp8_format="hybrid")
+    with pytest.raises(ValueError, match="amax_compute"):
+        DelayedScaling(amax_compute="mean")
+    with pytest.raises(ValueError, match="amax_history_len"):
+        DelayedScaling(amax_history_len=0)
+
+
+def test_convert_to_fp8_filters_and_keeps_parameters():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10), nn.Linear(10, 32))
+    weight = model[0].weight
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        converted = convert_to_fp8(model, Float8CurrentScaling())
+    assert converted == ["0"]
+    assert len(caught) == 1 and "2 linear layer(s)" in str(caught[0].message) and "2 (64x10)" in str(caught[0].message)
+    assert isinstance(model[0], Float8Linear) and model[0].weight is weight
+    assert not isinstance(model[2], Float8Linear)
+    converted = convert_to_fp8(nn.Sequential(nn.Linear(32, 64)), Float8CurrentScaling(), filter=lambda n, m: False)
+    assert converted == []
+    with pytest.raises(TypeError, match="recipe must be an fsdp8 FP8 recipe"):
+        convert_to_fp8(model, "current")
+
+
+def test_float8_tensor_behaves_like_its_dequantized_value():
+    x = torch.randn(16, 32)
+    q = quantize(x, E4M3, Granularity.TENSOR)
+    t = Float8Tensor(q.data, q.scale_inv, Granularity.TENSOR, torch.bfloat16)
+    assert t.dtype == torch.bfloat16 and t.shape == (16, 32)
+    assert isinstance(t.detach(), Float8Tensor)
+    assert torch.equal(t + 1, q.dequantize(torch.bfloat16) + 1)
+    assert torch.equal(t.transposed().data.view(torch.uint8), q.data.t().contiguous().view(torch.uint8))
+    assert isinstance(Quantized(q.data, q.scale_inv, Granularity.TENSOR).nbytes, int)
