@@ -41,8 +41,14 @@ def _alias_bytes(buffer: torch.Tensor, byte_offset: int, dtype: torch.dtype, sha
 class Float8Unit(ShardedUnit):
     """A ShardedUnit whose gather sends FP8 bytes for the weights of its Float8Linears."""
 
-    def __init__(self, *args, recipe: Recipe, fp8_slots: List[ParamSlot], delayed: Dict[int, DelayedState], **kwargs):
+    def __init__(self, *args, recipe: Recipe, fp8_slots: List[ParamSlot], delayed: Dict[int, DelayedState],
+                 primary: bool = False, **kwargs):
         self.recipe = recipe
+        # FP8 primary weights (fp8_init): this rank's packed FP8 chunk is kept and re-packed
+        # once per optimizer step, so gathers (forward and backward) only move bytes.
+        self.primary = primary
+        self.fp8_shard: torch.Tensor = None
+        self._fp8_shard_version = None
         self.fp8_ids = {id(s) for s in fp8_slots}
         self.delayed = delayed  # id(slot) -> the DelayedState of the slot's Float8Linear
         self.granularity = recipe.w_granularity
@@ -141,7 +147,32 @@ class Float8Unit(ShardedUnit):
         self.scales_version += 1
 
     # -- gather ------------------------------------------------------------------------------
+    def gather(self) -> None:
+        if self.primary and self.needs_gather():
+            self._refresh_fp8_shard()
+        super().gather()
+
+    def _refresh_fp8_shard(self) -> None:
+        if self.fp8_shard is None:
+            self.fp8_shard = torch.empty(self.wire_layout.chunk_numel, dtype=torch.uint8, device=self.device)
+        if self._fp8_shard_version != self._version_key():
+            # On the compute stream: the shard is persistent and read by later gathers.
+            self._pack_into(self.fp8_shard)
+            self._fp8_shard_version = self._version_key()
+
     def _pack(self, dest: torch.Tensor) -> None:
+        if self.primary:
+            dest.copy_(self.fp8_shard)
+        else:
+            self._pack_into(dest)
+
+    def _ready_chunk(self):
+        return self.fp8_shard if self.primary else None
+
+    def persistent_compute_bytes(self) -> int:
+        return super().persistent_compute_bytes() + (self.wire_layout.chunk_numel if self.primary else 0)
+
+    def _pack_into(self, dest: torch.Tensor) -> None:
         k = self.chunk_index
         e8m0 = {}
         for slot, kind, p in self._entries:

@@ -8,6 +8,7 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
+from ..fp8.convert import high_precision_value
 from .unit import ParamSlot, ShardedUnit
 
 
@@ -78,7 +79,7 @@ def materialize_and_load(
     for pid, slot in slot_of.items():
         p = originals[id(slot)]
         if not p.is_meta:
-            slot_unit[id(slot)].load_full(slot, p.detach())
+            slot_unit[id(slot)].load_full(slot, high_precision_value(p))
     for module in root.modules():
         for name, b in module._buffers.items():
             if b is not None and not b.is_meta and b.device != device:

@@ -17,7 +17,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..config import OuterStrategy, Precision, Strategy
 from ..parallel.mesh import default_device_type, init_distributed
 from . import comm
-from ..fp8.convert import convert_linears, warn_skipped
+from ..fp8.convert import convert_linears, is_fp8_primary, warn_skipped
 from ..fp8.linear import Float8Linear
 from ..fp8.recipes import Recipe
 from .check import check_same_everywhere
@@ -324,6 +324,7 @@ def fully_shard(
         for name, unit_module in unit_modules:
             skipped += convert_linears(unit_module, fp8, fp8_filter, prefix=f"{name}.")[1]
         warn_skipped(skipped)
+    recipe = _model_recipe(module, fp8)
     per_unit, originals = _collect_slots(module, unit_modules)
     has_meta = any(p.is_meta for p in originals.values())
     header = [
@@ -355,9 +356,10 @@ def fully_shard(
         args = (name, unit_module, slots, layout, topology, precision, device, streams)
         fp8_slots = [s for s in slots if _fp8_weight_owner(s) is not None]
         if fp8_slots:
-            delayed = {id(s): _fp8_weight_owner(s).delayed_state(device) for s in fp8_slots if fp8.delayed}
+            delayed = {id(s): _fp8_weight_owner(s).delayed_state(device) for s in fp8_slots if recipe.delayed}
+            primary = any(is_fp8_primary(originals[id(s)]) for s in fp8_slots)
             built[name] = Float8Unit(*args, reshard_after_forward=reshard_after_forward and name != "",
-                                     recipe=fp8, fp8_slots=fp8_slots, delayed=delayed)
+                                     recipe=recipe, fp8_slots=fp8_slots, delayed=delayed, primary=primary)
         else:
             built[name] = ShardedUnit(*args, reshard_after_forward=reshard_after_forward and name != "")
     slot_unit = {id(s): u for u in built.values() for s in u.slots}
@@ -394,6 +396,15 @@ def fully_shard(
     _ENGINES.add(engine)
     _install_optimizer_hook()
     return module
+
+
+def _model_recipe(module: nn.Module, fp8: Optional[Recipe]) -> Optional[Recipe]:
+    """The one FP8 recipe of the model's Float8Linears (converted here, by the user, or by fp8_init)."""
+    recipes = {m.recipe for m in module.modules() if isinstance(m, Float8Linear)}
+    if len(recipes) > 1:
+        raise ValueError(f"the model's Float8Linear layers use {len(recipes)} different recipes ({recipes}); "
+                         "fsdp8 shards a model with one FP8 recipe")
+    return next(iter(recipes), None)
 
 
 def _fp8_weight_owner(slot: ParamSlot) -> Optional[Float8Linear]:

@@ -217,9 +217,8 @@ class ShardedUnit:
                 self._copy_out(gathered.view(topo.plan.shard_size, topo.plan.replicate_size, m).transpose(0, 1))
             else:
                 gathered = torch.empty(n * m, dtype=self.wire_dtype, device=self.device)
-                if self.wire_dtype == self.main_dtype and self.wire_layout is self.layout:
-                    send = self.main  # nothing to convert: send the main chunk itself
-                else:
+                send = self._ready_chunk()
+                if send is None:
                     k = self.chunk_index
                     send = gathered[k * m : (k + 1) * m]  # converted straight into place
                     self._pack(send)
@@ -234,6 +233,10 @@ class ShardedUnit:
     def _pack(self, dest: torch.Tensor) -> None:
         """Write this rank's chunk, as it travels, into ``dest`` (on the gather stream)."""
         dest.copy_(self.main)
+
+    def _ready_chunk(self) -> Optional[torch.Tensor]:
+        """This rank's chunk if it already exists in wire form (then it is sent as is)."""
+        return self.main if self.wire_dtype == self.main_dtype else None
 
     def _after_gather(self) -> None:
         """Work on the gathered parameters before compute may use them (on the gather stream)."""

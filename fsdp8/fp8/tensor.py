@@ -69,6 +69,10 @@ class Float8Tensor(torch.Tensor):
         if func in _ALIAS_OPS:
             src = args[0]
             return Float8Tensor(src._data, src._scale_inv, src._granularity, src.dtype)
-        # Everything else runs on the dequantized value.
-        unwrap = lambda t: t.dequantize() if isinstance(t, Float8Tensor) else t  # noqa: E731
+        # Everything else runs on the dequantized value (a meta tensor carries no values).
+        def unwrap(t):
+            if not isinstance(t, Float8Tensor):
+                return t
+            return torch.empty(t.shape, dtype=t.dtype, device="meta") if t.is_meta else t.dequantize()
+
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))

@@ -170,6 +170,7 @@ def relative_errors(sharded, reference: nn.Module) -> Dict[str, float]:
             continue
         got = sd[name]
         got = got.full_tensor() if hasattr(got, "full_tensor") else got
+        ref = ref.full_tensor() if hasattr(ref, "full_tensor") else ref
         out[name] = float((got.float().cpu() - ref.float().cpu()).norm() / ref.float().cpu().norm().clamp_min(1e-12))
     return out
 

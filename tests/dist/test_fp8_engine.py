@@ -82,3 +82,19 @@ def test_delayed_scaling_one_all_reduce_per_step_and_same_history():
         assert torch.equal(other["history"], first["history"]) and torch.equal(other["scale"], first["scale"])
     history = first["history"]
     assert (history[:, :, :4] > 0).all()  # x, w and dy amaxes recorded in each of the last 4 steps
+
+
+@pytest.mark.parametrize("meta", [True, False])
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8-block", "fp8-mxfp8"])
+def test_fp8_primary_weights(recipe, meta):
+    out = run_on_ranks(2, workers.fp8_primary, recipe, meta)[0]
+    # Same bytes and steps as converting a normally built model: identical training.
+    assert max(out["errors"].values()) == 0.0
+    assert all(out["units_primary"])
+    if not meta:
+        assert out["kept"] > 0 and out["alive_hp"] == 0  # init values seeded the main shards, then were dropped
+    # Between steps a rank holds its fp32 main chunk and its packed FP8 shard, nothing in bf16
+    # or fp32 besides: the persistent compute copies are exactly the FP8 shard bytes (plus the
+    # few norm weights, 2 bytes each), about a quarter of the main chunk.
+    assert out["compute_copies"] == out["wire"]
+    assert out["fp8_elems"] // out["world"] <= out["wire"] < 0.3 * out["main"]

@@ -504,3 +504,40 @@ def delayed_scaling_engine(steps=3):
         "scale": torch.stack([s.scale for s in states]).cpu(),
         "external": all(m.external_delayed_update for m in linears),
     }
+
+
+def fp8_primary(recipe_name, meta=True, steps=4):
+    """fp8_init weights: same training as converting after construction; memory holds FP8
+    shards and fp32 main chunks only; the kept init values are dropped."""
+    import gc
+    import weakref
+
+    from fsdp8.fp8.convert import convert_to_fp8, fp8_init
+    from fsdp8.models.llama import Llama
+
+    recipe = fp8_recipe(recipe_name)
+    cfg = common.build_fp8_llama().config
+    prec = fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else common.device()), fp8_init(recipe):
+        primary = Llama(cfg)
+    kept = [weakref.ref(m.weight._hp_init) for m in primary.modules()
+            if getattr(getattr(m, "weight", None), "_hp_init", None) is not None]
+    torch.manual_seed(0)  # the meta model is initialized inside fully_shard, from this RNG state
+    a = fsdp8.fully_shard(primary, precision=prec)
+    torch.manual_seed(0)
+    with torch.device(common.device()):
+        plain = Llama(cfg)
+    convert_to_fp8(plain, recipe, filter=lambda n, m: True)  # every linear, the head too, like fp8_init
+    b = fsdp8.fully_shard(plain, precision=prec)
+    gc.collect()
+    alive = sum(r() is not None for r in kept)
+    common.train_sharded(a, steps)
+    common.train_sharded(b, steps)
+    report = a.memory_report()
+    fp8_elems = sum(s.layout.numel for u in a._fsdp8.all_units if hasattr(u, "fp8_ids") for s in u.slots if id(s) in u.fp8_ids)
+    wire = sum(u.wire_layout.chunk_numel for u in a._fsdp8.all_units if getattr(u, "primary", False))
+    return {"errors": common.relative_errors(a, b), "alive_hp": alive, "kept": len(kept),
+            "compute_copies": report.compute_copies, "main": report.main_weights, "wire": wire,
+            "fp8_elems": fp8_elems, "world": common.world(),
+            "units_primary": [getattr(u, "primary", None) for u in a._fsdp8.all_units]}
