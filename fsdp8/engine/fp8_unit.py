@@ -66,7 +66,8 @@ class Float8Unit(ShardedUnit):
         entries += [(s, "fp8", s.layout.row_numel) for s in self.slots if id(s) in self.fp8_ids]
         if self.recipe.w_granularity is Granularity.MX_1x32:
             entries += [(s, "e8m0", math.ceil(s.layout.shape[1] / 32)) for s in self.slots if id(s) in self.fp8_ids]
-        layout = plan_unit([(s.layout.rows, row_bytes) for s, _, row_bytes in entries], len(entries), self.layout.num_chunks)
+        layout = plan_unit([(s.layout.rows, row_bytes) for s, _, row_bytes in entries], len(entries),
+                           self.layout.num_chunks, chunk_align=16)
         self._entries = [(s, kind, p) for (s, kind, _), p in zip(entries, layout.params)]
         return layout, torch.uint8
 

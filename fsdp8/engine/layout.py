@@ -105,8 +105,15 @@ class UnitLayout:
         return sum(p.numel for p in self.params)
 
     @property
+    def padding(self) -> int:
+        """Elements at the end of every chunk that belong to no parameter (alignment)."""
+        return self.chunk_numel - sum(p.chunk_numel for p in self.params)
+
+    @property
     def split_sizes(self) -> Tuple[int, ...]:
-        return tuple(p.chunk_numel for p in self.params)
+        """How a chunk splits into parameters (and the alignment padding, if any)."""
+        sizes = tuple(p.chunk_numel for p in self.params)
+        return sizes + ((self.padding,) if self.padding else ())
 
 
 def plan_unit(
@@ -114,8 +121,12 @@ def plan_unit(
     num_trainable: int,
     num_chunks: int,
     row_multiple: int = 1,
+    chunk_align: int = 1,
 ) -> UnitLayout:
-    """Lay out parameters (the first ``num_trainable`` of them trainable) over ``num_chunks`` chunks."""
+    """Lay out parameters (the first ``num_trainable`` of them trainable) over ``num_chunks`` chunks.
+
+    ``chunk_align`` pads every chunk to a multiple of that many elements, so that chunk
+    ``k`` of a gathered buffer starts aligned (byte layouts mixing 1- and 2-byte entries)."""
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
     if not 0 <= num_trainable <= len(shapes):
@@ -133,4 +144,4 @@ def plan_unit(
         offset += p.chunk_numel
         if i < num_trainable:
             trainable_numel = offset
-    return UnitLayout(tuple(params), num_chunks, offset, trainable_numel)
+    return UnitLayout(tuple(params), num_chunks, round_up(offset, chunk_align) if offset else 0, trainable_numel)

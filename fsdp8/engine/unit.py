@@ -248,10 +248,14 @@ class ShardedUnit:
     def _copy_out(self, source: torch.Tensor) -> None:
         """Rank-major gathered chunks ``[A, B, M]`` -> param-major padded parameters."""
         a, b = source.shape[0], source.shape[1]
+        layout = self.wire_layout
         outs = [
             self.unsharded[p.unsharded_offset : p.unsharded_offset + p.padded_numel].view(a, b, p.chunk_numel)
-            for p in self.wire_layout.params
+            for p in layout.params
         ]
+        if layout.padding:
+            start = layout.unsharded_numel - layout.num_chunks * layout.padding
+            outs.append(self.unsharded[start:].view(a, b, layout.padding))
         torch.split_with_sizes_copy(source, list(self.wire_layout.split_sizes), dim=2, out=outs)
 
     def wait_gather(self) -> None:

@@ -96,3 +96,10 @@ def test_chunk_index_is_row_major_over_sharded_dims(inner, outer, expected):
     got = [ChunkPlan(2, 2, r, s, inner, outer).chunk_index for r in range(2) for s in range(2)]
     assert got == expected
     assert ChunkPlan(2, 2, 0, 0, inner, outer).num_chunks == (2 if inner else 1) * (2 if outer else 1)
+
+
+def test_chunk_alignment_pads_the_end_of_every_chunk():
+    layout = plan_unit([(5, 3), (4,)], 2, 2, chunk_align=16)
+    assert sum(p.chunk_numel for p in layout.params) == 3 * 3 + 2
+    assert layout.chunk_numel == 16 and layout.padding == 5
+    assert layout.split_sizes == (9, 2, 5) and layout.unsharded_numel == 32
