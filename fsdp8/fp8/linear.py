@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from .formats import Granularity, scale_inv_to_e8m0
 from .kernels import Quantized, amax, cast_transpose, quantize
-from .recipes import G, W, X, DelayedState, Recipe
+from .recipes import G, W, X, DelayedState, Recipe, update_delayed_states
 from .tensor import Float8Tensor
 
 
@@ -161,6 +161,8 @@ class Float8Linear(nn.Linear):
         self._delayed: Optional[DelayedState] = None
         # Under fully_shard, the engine batches delayed-scaling updates across all linears.
         self.external_delayed_update = False
+        # Under torch FSDP1 (prepare_fp8_modules_for_fsdp): where delayed amaxes are reduced.
+        self.amax_reduction_group = None
 
     @classmethod
     def convert(cls, linear: nn.Linear, recipe: Recipe) -> "Float8Linear":
@@ -173,6 +175,7 @@ class Float8Linear(nn.Linear):
         linear.recipe = recipe
         linear._delayed = None
         linear.external_delayed_update = False
+        linear.amax_reduction_group = None
         return linear
 
     def delayed_state(self, device: torch.device) -> Optional[DelayedState]:
@@ -185,7 +188,8 @@ class Float8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = self.delayed_state(x.device)
         if state is not None and not self.external_delayed_update and state.dirty:
-            state.update()  # standalone use: fold last step's amaxes in before using the scales
+            # Standalone use: fold last step's amaxes in (over the FSDP1 group, if given).
+            update_delayed_states([state], self.amax_reduction_group)
         return _Float8LinearFn.apply(x, self.weight, self.bias, self)
 
     def extra_repr(self) -> str:

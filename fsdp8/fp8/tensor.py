@@ -16,6 +16,16 @@ from .formats import Granularity
 from .kernels import Quantized
 
 _ALIAS_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+_SAME_SHAPE_VIEWS = {torch.ops.aten.as_strided.default, torch.ops.aten.view.default}
+
+
+def _leading_rows(args) -> bool:
+    """as_strided(t, size, stride, offset) that keeps whole leading rows of a contiguous
+    whole-tensor-scaled ``t``."""
+    src, size, stride = args[0], tuple(args[1]), tuple(args[2])
+    offset = args[3] if len(args) > 3 else 0
+    return (src._granularity is Granularity.TENSOR and (offset or 0) == 0 and src._data.is_contiguous()
+            and size[1:] == tuple(src.shape[1:]) and size[0] <= src.shape[0] and stride == src._data.stride())
 
 
 class Float8Tensor(torch.Tensor):
@@ -66,9 +76,14 @@ class Float8Tensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _ALIAS_OPS:
+        if func in _ALIAS_OPS or (func in _SAME_SHAPE_VIEWS and tuple(args[1]) == tuple(args[0].shape)):
+            # Aliases and identity views (FSDP2 re-strides the tensor it gathered) keep the bytes.
             src = args[0]
             return Float8Tensor(src._data, src._scale_inv, src._granularity, src.dtype)
+        if func is torch.ops.aten.as_strided.default and _leading_rows(args):
+            # FSDP2 cuts the padding rows off a gathered, padded parameter: still the same bytes.
+            src, size = args[0], tuple(args[1])
+            return Float8Tensor(src._data[: size[0]], src._scale_inv, src._granularity, src.dtype)
         # Everything else runs on the dequantized value (a meta tensor carries no values).
         def unwrap(t):
             if not isinstance(t, Float8Tensor):

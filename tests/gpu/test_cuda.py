@@ -18,3 +18,9 @@ pytestmark = [
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads", "optim", "no_shard"])
 def test_training_step_has_no_host_sync(strategy):
     assert all(run_on_ranks(2, workers.sync_free_step, strategy))
+
+
+def test_prepare_fp8_modules_for_fsdp1():
+    """torch FSDP1 needs CUDA: with the wrapper's group, delayed histories agree across ranks."""
+    (count, first), (_, second) = run_on_ranks(2, workers.fsdp1_delayed_histories)
+    assert count == 14 and torch.equal(first, second)

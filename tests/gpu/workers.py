@@ -35,3 +35,10 @@ def sync_free_step(strategy: str) -> bool:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     return True
+
+
+def fsdp1_delayed_histories():
+    from tests.dist import workers
+
+    count, history = workers.fsdp1_delayed(True)
+    return count, history
