@@ -43,6 +43,9 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 STACKS = ("fsdp8", "fsdp2", "megatron")
+# FP8 stacks (recipes native on Hopper), run with --stacks; see build_fsdp8_fp8 / build_torchao.
+FP8_STACKS = ("fsdp8-fp8-current", "fsdp8-fp8-delayed", "fsdp8-fp8-block", "fsdp8-fp8-current-primary",
+              "torchao", "torchao-compile")
 FLOPS_FORMULA = (
     "FLOPs/token = 6*N + 12*L*H*S (N = all parameters incl. embedding and lm_head, L layers, H hidden, S seq)"
 )
@@ -90,6 +93,7 @@ class Built:
     optimizer: torch.optim.Optimizer
     notes: list[str] = field(default_factory=list)
     fused_unverified: bool = False
+    after_step: object = None  # called after each optimizer step (torchao's scale precompute)
 
 
 @dataclass
@@ -120,7 +124,7 @@ class Result:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", "--model", dest="models", default="A", help="comma list of A, B, tiny")
-    p.add_argument("--stacks", default=",".join(STACKS), help="comma list of " + ", ".join(STACKS))
+    p.add_argument("--stacks", default=",".join(STACKS), help="comma list of " + ", ".join(STACKS + FP8_STACKS))
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
@@ -132,7 +136,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/peers.json", help="JSON results file (rank 0 writes it)")
     args = p.parse_args(argv)
     args.models = _split(args.models, MODELS)
-    args.stacks = _split(args.stacks, STACKS)
+    args.stacks = _split(args.stacks, STACKS + FP8_STACKS)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     return args
@@ -219,6 +223,8 @@ def optimizer_step(built: Built, ctx: Context) -> None:
     """optimizer.step(); the first fused step that fails on DTensors falls back to foreach."""
     if not built.fused_unverified:
         built.optimizer.step()
+        if built.after_step is not None:
+            built.after_step()
         return
     built.fused_unverified = False
     try:
@@ -228,6 +234,8 @@ def optimizer_step(built: Built, ctx: Context) -> None:
         built.optimizer = make_adamw(params, ctx, fused=False)
         built.notes.append(f"fused AdamW failed ({_short(err)}); foreach used")
         built.optimizer.step()
+    if built.after_step is not None:
+        built.after_step()
 
 
 def plain_optimizer(model: torch.nn.Module, ctx: Context) -> Built:
@@ -240,6 +248,14 @@ def plain_optimizer(model: torch.nn.Module, ctx: Context) -> Built:
 
 def unavailable_reason(stack: str, ctx: Context) -> str | None:
     """None when the stack can run here, else why not."""
+    if stack.startswith("fsdp8-fp8"):
+        return unavailable_reason("fsdp8", ctx)
+    if stack.startswith("torchao"):
+        try:
+            import torchao.float8  # noqa: F401
+        except Exception as err:
+            return f"torchao.float8 not importable: {_short(err)}"
+        return None
     if stack == "fsdp8":
         try:
             import fsdp8
@@ -339,7 +355,61 @@ def _drop_init_hooks(param: torch.nn.Parameter) -> None:
     del param.clear_high_precision_init_val
 
 
-BUILDERS = {"fsdp8": build_fsdp8, "fsdp2": build_fsdp2, "megatron": build_megatron}
+def build_fsdp8_fp8(model: torch.nn.Module, ctx: Context, recipe_name: str, primary: bool = False) -> Built:
+    """fsdp8 ZeRO-3 with FP8 GEMMs and 8-bit weight all-gathers in the decoder layers."""
+    import fsdp8
+    from fsdp8.fp8.recipes import recipe_from_name
+
+    fsdp8.init_distributed()
+    recipe = recipe_from_name(recipe_name)
+    if primary:  # FP8 primary weights: packed FP8 shards refreshed once per step
+        for layer in model.model.layers:
+            fsdp8.convert_to_fp8(layer, recipe)
+            for module in layer.modules():
+                if isinstance(module, fsdp8.Float8Linear):
+                    fsdp8.fp8.convert.make_fp8_primary(module, recipe)
+    model = fsdp8.fully_shard(
+        model,
+        units=[decoder_layer_cls()],
+        strategy="optim_grads_params",
+        precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        fp8=recipe,
+    )
+    return plain_optimizer(model, ctx)
+
+
+def build_torchao(model: torch.nn.Module, ctx: Context, compile_blocks: bool) -> Built:
+    """torch FSDP2 + torchao float8 (tensorwise, FP8 all-gather, scales precomputed after each
+    step), decoder layers compiled per block as torchtitan does."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: "layers" in fqn)
+    layers = model.model.layers
+    if compile_blocks:
+        for i, layer in enumerate(layers):
+            layers[i] = torch.compile(layer)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in layers:
+        fully_shard(layer, mesh=ctx.mesh, mp_policy=policy)
+    fully_shard(model, mesh=ctx.mesh, mp_policy=policy)
+    built = plain_optimizer(model, ctx)
+    built.after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)
+    return built
+
+
+BUILDERS = {
+    "fsdp8": build_fsdp8,
+    "fsdp2": build_fsdp2,
+    "megatron": build_megatron,
+    "fsdp8-fp8-current": lambda m, c: build_fsdp8_fp8(m, c, "fp8-current"),
+    "fsdp8-fp8-delayed": lambda m, c: build_fsdp8_fp8(m, c, "fp8-delayed"),
+    "fsdp8-fp8-block": lambda m, c: build_fsdp8_fp8(m, c, "fp8-block"),
+    "fsdp8-fp8-current-primary": lambda m, c: build_fsdp8_fp8(m, c, "fp8-current", primary=True),
+    "torchao": lambda m, c: build_torchao(m, c, compile_blocks=False),
+    "torchao-compile": lambda m, c: build_torchao(m, c, compile_blocks=True),
+}
 
 
 # ----------------------------------------------------------------------------- measuring

@@ -6,9 +6,25 @@ from .engine.model import MemoryReport, ShardedModel, fully_shard
 from .engine.check import DesyncError
 from .engine.state_dict import StateDictError
 from .parallel.mesh import init_distributed, make_mesh
-from . import data
+from .fp8.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from .fp8.linear import Float8Linear
+from .fp8.tensor import Float8Tensor
+from .fp8.convert import convert_to_fp8, fp8_init
+from .fp8.fsdp2 import precompute_fp8_scales, prepare_fp8_modules_for_fsdp, use_fp8_all_gather
+from . import data, fp8
 
 __all__ = [
+    "DelayedScaling",
+    "Float8BlockScaling",
+    "Float8CurrentScaling",
+    "Float8Linear",
+    "Float8Tensor",
+    "MXFP8BlockScaling",
+    "convert_to_fp8",
+    "fp8_init",
+    "precompute_fp8_scales",
+    "prepare_fp8_modules_for_fsdp",
+    "use_fp8_all_gather",
     "DesyncError",
     "MemoryReport",
     "OuterStrategy",

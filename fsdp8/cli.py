@@ -22,7 +22,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default=defaults.preset)
     p.add_argument("--strategy", choices=STRATEGY_NAMES, default=defaults.strategy)
     p.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
-                   help="compute dtype; auto = bf16 on GPUs, fp32 on CPUs (main weights stay fp32)")
+                   help="compute dtype; auto = bf16 on GPUs, fp32 on CPUs; fp8-* = bf16 with FP8 GEMMs and "
+                        "8-bit weight all-gathers in the blocks (main weights stay fp32)")
     p.add_argument("--nproc", type=int, default=None, help="worker processes (default: all GPUs, or 2 on CPU)")
     p.add_argument("--out", default=defaults.out, help="directory for metrics.jsonl, loss.png, summary.json")
     p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per rank per step")

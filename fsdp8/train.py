@@ -19,11 +19,12 @@ from .config import Precision
 from .data import ByteCorpus
 from .engine.grads import clip_grad_norm_
 from .engine.model import fully_shard
+from .fp8.recipes import recipe_from_name
 from .models.llama import Llama, preset
 from .parallel.mesh import init_distributed
 from .plot import save_line_plot
 
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp8-delayed", "fp8-current", "fp8-block", "fp8-mxfp8")
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ def train(cfg: TrainConfig) -> Optional[dict]:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+    fp8 = recipe_from_name(cfg.precision) if cfg.precision.startswith("fp8") else None
+    bf16 = fp8 is not None or cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
     precision = Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else Precision()
     model_cfg = preset(cfg.preset)
     if cfg.seq_len > model_cfg.max_seq_len:
@@ -119,7 +121,7 @@ def train(cfg: TrainConfig) -> Optional[dict]:
     with torch.device("meta"):
         model = Llama(model_cfg)  # never held in full: materialized shard by shard
     n_params = model.num_params()
-    model = fully_shard(model, strategy=cfg.strategy, precision=precision, device=device)
+    model = fully_shard(model, strategy=cfg.strategy, precision=precision, device=device, fp8=fp8)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                             fused=device.type == "cuda")
     train_data, val_data = ByteCorpus(split="train"), ByteCorpus(split="val")
@@ -130,7 +132,8 @@ def train(cfg: TrainConfig) -> Optional[dict]:
         os.makedirs(cfg.out, exist_ok=True)
         out = open(os.path.join(cfg.out, "metrics.jsonl"), "w")
         print(f"fsdp8 train: preset {cfg.preset} ({n_params / 1e6:.2f}M params), {world} x {device.type}, "
-              f"strategy {cfg.strategy}, {'bf16' if bf16 else 'fp32'} compute, {tokens_per_step} tokens/step",
+              f"strategy {cfg.strategy}, {cfg.precision if fp8 else ('bf16' if bf16 else 'fp32')} compute, "
+              f"{tokens_per_step} tokens/step",
               file=sys.stderr)
         print(model.memory_report(), file=sys.stderr)
     progress = Progress(cfg.steps) if rank == 0 else None

@@ -169,9 +169,10 @@ class Float8Linear(nn.Linear):
         """Turn ``linear`` into a Float8Linear in place (same object, parameters, hooks and
         custom ``reset_parameters``); a subclass of nn.Linear becomes ``Float8<Subclass>``."""
         base = type(linear)
-        if base is not nn.Linear and base not in _FLOAT8_CLASSES:
-            _FLOAT8_CLASSES[base] = type(f"Float8{base.__name__}", (cls, base), {})
-        linear.__class__ = cls if base is nn.Linear else _FLOAT8_CLASSES[base]
+        if not isinstance(linear, Float8Linear):
+            if base is not nn.Linear and base not in _FLOAT8_CLASSES:
+                _FLOAT8_CLASSES[base] = type(f"Float8{base.__name__}", (cls, base), {})
+            linear.__class__ = cls if base is nn.Linear else _FLOAT8_CLASSES[base]
         linear.recipe = recipe
         linear._delayed = None
         linear.external_delayed_update = False

@@ -1,0 +1,69 @@
+"""FP8 linear vs bf16 nn.Linear, forward + backward, on transformer shapes (one GPU).
+
+    python benchmarks/fp8_gemm.py [--tokens 4096] [--out results.json]
+
+Shapes are model B's linears (hidden 4096, ffn 14336, 8 kv heads of 128): for each,
+forward+backward time (median of CUDA-event timings), TFLOP/s counting the three GEMMs
+(6*M*K*N), and speedup over bf16. The FP8 time includes every quantization the layer does.
+"""
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from fsdp8.fp8.convert import convert_to_fp8
+from fsdp8.fp8.recipes import recipe_from_name
+
+SHAPES = [("q/o proj", 4096, 4096), ("k/v proj", 4096, 1024), ("gate/up", 4096, 14336), ("down", 14336, 4096)]
+RECIPES = ["fp8-current", "fp8-delayed", "fp8-block", "fp8-mxfp8"]
+
+
+def time_layer(layer, x, dy, iters=20, warmup=5):
+    times = []
+    for i in range(warmup + iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y = layer(x)
+        y.backward(dy)
+        end.record()
+        layer.weight.grad = None
+        x.grad = None
+        if i >= warmup:
+            times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    rows = []
+    for name, k, n in SHAPES:
+        torch.manual_seed(0)
+        x = torch.randn(args.tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(args.tokens, n, device="cuda", dtype=torch.bfloat16)
+        flops = 6 * args.tokens * k * n
+        base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        t_bf16 = time_layer(base, x, dy)
+        rows.append({"shape": name, "K": k, "N": n, "recipe": "bf16", "ms": t_bf16, "tflops": flops / t_bf16 / 1e9, "speedup": 1.0})
+        for recipe in RECIPES:
+            layer = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+            convert_to_fp8(layer, recipe_from_name(recipe))
+            t = time_layer(layer, x, dy)
+            rows.append({"shape": name, "K": k, "N": n, "recipe": recipe, "ms": t, "tflops": flops / t / 1e9, "speedup": t_bf16 / t})
+    print(f"\n## Float8Linear forward+backward vs bf16, M={args.tokens} tokens, {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+    print("| shape | K x N | recipe | ms | TFLOP/s | speedup |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['K']}x{r['N']} | {r['recipe']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['speedup']:.2f}x |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Triton versions of the FP8 kernels in kernels.py, bit for bit the same results on CUDA.
+
+Exactness rules: fp32 products, IEEE divisions (``div_rn``), clamps that keep NaN, and
+round-to-nearest-even conversion; block amaxes are maxima (order-free). A NaN anywhere in a
+block makes that block's amax NaN, as ``torch.amax`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .formats import FP8_EMAX, FP8_MAX, Granularity
+
+try:  # Triton ships with CUDA builds of torch; CPU builds have none.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on CPU-only machines
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None and torch.cuda.is_available()
+
+
+if triton is not None:
+    @triton.jit
+    def _clamp_cast(y, FMAX: tl.constexpr, OUT: tl.constexpr):
+        y = tl.maximum(y, -FMAX, propagate_nan=tl.PropagateNan.ALL)
+        y = tl.minimum(y, FMAX, propagate_nan=tl.PropagateNan.ALL)
+        return y.to(OUT, fp_downcast_rounding="rtne")
+
+    @triton.jit
+    def _reciprocal(x):
+        return tl.math.div_rn(x * 0.0 + 1.0, x)
+
+    @triton.jit
+    def _scale_from_amax(amax, FMAX: tl.constexpr):
+        raw = tl.math.div_rn(amax * 0.0 + FMAX, amax)
+        good = (amax > 0) & (amax < float("inf")) & (raw < float("inf"))
+        return tl.where(good, raw, 1.0)
+
+    @triton.jit
+    def _mx_scale_inv(amax, EMAX: tl.constexpr):
+        exponent = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        biased = tl.minimum(tl.maximum(exponent - EMAX, 0), 254)
+        biased = tl.where(amax != amax, 255, biased)
+        normal = (biased << 23).to(tl.float32, bitcast=True)
+        inv = tl.where(biased == 0, 5.877471754111438e-39, normal)  # 2**-127
+        return tl.where(biased == 255, float("nan"), inv)
+
+    @triton.jit
+    def _cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, nan_ptr, scale_ptr, M, K, sxm, sxk,
+                               FMAX: tl.constexpr, OUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rk = tl.program_id(1) * BK + tl.arange(0, BK)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+        q = _clamp_cast(x * tl.load(scale_ptr), FMAX, OUT)
+        tl.store(q_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
+        tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+        tl.atomic_max(amax_ptr, tl.max(tl.where(mask, tl.abs(x), 0.0)))
+        tl.atomic_max(nan_ptr, tl.max((x != x).to(tl.int32)))
+
+    @triton.jit
+    def _row_blocks_kernel(x_ptr, q_ptr, sinv_ptr, M, K, sxm, sxk, KB,
+                           FMAX: tl.constexpr, EMAX: tl.constexpr, MX: tl.constexpr, OUT: tl.constexpr,
+                           TM: tl.constexpr, BK: tl.constexpr):
+        """1xBK blocks (1x128, or 1x32 with power-of-two scales): TM rows per program."""
+        rm = tl.program_id(0) * TM + tl.arange(0, TM)
+        kb = tl.program_id(1)
+        rk = kb * BK + tl.arange(0, BK)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        amax = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, float("nan"), amax)
+        if MX:
+            scale_inv = _mx_scale_inv(amax, EMAX)
+            scale = _reciprocal(scale_inv)
+        else:
+            scale = _scale_from_amax(amax, FMAX)
+            scale_inv = _reciprocal(scale)
+        q = _clamp_cast(x * scale[:, None], FMAX, OUT)
+        tl.store(q_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
+        tl.store(sinv_ptr + rm * KB + kb, scale_inv, mask=rm < M)
+
+    @triton.jit
+    def _tile_blocks_kernel(x_ptr, q_ptr, sinv_ptr, M, K, sxm, sxk, KB,
+                            FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr):
+        """One BxB block (128x128) per program, one scale."""
+        mb, kb = tl.program_id(0), tl.program_id(1)
+        rm = mb * B + tl.arange(0, B)
+        rk = kb * B + tl.arange(0, B)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        amax = tl.where(tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0) > 0, float("nan"), amax)
+        scale = _scale_from_amax(amax, FMAX)
+        q = _clamp_cast(x * scale, FMAX, OUT)
+        tl.store(q_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
+        tl.store(sinv_ptr + mb * KB + kb, _reciprocal(scale))
+
+    @triton.jit
+    def _rows_with_grid_kernel(x_ptr, q_ptr, grid_ptr, M, K, sxm, sxk, KB, row_start,
+                               FMAX: tl.constexpr, OUT: tl.constexpr, TM: tl.constexpr, B: tl.constexpr):
+        """Rows [row_start, row_start + M) of a tensor whose 128x128 block scales are given."""
+        rm = tl.program_id(0) * TM + tl.arange(0, TM)
+        kb = tl.program_id(1)
+        rk = kb * B + tl.arange(0, B)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(grid_ptr + ((row_start + rm) // B) * KB + kb, mask=rm < M, other=1.0)
+        q = _clamp_cast(x * scale[:, None], FMAX, OUT)
+        tl.store(q_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _tl_dtype(dtype: torch.dtype):
+    return {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}[dtype]
+
+
+def cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
+    qt = torch.empty((k, m), dtype=fp8_dtype, device=x.device)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    nan = torch.zeros((), dtype=torch.int32, device=x.device)
+    scale = scale.float().reshape(()).contiguous()
+    bm, bk = 64, 64
+    grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
+    _cast_transpose_kernel[grid](x, q, qt, amax, nan, scale, m, k, x.stride(0), x.stride(1),
+                                 FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype), BM=bm, BK=bk)
+    amax = torch.where(nan > 0, torch.full_like(amax, float("nan")), amax)
+    return q, qt, amax
+
+
+def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity, scale: Optional[torch.Tensor] = None):
+    from .kernels import Quantized, amax, quantize_reference
+
+    if granularity is Granularity.TENSOR:
+        if scale is None:
+            from .formats import amax_to_scale
+
+            scale = amax_to_scale(amax(x), fp8_dtype)
+        q, _, _ = cast_transpose(x, scale, fp8_dtype) if x.numel() else (None, None, None)
+        if q is None:
+            return quantize_reference(x, fp8_dtype, granularity, scale)
+        return Quantized(q, torch.reciprocal(scale.float().reshape(())), granularity)
+    if x.numel() == 0:
+        return quantize_reference(x, fp8_dtype, granularity, scale)
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
+    fmax, out = FP8_MAX[fp8_dtype], _tl_dtype(fp8_dtype)
+    if granularity is Granularity.BLOCK_128x128:
+        mb, kb = triton.cdiv(m, 128), triton.cdiv(k, 128)
+        sinv = torch.empty((mb, kb), dtype=torch.float32, device=x.device)
+        _tile_blocks_kernel[(mb, kb)](x, q, sinv, m, k, x.stride(0), x.stride(1), kb, FMAX=fmax, OUT=out, B=128)
+        return Quantized(q, sinv, granularity)
+    bk = granularity.block[1]
+    kb = triton.cdiv(k, bk)
+    sinv = torch.empty((m, kb), dtype=torch.float32, device=x.device)
+    tm = 16
+    _row_blocks_kernel[(triton.cdiv(m, tm), kb)](
+        x, q, sinv, m, k, x.stride(0), x.stride(1), kb, FMAX=fmax, EMAX=FP8_EMAX[fp8_dtype],
+        MX=granularity is Granularity.MX_1x32, OUT=out, TM=tm, BK=bk,
+    )
+    return Quantized(q, sinv, granularity)
+
+
+def quantize_rows_with_grid(rows: torch.Tensor, row_start: int, scale_grid: torch.Tensor, fp8_dtype: torch.dtype):
+    m, k = rows.shape
+    q = torch.empty((m, k), dtype=fp8_dtype, device=rows.device)
+    if m == 0:
+        return q
+    grid_t = scale_grid.float().contiguous()
+    tm = 32
+    _rows_with_grid_kernel[(triton.cdiv(m, tm), triton.cdiv(k, 128))](
+        rows, q, grid_t, m, k, rows.stride(0), rows.stride(1), grid_t.shape[1], row_start,
+        FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype), TM=tm, B=128,
+    )
+    return q
