@@ -86,10 +86,12 @@ def _padded_blocks(x: torch.Tensor, block) -> torch.Tensor:
 
 # -- reference ------------------------------------------------------------------------------
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """Largest magnitude as an fp32 scalar tensor; NaN propagates."""
+    """Largest magnitude as an fp32 scalar tensor; NaN propagates. One reduction pass
+    (min and max together), no temporary of ``x``'s size."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    return x.detach().abs().amax().float()
+    low, high = torch.aminmax(x.detach())
+    return torch.maximum(low.neg(), high).float()
 
 
 def block_amax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .formats import Granularity, scale_inv_to_e8m0
+from .formats import Granularity, amax_to_scale, scale_inv_to_e8m0
 from .kernels import Quantized, amax, cast_transpose, quantize
 from .recipes import G, W, X, DelayedState, Recipe, update_delayed_states
 from .tensor import Float8Tensor
@@ -76,14 +76,13 @@ def _e8m0(scale_inv: torch.Tensor) -> torch.Tensor:
 def _quantize_both_ways(t: torch.Tensor, granularity: Granularity, fp8_dtype, state: Optional[DelayedState], row: int):
     """``t`` quantized along its rows and its transpose quantized along *its* rows."""
     if granularity is Granularity.TENSOR:
-        if state is not None:
+        if state is not None:  # scale from history; this tensor's amax comes out of the same pass
             scale = state.scale[row]
-            state.record(row, amax(t))
+            q, q_t, t_amax = cast_transpose(t, scale, fp8_dtype)
+            state.record(row, t_amax)
         else:
-            from .formats import amax_to_scale
-
             scale = amax_to_scale(amax(t), fp8_dtype)
-        q, q_t, _ = cast_transpose(t, scale, fp8_dtype)
+            q, q_t, _ = cast_transpose(t, scale, fp8_dtype)
         inv = torch.reciprocal(scale.float())
         return Quantized(q, inv, granularity), Quantized(q_t, inv, granularity)
     return quantize(t, fp8_dtype, granularity), quantize(t.t(), fp8_dtype, granularity)
