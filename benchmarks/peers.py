@@ -45,7 +45,7 @@ if str(REPO_ROOT) not in sys.path:
 STACKS = ("fsdp8", "fsdp2", "megatron")
 # FP8 stacks (recipes native on Hopper), run with --stacks; see build_fsdp8_fp8 / build_torchao.
 FP8_STACKS = ("fsdp8-fp8-current", "fsdp8-fp8-delayed", "fsdp8-fp8-block", "fsdp8-fp8-current-primary",
-              "torchao", "torchao-compile")
+              "fsdp8-compile", "fsdp8-fp8-current-compile", "fsdp8-fp8-block-compile", "torchao", "torchao-compile")
 FLOPS_FORMULA = (
     "FLOPs/token = 6*N + 12*L*H*S (N = all parameters incl. embedding and lm_head, L layers, H hidden, S seq)"
 )
@@ -248,7 +248,7 @@ def plain_optimizer(model: torch.nn.Module, ctx: Context) -> Built:
 
 def unavailable_reason(stack: str, ctx: Context) -> str | None:
     """None when the stack can run here, else why not."""
-    if stack.startswith("fsdp8-fp8"):
+    if stack.startswith("fsdp8-"):
         return unavailable_reason("fsdp8", ctx)
     if stack.startswith("torchao"):
         try:
@@ -355,7 +355,21 @@ def _drop_init_hooks(param: torch.nn.Parameter) -> None:
     del param.clear_high_precision_init_val
 
 
-def build_fsdp8_fp8(model: torch.nn.Module, ctx: Context, recipe_name: str, primary: bool = False) -> Built:
+def _compile_layers(model: torch.nn.Module) -> None:
+    """torch.compile each decoder layer's forward (fsdp8's hooks stay outside, in __call__;
+    Float8Linear calls are opaque breaks, everything between them is fused)."""
+    for layer in model.model.layers:
+        layer.forward = torch.compile(layer.forward)
+
+
+def build_fsdp8_compiled(model: torch.nn.Module, ctx: Context) -> Built:
+    built = build_fsdp8(model, ctx)
+    _compile_layers(built.model)
+    return built
+
+
+def build_fsdp8_fp8(model: torch.nn.Module, ctx: Context, recipe_name: str, primary: bool = False,
+                    compile_blocks: bool = False) -> Built:
     """fsdp8 ZeRO-3 with FP8 GEMMs and 8-bit weight all-gathers in the decoder layers."""
     import fsdp8
     from fsdp8.fp8.recipes import recipe_from_name
@@ -375,6 +389,8 @@ def build_fsdp8_fp8(model: torch.nn.Module, ctx: Context, recipe_name: str, prim
         precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
         fp8=recipe,
     )
+    if compile_blocks:
+        _compile_layers(model)
     return plain_optimizer(model, ctx)
 
 
@@ -407,6 +423,9 @@ BUILDERS = {
     "fsdp8-fp8-delayed": lambda m, c: build_fsdp8_fp8(m, c, "fp8-delayed"),
     "fsdp8-fp8-block": lambda m, c: build_fsdp8_fp8(m, c, "fp8-block"),
     "fsdp8-fp8-current-primary": lambda m, c: build_fsdp8_fp8(m, c, "fp8-current", primary=True),
+    "fsdp8-compile": build_fsdp8_compiled,
+    "fsdp8-fp8-current-compile": lambda m, c: build_fsdp8_fp8(m, c, "fp8-current", compile_blocks=True),
+    "fsdp8-fp8-block-compile": lambda m, c: build_fsdp8_fp8(m, c, "fp8-block", compile_blocks=True),
     "torchao": lambda m, c: build_torchao(m, c, compile_blocks=False),
     "torchao-compile": lambda m, c: build_torchao(m, c, compile_blocks=True),
 }

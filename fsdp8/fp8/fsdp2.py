@@ -68,6 +68,8 @@ class Float8TrainingWeight(torch.Tensor):
             isinstance(a, Float8TrainingWeight) for a in args) else None
         unwrap = lambda t: t._tensor if isinstance(t, Float8TrainingWeight) else t  # noqa: E731
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        if out is None:  # foreach in-place ops return nothing
+            return None
         if func._schema.name.endswith("_") or func is aten.copy_.default:
             return args[0]  # in place: the wrapper itself
         if func in _KEEP_WRAPPER and first is not None:

@@ -157,15 +157,20 @@ def quantize_with_block_amax(x, block_amaxes, fp8_dtype, granularity, margin: in
     return Quantized(data, scale_inv, granularity)
 
 
-def cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
-    """Whole-tensor quantization of ``x`` and of ``x.t()`` (contiguous) plus the amax of
-    ``x``, in one pass over ``x`` on CUDA: what a linear needs for both of its GEMMs."""
-    if use_triton(x):
+def cast_transpose(x: torch.Tensor, fp8_dtype: torch.dtype, scale: Optional[torch.Tensor] = None):
+    """Whole-tensor quantization of ``x`` and of ``x.t()`` (contiguous), plus ``x``'s amax and
+    the ``scale_inv`` used: what a linear needs for both of its GEMMs. Without ``scale`` the
+    scale comes from this amax (current scaling). On CUDA: one pass to find the amax, one
+    to cast and transpose, the scale computed on the device in between."""
+    if use_triton(x) and x.numel():
         from . import triton_kernels
 
-        return triton_kernels.cast_transpose(x, scale, fp8_dtype)
+        return triton_kernels.cast_transpose(x, fp8_dtype, scale)
+    x_amax = amax(x)
+    if scale is None:
+        scale = amax_to_scale(x_amax, fp8_dtype)
     q = saturate_cast(x, scale, fp8_dtype)
-    return q, q.t().contiguous(), amax(x)
+    return q, q.t().contiguous(), x_amax, scale_to_inv(scale).reshape(())
 
 
 def quantize_rows_with_grid(rows: torch.Tensor, row_start: int, scale_grid: torch.Tensor,

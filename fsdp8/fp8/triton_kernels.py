@@ -52,17 +52,40 @@ if triton is not None:
         return tl.where(biased == 255, float("nan"), inv)
 
     @triton.jit
-    def _cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, nan_ptr, scale_ptr, M, K, sxm, sxk,
-                               FMAX: tl.constexpr, OUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    def _amax_kernel(x_ptr, stats_ptr, M, K, sxm, sxk, BM: tl.constexpr, BK: tl.constexpr):
+        """stats[0] = max |x|, stats[1] = 1 if x holds a NaN (both start at 0)."""
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rk = tl.program_id(1) * BK + tl.arange(0, BK)
         mask = (rm[:, None] < M) & (rk[None, :] < K)
         x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
-        q = _clamp_cast(x * tl.load(scale_ptr), FMAX, OUT)
+        tl.atomic_max(stats_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+        tl.atomic_max(stats_ptr + 1, tl.max(tl.max((x != x).to(tl.float32), axis=1), axis=0))
+
+    @triton.jit
+    def _cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, stats_ptr, scale_ptr, sinv_ptr, M, K, sxm, sxk,
+                               FMAX: tl.constexpr, OUT: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr,
+                               BM: tl.constexpr, BK: tl.constexpr):
+        """Quantize x and write it twice (row-major and transposed). The scale is either given
+        (delayed scaling; x's own amax is then accumulated into stats) or derived here from
+        the amax in stats (current scaling, after _amax_kernel)."""
+        pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rk = pid_k * BK + tl.arange(0, BK)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+        if SCALE_FROM_AMAX:
+            amax = tl.load(stats_ptr)
+            amax = tl.where(tl.load(stats_ptr + 1) > 0, float("nan"), amax)
+            scale = _scale_from_amax(amax, FMAX)
+        else:
+            scale = tl.load(scale_ptr)
+            tl.atomic_max(stats_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+            tl.atomic_max(stats_ptr + 1, tl.max(tl.max((x != x).to(tl.float32), axis=1), axis=0))
+        if (pid_m == 0) & (pid_k == 0):
+            tl.store(sinv_ptr, _reciprocal(scale))
+        q = _clamp_cast(x * scale, FMAX, OUT)
         tl.store(q_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
         tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
-        tl.atomic_max(amax_ptr, tl.max(tl.where(mask, tl.abs(x), 0.0)))
-        tl.atomic_max(nan_ptr, tl.max((x != x).to(tl.int32)))
 
     @triton.jit
     def _row_blocks_kernel(x_ptr, q_ptr, sinv_ptr, M, K, sxm, sxk, KB,
@@ -121,33 +144,36 @@ def _tl_dtype(dtype: torch.dtype):
     return {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}[dtype]
 
 
-def cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype):
+def cast_transpose(x: torch.Tensor, fp8_dtype: torch.dtype, scale: Optional[torch.Tensor] = None):
+    """(q, q.t() contiguous, amax of x, scale_inv): two kernels for current scaling (amax,
+    then cast with the scale computed on the device), one for a given scale."""
     m, k = x.shape
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
     qt = torch.empty((k, m), dtype=fp8_dtype, device=x.device)
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    nan = torch.zeros((), dtype=torch.int32, device=x.device)
-    scale = scale.float().reshape(()).contiguous()
+    stats = torch.zeros(2, dtype=torch.float32, device=x.device)
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     bm, bk = 64, 64
     grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
-    _cast_transpose_kernel[grid](x, q, qt, amax, nan, scale, m, k, x.stride(0), x.stride(1),
-                                 FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype), BM=bm, BK=bk)
-    amax = torch.where(nan > 0, torch.full_like(amax, float("nan")), amax)
-    return q, qt, amax
+    if scale is None:
+        _amax_kernel[grid](x, stats, m, k, x.stride(0), x.stride(1), BM=bm, BK=bk)
+        scale_arg = stats  # unused
+    else:
+        scale_arg = scale.float().reshape(()).contiguous()
+    _cast_transpose_kernel[grid](x, q, qt, stats, scale_arg, scale_inv, m, k, x.stride(0), x.stride(1),
+                                 FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype), SCALE_FROM_AMAX=scale is None,
+                                 BM=bm, BK=bk)
+    amax = torch.where(stats[1] > 0, stats[1] * float("nan"), stats[0])
+    return q, qt, amax, scale_inv
 
 
 def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity, scale: Optional[torch.Tensor] = None):
-    from .kernels import Quantized, amax, quantize_reference
+    from .kernels import Quantized, quantize_reference
 
     if granularity is Granularity.TENSOR:
-        if scale is None:
-            from .formats import amax_to_scale
-
-            scale = amax_to_scale(amax(x), fp8_dtype)
-        q, _, _ = cast_transpose(x, scale, fp8_dtype) if x.numel() else (None, None, None)
-        if q is None:
+        if x.numel() == 0:
             return quantize_reference(x, fp8_dtype, granularity, scale)
-        return Quantized(q, torch.reciprocal(scale.float().reshape(())), granularity)
+        q, _, _, scale_inv = cast_transpose(x, fp8_dtype, scale)
+        return Quantized(q, scale_inv, granularity)
     if x.numel() == 0:
         return quantize_reference(x, fp8_dtype, granularity, scale)
     m, k = x.shape

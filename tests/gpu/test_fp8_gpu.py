@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fsdp8.fp8 import triton_kernels
-from fsdp8.fp8.formats import E4M3, E5M2, Granularity
+from fsdp8.fp8.formats import E4M3, E5M2, Granularity, amax_to_scale
 from fsdp8.fp8.kernels import cast_transpose, quantize, quantize_reference, quantize_rows_with_grid, saturate_cast
 
 pytestmark = [
@@ -47,12 +47,16 @@ def test_triton_cast_transpose_matches_reference(shape, fp8):
     x = _inputs(shape, torch.bfloat16, 7)
     x[2, 5] = 1.0  # amax must be finite here
     scale = torch.tensor(3.7, device="cuda")
-    q, qt, amax = cast_transpose(x, scale, fp8)
+    q, qt, amax, inv = cast_transpose(x, fp8, scale)
     ref = saturate_cast(x, scale, fp8)
     assert _same(q, ref) and _same(qt, ref.t().contiguous())
-    assert amax.item() == x.float().abs().max().item()
+    assert amax.item() == x.float().abs().max().item() and inv.item() == torch.reciprocal(scale).item()
+    # Current scaling: the scale is derived on the device from the amax, as amax_to_scale does.
+    q, qt, amax, inv = cast_transpose(x, fp8)
+    ref_scale = amax_to_scale(x.float().abs().max(), fp8)
+    assert _same(q, saturate_cast(x, ref_scale, fp8)) and inv.item() == torch.reciprocal(ref_scale).item()
     x[1, 1] = float("nan")
-    assert torch.isnan(cast_transpose(x, scale, fp8)[2])
+    assert torch.isnan(cast_transpose(x, fp8, scale)[2]) and torch.isnan(cast_transpose(x, fp8)[2])
 
 
 @pytest.mark.parametrize("row_start,rows", [(0, 256), (64, 100), (300, 17)])
