@@ -19,5 +19,5 @@ fi
 timeout 120 python3 benchmarks/fp8_gemm.py --out "$OUT/gemm.json" 2>&1 | tail -n 24
 timeout 120 python3 -m fsdp8.cli train --precision fp8-current --preset small --steps 60 --batch-size 16 --seq-len 1024 --out "$OUT/train" 2>&1 | tail -n 4
 timeout "${BENCH_TIMEOUT:-300}" torchrun --nproc_per_node 2 benchmarks/peers.py --models "${MODELS:-B}" \
-  --stacks "${STACKS:-fsdp8-fp8-current,fsdp8-fp8-block,fsdp8-fp8-delayed,torchao,torchao-compile}" \
-  --out "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log" | grep -E "^\||FAILED|Error" | tail -n 20
+  --stacks "${STACKS:-fsdp8-fp8-current,fsdp8-fp8-block,fsdp8-fp8-current-compile,fsdp8-fp8-block-compile,fsdp8-compile,torchao-compile}" \
+  --out "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log" | grep -E "^\||^\[peers\]|FAILED|Error" | tail -n 30

@@ -627,7 +627,11 @@ def main(argv=None) -> None:
         for name in args.models:
             if ctx.rank == 0:
                 print(f"[peers] model {name}: {stack} ...", flush=True)
-            results.append(run_stack(MODELS[name], stack, ctx))
+            result = run_stack(MODELS[name], stack, ctx)
+            results.append(result)
+            if ctx.rank == 0:  # partial results survive a timeout
+                print(f"[peers] {name} {stack}: {result.status} {_fmt(result.tokens_per_s_per_gpu, ',.0f')} tok/s/GPU, "
+                      f"peak {_fmt(result.peak_alloc_gib, '.2f')} GiB {result.note}", flush=True)
     results.sort(key=lambda r: args.models.index(r.model))
     orders = {name: list(args.stacks) for name in args.models}
     if ctx.rank == 0:
