@@ -173,6 +173,17 @@ def cast_transpose(x: torch.Tensor, fp8_dtype: torch.dtype, scale: Optional[torc
     return q, q.t().contiguous(), x_amax, scale_to_inv(scale).reshape(())
 
 
+def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[Quantized, Quantized]:
+    """``x`` in 1x128 blocks along its rows and ``x.t()`` likewise (128x1 blocks of ``x``):
+    the two forms an activation or gradient takes in a block-scaled linear. One pass on CUDA."""
+    if use_triton(x) and x.numel():
+        from . import triton_kernels
+
+        return triton_kernels.quantize_1x128_both_ways(x, fp8_dtype)
+    return (quantize_reference(x, fp8_dtype, Granularity.ROW_1x128),
+            quantize_reference(x.t(), fp8_dtype, Granularity.ROW_1x128))
+
+
 def quantize_rows_with_grid(rows: torch.Tensor, row_start: int, scale_grid: torch.Tensor,
                             granularity: Granularity, fp8_dtype: torch.dtype) -> torch.Tensor:
     """Quantize a 2-D slice of rows ``[row_start, row_start + len)`` of a larger tensor whose

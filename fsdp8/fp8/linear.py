@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from .formats import Granularity, scale_inv_to_e8m0
-from .kernels import Quantized, amax, cast_transpose, quantize
+from .kernels import Quantized, amax, cast_transpose, quantize, quantize_1x128_both_ways
 from .recipes import G, W, X, DelayedState, Recipe, update_delayed_states
 from .tensor import Float8Tensor
 
@@ -86,6 +86,8 @@ def _quantize_both_ways(t: torch.Tensor, granularity: Granularity, fp8_dtype, st
         if state is not None:
             state.record(row, t_amax)
         return Quantized(q, inv, granularity), Quantized(q_t, inv, granularity)
+    if granularity is Granularity.ROW_1x128:
+        return quantize_1x128_both_ways(t, fp8_dtype)
     return quantize(t, fp8_dtype, granularity), quantize(t.t(), fp8_dtype, granularity)
 
 
@@ -103,17 +105,15 @@ def _quantized_input(x: torch.Tensor, x2d: torch.Tensor, recipe: Recipe, state: 
     return qx, qx_t
 
 
-def _weight_operands(weight, recipe: Recipe, state: Optional[DelayedState], dtype) -> Quantized:
-    """The weight (N, K) quantized along K; an engine-gathered FP8 weight is used as is."""
+def _weight_operands(weight, recipe: Recipe, state: Optional[DelayedState], dtype):
+    """The weight (N, K) quantized along K and, when it comes for free, its transpose (K, N);
+    an engine-gathered FP8 weight is used as is (its transpose is made once per gather)."""
     if isinstance(weight, Float8Tensor):
-        return weight.quantized()
+        return weight.quantized(), None
     w = weight.detach().to(dtype)
     if recipe.w_granularity is Granularity.TENSOR:
-        if state is not None:
-            state.record(W, amax(w))
-            return quantize(w, recipe.fwd_dtype, Granularity.TENSOR, scale=state.scale[W])
-        return quantize(w, recipe.fwd_dtype, Granularity.TENSOR)
-    return quantize(w, recipe.fwd_dtype, recipe.w_granularity)
+        return _quantize_both_ways(w, Granularity.TENSOR, recipe.fwd_dtype, state, W)
+    return quantize(w, recipe.fwd_dtype, recipe.w_granularity), None
 
 
 def _weight_transposed(weight, qw: Quantized, recipe: Recipe) -> Quantized:
@@ -135,13 +135,13 @@ class _Float8LinearFn(torch.autograd.Function):
         recipe, state = module.recipe, module.delayed_state(x.device)
         x2d = x.reshape(-1, x.shape[-1])
         compute_dtype = x.dtype
-        qw = _weight_operands(weight, recipe, state, compute_dtype)
+        qw, qw_t = _weight_operands(weight, recipe, state, compute_dtype)
         qx, qx_t = _quantized_input(x, x2d, recipe, state)
         out = fp8_mm(qx, qw, compute_dtype, recipe, fast_accum=True)
         if bias is not None:
             out = out + bias.to(compute_dtype)
         # Saved for backward: FP8 only (the input's transpose and the weight), no bf16 copy.
-        ctx.qx_t, ctx.qw, ctx.weight, ctx.module = qx_t, qw, weight, module
+        ctx.qx_t, ctx.qw, ctx.qw_t, ctx.weight, ctx.module = qx_t, qw, qw_t, weight, module
         ctx.has_bias, ctx.x_shape, ctx.compute_dtype = bias is not None, x.shape, compute_dtype
         ctx.weight_dtype = weight.dtype
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -152,11 +152,11 @@ class _Float8LinearFn(torch.autograd.Function):
         state = module.delayed_state(dy.device)
         dy2d = dy.reshape(-1, dy.shape[-1]).to(ctx.compute_dtype)
         qdy, qdy_t = _quantize_both_ways(dy2d, recipe.g_granularity, recipe.bwd_dtype, state, G)
-        qw_t = _weight_transposed(ctx.weight, ctx.qw, recipe)
+        qw_t = ctx.qw_t if ctx.qw_t is not None else _weight_transposed(ctx.weight, ctx.qw, recipe)
         dx = fp8_mm(qdy, qw_t, ctx.compute_dtype, recipe)
         dw = fp8_mm(qdy_t, ctx.qx_t, ctx.compute_dtype, recipe)
         dbias = dy2d.sum(0) if ctx.has_bias else None
-        ctx.qx_t = ctx.qw = ctx.weight = None
+        ctx.qx_t = ctx.qw = ctx.qw_t = ctx.weight = None
         return dx.view(ctx.x_shape), dw.to(ctx.weight_dtype), dbias, None
 
 

@@ -52,35 +52,24 @@ if triton is not None:
         return tl.where(biased == 255, float("nan"), inv)
 
     @triton.jit
-    def _amax_kernel(x_ptr, stats_ptr, M, K, sxm, sxk, BM: tl.constexpr, BK: tl.constexpr):
-        """stats[0] = max |x|, stats[1] = 1 if x holds a NaN (both start at 0)."""
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
-        rk = tl.program_id(1) * BK + tl.arange(0, BK)
-        mask = (rm[:, None] < M) & (rk[None, :] < K)
-        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
-        tl.atomic_max(stats_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-        tl.atomic_max(stats_ptr + 1, tl.max(tl.max((x != x).to(tl.float32), axis=1), axis=0))
-
-    @triton.jit
-    def _cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, stats_ptr, scale_ptr, sinv_ptr, M, K, sxm, sxk,
+    def _cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, scale_ptr, partial_ptr, sinv_ptr, M, K, sxm, sxk,
                                FMAX: tl.constexpr, OUT: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr,
                                BM: tl.constexpr, BK: tl.constexpr):
-        """Quantize x and write it twice (row-major and transposed). The scale is either given
-        (delayed scaling; x's own amax is then accumulated into stats) or derived here from
-        the amax in stats (current scaling, after _amax_kernel)."""
+        """Quantize x and write it twice (row-major and transposed). Current scaling: the scale
+        comes from the amax computed before (amax_ptr). Delayed scaling: the scale is given and
+        each program writes its tile's amax to partial_ptr (no atomics: they serialize)."""
         pid_m, pid_k = tl.program_id(0), tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)
         rk = pid_k * BK + tl.arange(0, BK)
         mask = (rm[:, None] < M) & (rk[None, :] < K)
         x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
         if SCALE_FROM_AMAX:
-            amax = tl.load(stats_ptr)
-            amax = tl.where(tl.load(stats_ptr + 1) > 0, float("nan"), amax)
-            scale = _scale_from_amax(amax, FMAX)
+            scale = _scale_from_amax(tl.load(amax_ptr), FMAX)
         else:
             scale = tl.load(scale_ptr)
-            tl.atomic_max(stats_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-            tl.atomic_max(stats_ptr + 1, tl.max(tl.max((x != x).to(tl.float32), axis=1), axis=0))
+            tile = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+            has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0) > 0
+            tl.store(partial_ptr + pid_m * tl.num_programs(1) + pid_k, tl.where(has_nan, float("nan"), tile))
         if (pid_m == 0) & (pid_k == 0):
             tl.store(sinv_ptr, _reciprocal(scale))
         q = _clamp_cast(x * scale, FMAX, OUT)
@@ -108,6 +97,28 @@ if triton is not None:
         q = _clamp_cast(x * scale[:, None], FMAX, OUT)
         tl.store(q_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
         tl.store(sinv_ptr + rm * KB + kb, scale_inv, mask=rm < M)
+
+    @triton.jit
+    def _rows_and_cols_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
+                              FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr):
+        """One BxB tile read once, quantized two ways: 1xB blocks along its rows (written
+        row-major) and Bx1 blocks down its columns (written transposed, i.e. 1xB blocks of
+        x.t()). An activation or gradient needs both for its two GEMMs."""
+        mb, kb = tl.program_id(0), tl.program_id(1)
+        rm = mb * B + tl.arange(0, B)
+        rk = kb * B + tl.arange(0, B)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+        nan = (x != x).to(tl.int32)
+        row_amax = tl.where(tl.max(nan, axis=1) > 0, float("nan"), tl.max(tl.abs(x), axis=1))
+        col_amax = tl.where(tl.max(nan, axis=0) > 0, float("nan"), tl.max(tl.abs(x), axis=0))
+        row_scale = _scale_from_amax(row_amax, FMAX)
+        col_scale = _scale_from_amax(col_amax, FMAX)
+        tl.store(q_ptr + rm[:, None] * K + rk[None, :], _clamp_cast(x * row_scale[:, None], FMAX, OUT), mask=mask)
+        q_col = _clamp_cast(x * col_scale[None, :], FMAX, OUT)
+        tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col), mask=tl.trans(mask))
+        tl.store(sinv_ptr + rm * KB + kb, _reciprocal(row_scale), mask=rm < M)
+        tl.store(sinv_t_ptr + rk * MB + mb, _reciprocal(col_scale), mask=rk < K)
 
     @triton.jit
     def _tile_blocks_kernel(x_ptr, q_ptr, sinv_ptr, M, K, sxm, sxk, KB,
@@ -145,25 +156,30 @@ def _tl_dtype(dtype: torch.dtype):
 
 
 def cast_transpose(x: torch.Tensor, fp8_dtype: torch.dtype, scale: Optional[torch.Tensor] = None):
-    """(q, q.t() contiguous, amax of x, scale_inv): two kernels for current scaling (amax,
-    then cast with the scale computed on the device), one for a given scale."""
+    """(q, q.t() contiguous, amax of x, scale_inv). Current scaling: torch's amax reduction,
+    then one kernel that derives the scale on the device and casts; delayed: one kernel that
+    casts with the given scale and leaves per-tile amaxes for a small final reduction."""
+    from .kernels import amax as torch_amax
+
     m, k = x.shape
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
     qt = torch.empty((k, m), dtype=fp8_dtype, device=x.device)
-    stats = torch.zeros(2, dtype=torch.float32, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     bm, bk = 64, 64
     grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
     if scale is None:
-        _amax_kernel[grid](x, stats, m, k, x.stride(0), x.stride(1), BM=bm, BK=bk)
-        scale_arg = stats  # unused
+        x_amax = torch_amax(x)
+        partial = scale_arg = x_amax  # unused by the kernel in this mode
     else:
+        x_amax = None
         scale_arg = scale.float().reshape(()).contiguous()
-    _cast_transpose_kernel[grid](x, q, qt, stats, scale_arg, scale_inv, m, k, x.stride(0), x.stride(1),
-                                 FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype), SCALE_FROM_AMAX=scale is None,
-                                 BM=bm, BK=bk)
-    amax = torch.where(stats[1] > 0, stats[1] * float("nan"), stats[0])
-    return q, qt, amax, scale_inv
+        partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
+    _cast_transpose_kernel[grid](x, q, qt, x_amax if x_amax is not None else scale_arg, scale_arg, partial, scale_inv,
+                                 m, k, x.stride(0), x.stride(1), FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype),
+                                 SCALE_FROM_AMAX=scale is None, BM=bm, BK=bk)
+    if x_amax is None:
+        x_amax = partial.amax()
+    return q, qt, x_amax, scale_inv
 
 
 def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity, scale: Optional[torch.Tensor] = None):
@@ -193,6 +209,20 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity, 
         MX=granularity is Granularity.MX_1x32, OUT=out, TM=tm, BK=bk,
     )
     return Quantized(q, sinv, granularity)
+
+
+def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype):
+    from .kernels import Quantized
+
+    m, k = x.shape
+    mb, kb = triton.cdiv(m, 128), triton.cdiv(k, 128)
+    q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
+    qt = torch.empty((k, m), dtype=fp8_dtype, device=x.device)
+    sinv = torch.empty((m, kb), dtype=torch.float32, device=x.device)
+    sinv_t = torch.empty((k, mb), dtype=torch.float32, device=x.device)
+    _rows_and_cols_kernel[(mb, kb)](x, q, qt, sinv, sinv_t, m, k, x.stride(0), x.stride(1), kb, mb,
+                                    FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype), B=128)
+    return Quantized(q, sinv, Granularity.ROW_1x128), Quantized(qt, sinv_t, Granularity.ROW_1x128)
 
 
 def quantize_rows_with_grid(rows: torch.Tensor, row_start: int, scale_grid: torch.Tensor, fp8_dtype: torch.dtype):

@@ -104,3 +104,17 @@ def test_native_gemm_close_to_emulated(recipe_name):
     for a, b in zip(*outs):
         assert ((a - b).norm() / b.norm()).item() < 1e-2
     assert native_used == (recipe_name != "fp8-mxfp8")  # MX needs sm100; Hopper emulates it
+
+
+@pytest.mark.parametrize("shape", [(4096, 1024), (300, 257)])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_triton_1x128_both_ways_matches_reference(shape, fp8):
+    from fsdp8.fp8.kernels import quantize_1x128_both_ways
+
+    x = _inputs(shape, torch.bfloat16, 11)
+    rows, cols = quantize_1x128_both_ways(x, fp8)
+    ref_rows = quantize_reference(x, fp8, Granularity.ROW_1x128)
+    ref_cols = quantize_reference(x.t(), fp8, Granularity.ROW_1x128)
+    for got, ref in ((rows, ref_rows), (cols, ref_cols)):
+        assert _same(got.data, ref.data)
+        assert torch.allclose(got.scale_inv, ref.scale_inv, rtol=0, atol=0, equal_nan=True)
