@@ -9,6 +9,7 @@ bits faster on CUDA; ``use_triton`` chooses, and the GPU tests compare the two b
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -53,8 +54,9 @@ class Quantized:
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """Triton kernels run on CUDA tensors when Triton imports; everything else uses torch."""
-    if not x.is_cuda:
+    """Triton kernels run on CUDA tensors when Triton imports (``FSDP8_TRITON=0`` turns them
+    off); everything else uses torch."""
+    if not x.is_cuda or os.environ.get("FSDP8_TRITON", "1") == "0":
         return False
     from . import triton_kernels
 
