@@ -54,7 +54,7 @@ if triton is not None:
     @triton.jit
     def _cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, amax_ptr, scale_ptr, partial_ptr, sinv_ptr, M, K, sxm, sxk,
                                FMAX: tl.constexpr, OUT: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr,
-                               BM: tl.constexpr, BK: tl.constexpr):
+                               RELOAD_T: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
         """Quantize x and write it twice (row-major and transposed). Current scaling: the scale
         comes from the amax computed before (amax_ptr). Delayed scaling: the scale is given and
         each program writes its tile's amax to partial_ptr (no atomics: they serialize)."""
@@ -74,7 +74,14 @@ if triton is not None:
             tl.store(sinv_ptr, _reciprocal(scale))
         q = _clamp_cast(x * scale, FMAX, OUT)
         tl.store(q_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
-        tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+        mask_t = (rk[:, None] < K) & (rm[None, :] < M)
+        if RELOAD_T:
+            # Transposing 8-bit values converted from fp32 miscompiles in Triton 3.6 (seen on
+            # H100): read the tile again transposed instead.
+            xt = tl.load(x_ptr + rk[:, None] * sxk + rm[None, :] * sxm, mask=mask_t, other=0.0).to(tl.float32)
+            tl.store(qt_ptr + rk[:, None] * M + rm[None, :], _clamp_cast(xt * scale, FMAX, OUT), mask=mask_t)
+        else:
+            tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q), mask=mask_t)
 
     @triton.jit
     def _row_blocks_kernel(x_ptr, q_ptr, sinv_ptr, M, K, sxm, sxk, KB,
@@ -100,7 +107,7 @@ if triton is not None:
 
     @triton.jit
     def _rows_and_cols_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
-                              FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr):
+                              FMAX: tl.constexpr, OUT: tl.constexpr, RELOAD_T: tl.constexpr, B: tl.constexpr):
         """One BxB tile read once, quantized two ways: 1xB blocks along its rows (written
         row-major) and Bx1 blocks down its columns (written transposed, i.e. 1xB blocks of
         x.t()). An activation or gradient needs both for its two GEMMs."""
@@ -115,8 +122,13 @@ if triton is not None:
         row_scale = _scale_from_amax(row_amax, FMAX)
         col_scale = _scale_from_amax(col_amax, FMAX)
         tl.store(q_ptr + rm[:, None] * K + rk[None, :], _clamp_cast(x * row_scale[:, None], FMAX, OUT), mask=mask)
-        q_col = _clamp_cast(x * col_scale[None, :], FMAX, OUT)
-        tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col), mask=tl.trans(mask))
+        mask_t = (rk[:, None] < K) & (rm[None, :] < M)
+        if RELOAD_T:  # see _cast_transpose_kernel
+            xt = tl.load(x_ptr + rk[:, None] * sxk + rm[None, :] * sxm, mask=mask_t, other=0.0).to(tl.float32)
+            tl.store(qt_ptr + rk[:, None] * M + rm[None, :], _clamp_cast(xt * col_scale[:, None], FMAX, OUT), mask=mask_t)
+        else:
+            q_col = _clamp_cast(x * col_scale[None, :], FMAX, OUT)
+            tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col), mask=mask_t)
         tl.store(sinv_ptr + rm * KB + kb, _reciprocal(row_scale), mask=rm < M)
         tl.store(sinv_t_ptr + rk * MB + mb, _reciprocal(col_scale), mask=rk < K)
 
@@ -176,7 +188,7 @@ def cast_transpose(x: torch.Tensor, fp8_dtype: torch.dtype, scale: Optional[torc
         partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
     _cast_transpose_kernel[grid](x, q, qt, x_amax if x_amax is not None else scale_arg, scale_arg, partial, scale_inv,
                                  m, k, x.stride(0), x.stride(1), FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype),
-                                 SCALE_FROM_AMAX=scale is None, BM=bm, BK=bk)
+                                 SCALE_FROM_AMAX=scale is None, RELOAD_T=x.dtype == torch.float32, BM=bm, BK=bk)
     if x_amax is None:
         x_amax = partial.amax()
     return q, qt, x_amax, scale_inv
@@ -221,7 +233,8 @@ def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype):
     sinv = torch.empty((m, kb), dtype=torch.float32, device=x.device)
     sinv_t = torch.empty((k, mb), dtype=torch.float32, device=x.device)
     _rows_and_cols_kernel[(mb, kb)](x, q, qt, sinv, sinv_t, m, k, x.stride(0), x.stride(1), kb, mb,
-                                    FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype), B=128)
+                                    FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype), RELOAD_T=x.dtype == torch.float32,
+                                    B=128)
     return Quantized(q, sinv, Granularity.ROW_1x128), Quantized(qt, sinv_t, Granularity.ROW_1x128)
 
 

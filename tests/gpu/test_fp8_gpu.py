@@ -41,10 +41,11 @@ def test_triton_quantize_matches_reference_bit_for_bit(granularity, fp8, shape, 
     assert torch.equal(got.scale_inv, ref.scale_inv) or torch.allclose(got.scale_inv, ref.scale_inv, equal_nan=True, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("shape", [(4096, 4096), (300, 257)])
+@pytest.mark.parametrize("shape", [(4096, 4096), (300, 257), (64, 32)])
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
-def test_triton_cast_transpose_matches_reference(shape, fp8):
-    x = _inputs(shape, torch.bfloat16, 7)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_cast_transpose_matches_reference(shape, fp8, dtype):
+    x = _inputs(shape, dtype, 7)
     x[2, 5] = 1.0  # amax must be finite here
     scale = torch.tensor(3.7, device="cuda")
     q, qt, amax, inv = cast_transpose(x, fp8, scale)
@@ -108,10 +109,11 @@ def test_native_gemm_close_to_emulated(recipe_name):
 
 @pytest.mark.parametrize("shape", [(4096, 1024), (300, 257)])
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
-def test_triton_1x128_both_ways_matches_reference(shape, fp8):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_1x128_both_ways_matches_reference(shape, fp8, dtype):
     from fsdp8.fp8.kernels import quantize_1x128_both_ways
 
-    x = _inputs(shape, torch.bfloat16, 11)
+    x = _inputs(shape, dtype, 11)
     rows, cols = quantize_1x128_both_ways(x, fp8)
     ref_rows = quantize_reference(x, fp8, Granularity.ROW_1x128)
     ref_cols = quantize_reference(x.t(), fp8, Granularity.ROW_1x128)
