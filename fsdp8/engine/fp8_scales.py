@@ -35,33 +35,33 @@ class ScaleAgreement:
         units = [u for u in self.units if delayed or u.weights_changed()]
         if not units:
             return
-        owners, pieces = [], []
-        for unit in units:
-            for slot, piece in unit.local_amaxes():
-                owners.append((unit, slot))
-                pieces.append(piece)
-        pending = [torch.stack([s.pending for s in self.states]).flatten()] if delayed else []
-        flat = torch.cat(pieces + pending) if pieces or pending else None
-        if flat is None:
-            for unit in units:
-                unit.set_amaxes({})
-            return
-        comm.all_reduce(flat, self.group, dist.ReduceOp.MAX, "fp8 amax")
-        reduced = list(torch.split(flat, [p.numel() for p in pieces] + ([flat.numel() - sum(p.numel() for p in pieces)] if delayed else [])))
-        per_unit = {id(u): {} for u in units}
-        for (unit, slot), r in zip(owners, reduced):
-            per_unit[id(unit)][id(slot)] = r
+        owners = [(unit, slot, piece) for unit in units for slot, piece in unit.local_amaxes()]
+        pieces = [piece for _, _, piece in owners]
         if delayed:
-            rows = reduced[-1].view(len(self.states), 3)
-            weight_amax = {id(unit.delayed[id(slot)]): r.max() for (unit, slot), r in zip(owners, reduced[: len(owners)])
-                           if id(slot) in unit.delayed}
-            for state, row in zip(self.states, rows):
-                if id(state) in weight_amax:
-                    row = row.clone()
-                    row[W] = weight_amax[id(state)]
-                state.update(row)
+            pieces.append(torch.stack([s.pending for s in self.states]).flatten())
+        if pieces:
+            flat = torch.cat(pieces)
+            comm.all_reduce(flat, self.group, dist.ReduceOp.MAX, "fp8 amax")
+            pieces = list(torch.split(flat, [p.numel() for p in pieces]))
+        per_unit = {id(u): {} for u in units}
+        for (unit, slot, _), reduced in zip(owners, pieces):
+            per_unit[id(unit)][id(slot)] = reduced
+        if delayed:
+            self._roll_histories(owners, pieces)
         for unit in units:
             unit.set_amaxes(per_unit[id(unit)])
+
+    def _roll_histories(self, owners, reduced) -> None:
+        """Every history takes its reduced input and gradient amaxes of the last step and its
+        weight's reduced amax of now (so the weight's scale reflects the weight it quantizes)."""
+        rows = reduced[-1].view(len(self.states), 3)
+        weight_amax = {id(unit.delayed[id(slot)]): r.max() for (unit, slot, _), r in zip(owners, reduced)
+                       if id(slot) in unit.delayed}
+        for state, row in zip(self.states, rows):
+            if id(state) in weight_amax:
+                row = row.clone()
+                row[W] = weight_amax[id(state)]
+            state.update(row)
 
 
 def delayed_states_of(units: Sequence[Float8Unit]) -> List[DelayedState]:

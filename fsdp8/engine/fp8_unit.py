@@ -25,17 +25,7 @@ from ..fp8.kernels import amax, partial_block_amax, quantize, quantize_rows_with
 from ..fp8.recipes import W, DelayedState, Recipe
 from ..fp8.tensor import Float8Tensor
 from .layout import UnitLayout, plan_unit
-from .unit import ParamSlot, ShardedUnit
-
-
-def _alias_bytes(buffer: torch.Tensor, byte_offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
-    """A ``dtype`` tensor on ``buffer``'s storage at a byte offset, with its own version counter."""
-    itemsize = torch.tensor([], dtype=dtype).element_size()
-    if byte_offset % itemsize:
-        raise ValueError(f"byte offset {byte_offset} is not aligned to {dtype}")
-    alias = torch.empty(0, dtype=dtype, device=buffer.device)
-    alias.set_(buffer.untyped_storage(), byte_offset // itemsize, torch.Size(shape))
-    return alias
+from .unit import ParamSlot, ShardedUnit, alias_storage
 
 
 class Float8Unit(ShardedUnit):
@@ -97,10 +87,10 @@ class Float8Unit(ShardedUnit):
     def _make_compute_param(self, slot: ParamSlot) -> nn.Parameter:
         if id(slot) not in self.fp8_ids:
             p = self._entry(slot, "value")
-            return nn.Parameter(_alias_bytes(self.unsharded, p.unsharded_offset, self.compute_dtype, slot.layout.shape),
+            return nn.Parameter(alias_storage(self.unsharded, p.unsharded_offset, self.compute_dtype, slot.layout.shape),
                                 requires_grad=slot.requires_grad)
         p = self._entry(slot, "fp8")
-        data = _alias_bytes(self.unsharded, p.unsharded_offset, self.recipe.fwd_dtype, slot.layout.shape)
+        data = alias_storage(self.unsharded, p.unsharded_offset, self.recipe.fwd_dtype, slot.layout.shape)
         weight = Float8Tensor(data, self.scale_inv_of(slot), self.granularity, self.compute_dtype)
         return nn.Parameter(weight, requires_grad=slot.requires_grad)
 

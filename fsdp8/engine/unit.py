@@ -57,13 +57,16 @@ class PendingReduce:
     buffers: List[torch.Tensor] = field(default_factory=list)
 
 
-def _alias(storage_owner: torch.Tensor, offset: int, shape) -> torch.Tensor:
-    """A tensor on ``storage_owner``'s storage with its *own* version counter.
+def alias_storage(buffer: torch.Tensor, byte_offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A ``dtype`` tensor on ``buffer``'s storage at ``byte_offset``, with its *own* version counter.
 
     Autograd checks the version of tensors saved for backward; refilling the unsharded
     buffer before backward must not count as modifying the parameters saved in forward."""
-    alias = torch.empty(0, dtype=storage_owner.dtype, device=storage_owner.device)
-    alias.set_(storage_owner.untyped_storage(), offset, torch.Size(shape))
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    if byte_offset % itemsize:
+        raise ValueError(f"byte offset {byte_offset} is not aligned to {dtype}")
+    alias = torch.empty(0, dtype=dtype, device=buffer.device)
+    alias.set_(buffer.untyped_storage(), byte_offset // itemsize, torch.Size(shape))
     return alias
 
 
@@ -142,7 +145,9 @@ class ShardedUnit:
 
     def _make_compute_param(self, slot: ParamSlot) -> nn.Parameter:
         p = slot.layout
-        return nn.Parameter(_alias(self.unsharded, p.unsharded_offset, p.shape), requires_grad=slot.requires_grad)
+        offset = p.unsharded_offset * self.unsharded.element_size()
+        return nn.Parameter(alias_storage(self.unsharded, offset, self.compute_dtype, p.shape),
+                            requires_grad=slot.requires_grad)
 
     def _make_params(self) -> None:
         mesh, placements = self.topology.main_placement()
