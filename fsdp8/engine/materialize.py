@@ -17,7 +17,7 @@ def rng_fingerprint(device: torch.device) -> str:
     state = torch.random.get_rng_state()
     if device.type == "cuda":
         state = torch.cat([state, torch.cuda.get_rng_state(device)])
-    return hashlib.sha256(state.numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha256(bytes(state.tolist())).hexdigest()[:16]  # uint8 state; no numpy needed
 
 
 def meta_leftovers(root: nn.Module) -> List[str]:
