@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import List, Optional, Tuple
 
 import torch
@@ -30,6 +31,21 @@ def first_difference(a: List[str], b: List[str]) -> Tuple[int, str]:
     return i, f"the {which} has {abs(len(a) - len(b))} more entries, starting with {longer[i]!r}"
 
 
+def _all_gather_lines(lines: List[str], group, device: torch.device) -> List[List[str]]:
+    """Every rank's lines, sent as UTF-8 bytes in tensors (object collectives need numpy)."""
+    world = dist.get_world_size(group)
+    payload = torch.tensor(list(json.dumps(lines).encode()), dtype=torch.uint8, device=device)
+    sizes = torch.empty(world, dtype=torch.int64, device=device)
+    comm.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=device), group, "structure sizes")
+    longest = int(sizes.max())
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    gathered = torch.empty(world * longest, dtype=torch.uint8, device=device)
+    comm.all_gather(gathered, padded, group, "structure lines")
+    chunks = gathered.view(world, longest).cpu()
+    return [json.loads(bytes(chunks[r, : int(sizes[r])].tolist()).decode()) for r in range(world)]
+
+
 def check_same_everywhere(
     lines: List[str],
     what: str,
@@ -50,8 +66,7 @@ def check_same_everywhere(
     comm.all_gather(digests, mine, group, "structure check")
     if bool((digests == digests[0]).all()):
         return
-    everyone: List[Optional[List[str]]] = [None] * world
-    dist.all_gather_object(everyone, lines, group=group)
+    everyone = _all_gather_lines(lines, group, device)
     ranks = dist.get_process_group_ranks(group)
     for i in range(1, world):
         if everyone[i] != everyone[0]:
