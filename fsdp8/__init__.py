@@ -11,9 +11,14 @@ from .fp8.linear import Float8Linear
 from .fp8.tensor import Float8Tensor
 from .fp8.convert import convert_to_fp8, fp8_init
 from .fp8.fsdp2 import precompute_fp8_scales, prepare_fp8_modules_for_fsdp, use_fp8_all_gather
-from . import data, fp8
+from . import checkpoint, data, fp8
+from .checkpoint import latest, load, save, wait_for_saves
 
 __all__ = [
+    "latest",
+    "load",
+    "save",
+    "wait_for_saves",
     "DelayedScaling",
     "Float8BlockScaling",
     "Float8CurrentScaling",

@@ -1,0 +1,196 @@
+"""save / load: model and optimizer as DTensors through torch.distributed.checkpoint.
+
+Checkpoints reshard on load (another world size, strategy or mesh) because every value is
+a DTensor with its global shape: DCP matches the saved chunks to the new ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from concurrent.futures import Future
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from ..engine.check import check_same_everywhere
+from ..engine.state_dict import StateDictError, describe_mismatch
+from ..parallel.mesh import init_distributed
+from . import store
+from .safe_io import SafeLoadPlanner, SafeReader, read_metadata_safely
+
+_PENDING: List[Future] = []
+_CKPT_GROUP = None
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _barrier(group=None) -> None:
+    if dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def _state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
+    state: Dict[str, Any] = {"model": model.state_dict()}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def _checkpoint_group():
+    """A gloo group of its own, so background saves never interleave with training collectives."""
+    global _CKPT_GROUP
+    if _CKPT_GROUP is None:
+        _CKPT_GROUP = dist.new_group(backend="gloo")
+    return _CKPT_GROUP
+
+
+def wait_for_saves() -> None:
+    """Block until every asynchronous save of this process has been published."""
+    while _PENDING:
+        _PENDING.pop(0).result()
+
+
+def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, extra: Optional[dict] = None,
+         *, keep_last: Optional[int] = None, async_save: bool = False, max_in_flight: int = 1) -> Optional[Future]:
+    """Write a reshardable, atomic checkpoint of ``model`` (and ``optimizer``) to ``path``.
+
+    ``extra`` (JSON values and tensors, e.g. step, RNG states, data position) is stored per
+    rank. ``keep_last=N`` deletes older complete checkpoints next to ``path``. With
+    ``async_save`` the state is copied to host memory, the call returns a Future, and files
+    are written and published in the background (at most ``max_in_flight`` at once: a
+    new save first waits for the oldest)."""
+    init_distributed()
+    path = os.path.abspath(path)
+    rank = dist.get_rank()
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    check_same_everywhere([f"path={path}", f"optimizer={optimizer is not None}", f"async={async_save}",
+                           f"keep_last={keep_last}"], "the checkpoint to save", dist.group.WORLD, _device())
+    while async_save and len(_PENDING) >= max_in_flight:
+        _PENDING.pop(0).result()
+    if rank == 0:
+        store.prepare(path)
+    _barrier()
+    tmp = store.partial_path(path)
+    store.write_json_atomic(store.extra_path(tmp, rank), store.encode_extra(extra or {}))
+    state = _state(model, optimizer)
+    info = {"world_size": dist.get_world_size(), "optimizer": optimizer is not None}
+
+    def finish(group) -> None:
+        _barrier(group)  # every rank's files are written
+        if rank == 0:
+            store.publish(path, info)
+            if keep_last is not None:
+                store.prune(os.path.dirname(path), keep_last, protect=path)
+        _barrier(group)  # nobody returns before the checkpoint is visible
+
+    if not async_save:
+        dcp.save(state, storage_writer=FileSystemWriter(tmp))
+        _fault_point("before_publish")
+        finish(None)
+        return None
+    group = _checkpoint_group()
+    written = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=group)
+    done: Future = Future()
+
+    def background() -> None:
+        try:
+            written.result()
+            finish(group)
+            done.set_result(path)
+        except BaseException as e:  # surfaced through the Future
+            done.set_exception(e)
+
+    threading.Thread(target=background, name="fsdp8-checkpoint", daemon=True).start()
+    _PENDING.append(done)
+    return done
+
+
+def _fault_point(name: str) -> None:
+    """Test seam: FSDP8_FAULT=<name> kills this process here (the SIGKILL-during-save test)."""
+    if os.environ.get("FSDP8_FAULT") == name:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _storage_files(metadata) -> Dict[str, int]:
+    files: Dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if name is not None:
+            files[name] = max(files.get(name, 0), info.offset + info.length)
+    return files
+
+
+def _check_loadable(path: str) -> Any:
+    """Metadata of ``path``, or one CheckpointError on every rank naming all that is wrong."""
+    found = store.problems(path)
+    metadata = None
+    if not found:
+        try:
+            with open(os.path.join(path, store.METADATA), "rb") as f:
+                metadata = read_metadata_safely(f)
+            found = store.problems(path, _storage_files(metadata))
+        except Exception as e:  # unreadable or disallowed metadata
+            found = [f"{path}/{store.METADATA} cannot be read: {e}"]
+    # Agree before anything collective: one rank's missing file must not hang the others.
+    flag = torch.tensor([1.0 if found else 0.0], device=_device())
+    if dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() > 0:
+        raise store.CheckpointError("cannot load checkpoint: " + ("; ".join(found) if found else
+                                                                   "another rank found it incomplete or damaged"))
+    return metadata
+
+
+def _check_keys(model_sd: Dict[str, Any], metadata, strict: bool) -> None:
+    saved = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    missing = [k for k in model_sd if k not in saved]
+    unexpected = [k for k in saved if k not in model_sd]
+    mis_shaped = []
+    for k, v in model_sd.items():
+        meta = saved.get(k)
+        if isinstance(meta, TensorStorageMetadata) and isinstance(v, torch.Tensor) and tuple(meta.size) != tuple(v.shape):
+            mis_shaped.append(f"{k}: checkpoint {tuple(meta.size)} vs model {tuple(v.shape)}")
+    if mis_shaped or (strict and (missing or unexpected)):
+        raise StateDictError(f"checkpoint does not match the model: {describe_mismatch(missing, unexpected, mis_shaped)}")
+
+
+def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, strict: bool = True) -> dict:
+    """Load a checkpoint written by ``save`` (at any world size, strategy or mesh) into
+    ``model`` and ``optimizer`` in place; returns this rank's ``extra`` (rank 0's when the
+    checkpoint was written by fewer ranks)."""
+    init_distributed()
+    path = os.path.abspath(path)
+    check_same_everywhere([f"path={path}", f"optimizer={optimizer is not None}"], "the checkpoint to load",
+                          dist.group.WORLD, _device())
+    metadata = _check_loadable(path)
+    state = _state(model, optimizer)
+    _check_keys(state["model"], metadata, strict)
+    if optimizer is not None and not any(k.startswith("optim.") for k in metadata.state_dict_metadata):
+        raise store.CheckpointError(f"{path} holds no optimizer state; load it with optimizer=None")
+    dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(allow_partial_load=not strict))
+    engine = getattr(model, "_fsdp8", None)
+    if engine is not None:  # main weights changed under the engine: refresh compute copies
+        for unit in engine.all_units:
+            unit.mark_stale()
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    rank_file = store.extra_path(path, dist.get_rank())
+    if not os.path.exists(rank_file):
+        rank_file = store.extra_path(path, 0)
+    with open(rank_file) as f:
+        return store.decode_extra(json.load(f))
