@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor
 
 from ..engine.check import check_same_everywhere
 from ..engine.state_dict import StateDictError, describe_mismatch
@@ -41,11 +42,40 @@ def _barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
+def _agree_delayed_pending(model: nn.Module) -> None:
+    """Delayed-scaling amaxes collected since the last update differ per rank until the next
+    update reduces them (max); reduce them now, so the checkpoint holds one value for all."""
+    states = [m._delayed for m in model.modules() if getattr(m, "_delayed", None) is not None]
+    if states and dist.get_world_size() > 1:
+        stacked = torch.stack([s.pending for s in states])
+        dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+        for state, row in zip(states, stacked):
+            state.pending.copy_(row)
+
+
 def _state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
     state: Dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     return state
+
+
+def _stage_to_host(obj: Any) -> Any:
+    """An independent host copy of a (nested) state dict; DTensors keep their placement.
+
+    (torch's own async staging cannot copy tensors that are views into one shared buffer,
+    which is what fsdp8's main weights are.)"""
+    if isinstance(obj, DTensor):
+        return DTensor(obj._local_tensor.detach().to("cpu", copy=True), obj._spec, requires_grad=False)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _stage_to_host(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_stage_to_host(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_stage_to_host(v) for v in obj)
+    return obj
 
 
 def _checkpoint_group():
@@ -68,9 +98,10 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
 
     ``extra`` (JSON values and tensors, e.g. step, RNG states, data position) is stored per
     rank. ``keep_last=N`` deletes older complete checkpoints next to ``path``. With
-    ``async_save`` the state is copied to host memory, the call returns a Future, and files
-    are written and published in the background (at most ``max_in_flight`` at once: a
-    new save first waits for the oldest)."""
+    ``async_save`` the state is copied to host memory (training waits only for that), the
+    call returns a Future, and a background thread writes and publishes the files over a
+    gloo group of its own (at most ``max_in_flight`` saves at once: a new one first waits
+    for the oldest)."""
     init_distributed()
     path = os.path.abspath(path)
     rank = dist.get_rank()
@@ -85,6 +116,7 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     _barrier()
     tmp = store.partial_path(path)
     store.write_json_atomic(store.extra_path(tmp, rank), store.encode_extra(extra or {}))
+    _agree_delayed_pending(model)
     state = _state(model, optimizer)
     info = {"world_size": dist.get_world_size(), "optimizer": optimizer is not None}
 
@@ -102,12 +134,12 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
         finish(None)
         return None
     group = _checkpoint_group()
-    written = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=group)
+    staged = _stage_to_host(state)  # the only part training waits for
     done: Future = Future()
 
     def background() -> None:
         try:
-            written.result()
+            dcp.save(staged, storage_writer=FileSystemWriter(tmp), process_group=group)
             finish(group)
             done.set_result(path)
         except BaseException as e:  # surfaced through the Future
@@ -136,14 +168,17 @@ def _storage_files(metadata) -> Dict[str, int]:
 
 
 def _check_loadable(path: str) -> Any:
-    """Metadata of ``path``, or one CheckpointError on every rank naming all that is wrong."""
-    found = store.problems(path)
+    """Metadata of ``path``, or one CheckpointError on every rank naming all that is wrong.
+
+    A plain DCP checkpoint (e.g. written by torch FSDP2: no marker, no fsdp8 extra files)
+    is accepted; an fsdp8 one without its marker is an interrupted save and is not."""
+    found = store.problems(path, foreign_ok=True)
     metadata = None
     if not found:
         try:
             with open(os.path.join(path, store.METADATA), "rb") as f:
                 metadata = read_metadata_safely(f)
-            found = store.problems(path, _storage_files(metadata))
+            found = store.problems(path, _storage_files(metadata), foreign_ok=True)
         except Exception as e:  # unreadable or disallowed metadata
             found = [f"{path}/{store.METADATA} cannot be read: {e}"]
     # Agree before anything collective: one rank's missing file must not hang the others.
@@ -156,8 +191,17 @@ def _check_loadable(path: str) -> Any:
     return metadata
 
 
+def _nested(metadata) -> bool:
+    """fsdp8 (and torch's get_state_dict convention) nests the model under "model."; a
+    checkpoint of a bare model state dict has the parameter names at the top level."""
+    return any(k.startswith("model.") for k in metadata.state_dict_metadata)
+
+
 def _check_keys(model_sd: Dict[str, Any], metadata, strict: bool) -> None:
-    saved = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    if _nested(metadata):
+        saved = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    else:
+        saved = dict(metadata.state_dict_metadata)
     missing = [k for k in model_sd if k not in saved]
     unexpected = [k for k in saved if k not in model_sd]
     mis_shaped = []
@@ -182,15 +226,22 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     _check_keys(state["model"], metadata, strict)
     if optimizer is not None and not any(k.startswith("optim.") for k in metadata.state_dict_metadata):
         raise store.CheckpointError(f"{path} holds no optimizer state; load it with optimizer=None")
-    dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(allow_partial_load=not strict))
+    target = state if _nested(metadata) else state["model"]
+    dcp.load(target, storage_reader=SafeReader(path), planner=SafeLoadPlanner(allow_partial_load=not strict))
     engine = getattr(model, "_fsdp8", None)
     if engine is not None:  # main weights changed under the engine: refresh compute copies
         for unit in engine.all_units:
             unit.mark_stale()
+    for module in model.modules():
+        delayed = getattr(module, "_delayed", None)
+        if delayed is not None:  # restored amaxes not yet folded into the history
+            delayed.dirty = True
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
     rank_file = store.extra_path(path, dist.get_rank())
     if not os.path.exists(rank_file):
         rank_file = store.extra_path(path, 0)
+    if not os.path.exists(rank_file):
+        return {}  # a checkpoint written by another library
     with open(rank_file) as f:
         return store.decode_extra(json.load(f))

@@ -124,14 +124,16 @@ def prune(directory: str, keep_last: int, protect: str) -> List[str]:
     return doomed
 
 
-def problems(path: str, storage_files: Optional[Dict[str, int]] = None) -> List[str]:
+def problems(path: str, storage_files: Optional[Dict[str, int]] = None, foreign_ok: bool = False) -> List[str]:
     """What makes ``path`` unloadable, as sentences (empty when fine). ``storage_files`` maps
-    the data files the metadata names to the bytes each must at least hold."""
+    the data files the metadata names to the bytes each must at least hold. ``foreign_ok``
+    accepts a checkpoint without fsdp8's marker if fsdp8 did not write it (no extra files)."""
     if not os.path.isdir(path):
         hint = " (a save was interrupted before it finished)" if os.path.isdir(partial_path(path)) else ""
         return [f"checkpoint {path} does not exist{hint}"]
     found = []
-    if not is_complete(path):
+    written_by_fsdp8 = any(n.startswith("extra.rank") for n in os.listdir(path))
+    if not is_complete(path) and (written_by_fsdp8 or not foreign_ok):
         found.append(f"{path} has no {MARKER}: the save that wrote it did not finish")
     if not os.path.isfile(os.path.join(path, METADATA)):
         found.append(f"{path} has no {METADATA} file")

@@ -191,14 +191,25 @@ class Float8Linear(nn.Linear):
         linear._delayed = None
         linear.external_delayed_update = False
         linear.amax_reduction_group = None
+        if recipe.delayed and not linear.weight.is_meta:
+            linear.delayed_state(linear.weight.device)
         return linear
 
     def delayed_state(self, device: torch.device) -> Optional[DelayedState]:
+        """The delayed-scaling state (created on first use, on ``device``); its amax history,
+        scales and not yet folded-in amaxes are registered as buffers, so checkpoints save and
+        restore them and a resumed run scales exactly as an uninterrupted one."""
         if not self.recipe.delayed:
             return None
-        if self._delayed is None:
+        if self._delayed is None or self._delayed.history.is_meta:
             self._delayed = DelayedState(self.recipe, device)
-        return self._delayed
+            self.register_buffer("fp8_amax_history", self._delayed.history)
+            self.register_buffer("fp8_scale", self._delayed.scale)
+            self.register_buffer("fp8_amax_pending", self._delayed.pending)
+        state = self._delayed
+        if state.history is not self.fp8_amax_history:  # the module was moved (.to / .cuda)
+            state.history, state.scale, state.pending = self.fp8_amax_history, self.fp8_scale, self.fp8_amax_pending
+        return state
 
     @torch.compiler.disable  # an opaque call in compiled blocks: its own kernels and state
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -158,13 +158,14 @@ class DelayedState:
     def update(self, amaxes: Optional[torch.Tensor] = None) -> None:
         """Roll ``amaxes`` (default: this state's pending) into the history; recompute scales."""
         amaxes = self.pending if amaxes is None else amaxes
-        self.history = torch.roll(self.history, 1, dims=1)
+        # In place: the history and scales are also the module's checkpointed buffers.
+        self.history.copy_(torch.roll(self.history, 1, dims=1))
         self.history[:, 0] = amaxes
         if self.recipe.amax_compute == "max":
             current = self.history.amax(dim=1)
         else:
             current = self.history[:, 0]
-        self.scale = torch.stack([amax_to_scale(current[i], self.dtypes[i], self.recipe.margin) for i in range(3)])
+        self.scale.copy_(torch.stack([amax_to_scale(current[i], self.dtypes[i], self.recipe.margin) for i in range(3)]))
         self.pending.zero_()
         self.dirty = False
         self.steps += 1

@@ -65,14 +65,13 @@ def rank() -> int:
     return dist.get_rank()
 
 
-def build(kind: str, seed: int = 0, **kw) -> nn.Module:
-    """A test model on ``device()``, identical on every rank."""
+def build(kind: str, seed: int = 0, vocab: Optional[int] = None, **kw) -> nn.Module:
+    """A test model on ``device()``, identical on every rank (vocab 4W+1 unless given)."""
     torch.manual_seed(seed)
-    return _build(kind, **kw).to(device())
+    return _build(kind, vocab or 4 * max(world(), 1) + VOCAB_EXTRA, **kw).to(device())
 
 
-def _build(kind: str, **kw) -> nn.Module:
-    vocab = 4 * max(world(), 1) + VOCAB_EXTRA
+def _build(kind: str, vocab: int, **kw) -> nn.Module:
     if kind == "uneven":
         return UnevenModel(vocab, **kw)
     if kind == "llama":
@@ -98,7 +97,8 @@ def rank_slice(t: torch.Tensor, r: int, w: int) -> torch.Tensor:
 
 
 def vocab_of(model: nn.Module) -> int:
-    return 4 * world() + VOCAB_EXTRA
+    embed = getattr(model, "embed", None)
+    return embed.num_embeddings if embed is not None else 4 * world() + VOCAB_EXTRA
 
 
 def train_sharded(model, steps: int, batch_per_rank: int = 2, seq: int = 8, lr: float = 1e-3, clip: float = 1.0,
