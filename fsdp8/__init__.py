@@ -12,11 +12,12 @@ from .fp8.tensor import Float8Tensor
 from .fp8.convert import convert_to_fp8, fp8_init
 from .fp8.fsdp2 import precompute_fp8_scales, prepare_fp8_modules_for_fsdp, use_fp8_all_gather
 from . import checkpoint, data, fp8
-from .checkpoint import latest, load, save, wait_for_saves
+from .checkpoint import latest, load, load_pretrained, save, wait_for_saves
 
 __all__ = [
     "latest",
     "load",
+    "load_pretrained",
     "save",
     "wait_for_saves",
     "DelayedScaling",

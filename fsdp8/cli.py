@@ -1,4 +1,4 @@
-"""The ``fsdp8`` command line: ``fsdp8 train`` (the main job)."""
+"""The ``fsdp8`` command line: ``fsdp8 train`` (the main job) and ``fsdp8 export``."""
 
 from __future__ import annotations
 
@@ -35,11 +35,30 @@ def _train_parser(sub) -> None:
     p.add_argument("--eval-every", type=int, default=defaults.eval_every)
 
 
+def _export_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a checkpoint's model weights as safetensors",
+                       description="Read an fsdp8 (or any DCP) checkpoint in this one process and write its "
+                                   "model weights, in full, to OUT/model.safetensors.")
+    p.add_argument("checkpoint")
+    p.add_argument("out")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="cast floating weights (default: as saved, fp32 main weights)")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp8", description="Sharded data-parallel training with FP8.")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _export_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "export":
+        import torch
+
+        from .checkpoint import export
+
+        target = export(args.checkpoint, args.out, getattr(torch, args.dtype) if args.dtype else None)
+        print(f"wrote {target}", file=sys.stderr)
+        return 0
     if args.command == "train":
         names = {f.name for f in fields(TrainConfig)}
         try:

@@ -28,10 +28,8 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) ->
         return
     env = os.environ
     if "RANK" not in env or "WORLD_SIZE" not in env:
-        env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", str(_free_port()))
-        env.setdefault("LOCAL_RANK", "0")
-        env["RANK"], env["WORLD_SIZE"] = "0", "1"
+        # A group of one on a fresh port (a MASTER_PORT inherited from a parent is in use).
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
     use_cuda = torch.cuda.is_available() and backend in (None, "nccl")
     kwargs = {}
     if use_cuda:

@@ -213,3 +213,38 @@ def async_save(path_a, path_b):
     fsdp8.load(path_a, fresh, fresh_opt)
     err = max(float((_full(v) - at_save[k]).abs().max()) for k, v in fresh.state_dict().items())
     return first_done, err, fsdp8.checkpoint.store.is_complete(path_b)
+
+
+def export_then_load_pretrained(ckpt, out):
+    """fsdp8 export writes full weights; load_pretrained fills a fresh meta-built sharded model
+    from them, each rank reading its rows: the two models are equal."""
+    from fsdp8.checkpoint import export, load_pretrained
+    from fsdp8.models.llama import Llama
+
+    model, opt = _build("optim_grads_params", None, "no_shard")
+    _train(model, opt, 0, 2)
+    fsdp8.save(ckpt, model, opt)
+    dist.barrier()
+    if common.rank() == 0:
+        export(ckpt, out)
+    dist.barrier()
+    torch.manual_seed(11)
+    with torch.device("meta"):
+        fresh = Llama(model.config)
+    fresh = fsdp8.fully_shard(fresh, strategy="optim")  # another strategy, too
+    reads = []
+    from fsdp8.checkpoint import safetensors as st
+
+    original = st.SafetensorsFile.read
+
+    def counting(self, name, rows=None):
+        reads.append((name, rows))
+        return original(self, name, rows)
+
+    st.SafetensorsFile.read = counting
+    try:
+        load_pretrained(fresh, out)
+    finally:
+        st.SafetensorsFile.read = original
+    err = max(float((_full(v) - _full(model.state_dict()[k])).abs().max()) for k, v in fresh.state_dict().items())
+    return err, all(rows is not None for _, rows in reads), len(reads)

@@ -82,3 +82,10 @@ def test_async_save(tmp_path):
     first_done, err, second_complete = run_on_ranks(2, cw.async_save, str(tmp_path / "a"), str(tmp_path / "b"))[0]
     assert first_done  # the second save waited for the first (at most one in flight)
     assert err == 0.0 and second_complete
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_export_then_load_pretrained(tmp_path, world):
+    err, row_reads, reads = run_on_ranks(world, cw.export_then_load_pretrained, str(tmp_path / "c"), str(tmp_path / "hf"))[0]
+    assert err == 0.0 and reads > 0
+    assert row_reads  # every parameter read as a row range, never whole by every rank
