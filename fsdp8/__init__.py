@@ -1,7 +1,7 @@
 """fsdp8: sharded data-parallel training (ZeRO-1/2/3, HSDP) with first-class FP8."""
 
 from .config import Precision, Strategy, OuterStrategy
-from .engine.grads import clip_grad_norm_
+from .engine.grads import NonFiniteGradError, check_finite, clip_grad_norm_, nonfinite_grads
 from .engine.model import MemoryReport, ShardedModel, fully_shard
 from .engine.check import DesyncError
 from .engine.state_dict import StateDictError
@@ -39,6 +39,9 @@ __all__ = [
     "StateDictError",
     "Strategy",
     "clip_grad_norm_",
+    "check_finite",
+    "nonfinite_grads",
+    "NonFiniteGradError",
     "fully_shard",
     "init_distributed",
     "make_mesh",

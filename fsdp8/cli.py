@@ -33,6 +33,13 @@ def _train_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--log-every", type=int, default=defaults.log_every)
     p.add_argument("--eval-every", type=int, default=defaults.eval_every)
+    p.add_argument("--save-every", type=int, default=defaults.save_every,
+                   help="checkpoint every N steps under OUT/checkpoints (0: never)")
+    p.add_argument("--keep-last", type=int, default=defaults.keep_last, help="checkpoints to keep")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under OUT/checkpoints")
+    p.add_argument("--stop-at", type=int, default=defaults.stop_at,
+                   help="stop after this step with a checkpoint, as if interrupted (0: run to --steps)")
+    p.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
 
 
 def _export_parser(sub) -> None:

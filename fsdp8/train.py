@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .config import Precision
 from .data import ByteCorpus
+from .checkpoint import latest, load, save, wait_for_saves
 from .engine.grads import clip_grad_norm_
 from .engine.model import fully_shard
 from .fp8.recipes import recipe_from_name
@@ -45,6 +46,11 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     out: str = "runs/train"
+    save_every: int = 0  # steps between checkpoints (0: none), under <out>/checkpoints
+    keep_last: int = 2
+    resume: bool = False  # continue from the latest checkpoint under <out>/checkpoints
+    stop_at: int = 0  # stop after this step (as if interrupted) with a checkpoint; 0: run to --steps
+    async_save: bool = False
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -54,6 +60,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.batch_size % self.micro_batches:
             raise ValueError(f"--batch-size {self.batch_size} is not divisible by --micro-batches {self.micro_batches}")
+        if self.save_every < 0 or self.stop_at < 0 or self.keep_last < 1:
+            raise ValueError("--save-every and --stop-at must be >= 0 and --keep-last >= 1")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -101,6 +109,12 @@ def _evaluate(model, corpus: ByteCorpus, cfg: TrainConfig, rank: int, world: int
     return float(total) / (cfg.eval_batches * world)
 
 
+def _nan_fault(step: int, rank: int) -> bool:
+    """Test seam: FSDP8_FAULT=nan_loss:<step>:<rank> poisons that rank's loss at that step."""
+    fault = os.environ.get("FSDP8_FAULT", "")
+    return fault == f"nan_loss:{step}:{rank}"
+
+
 def train(cfg: TrainConfig) -> Optional[dict]:
     """Run on every rank (under torchrun or spawned by ``launch``); rank 0 writes the outputs."""
     init_distributed()
@@ -126,45 +140,70 @@ def train(cfg: TrainConfig) -> Optional[dict]:
                             fused=device.type == "cuda")
     train_data, val_data = ByteCorpus(split="train"), ByteCorpus(split="val")
     tokens_per_step = cfg.batch_size * cfg.seq_len * world
+    ckpt_dir = os.path.join(cfg.out, "checkpoints")
+    first_step, resumed_from = 0, None
+    if cfg.resume:
+        resumed_from = latest(ckpt_dir)
+        if resumed_from is None:
+            raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt_dir}")
+        extra = load(resumed_from, model, opt)
+        first_step = int(extra["step"])  # the data position: batches are a function of the step
+        torch.set_rng_state(extra["rng"])
+        if device.type == "cuda" and "cuda_rng" in extra:
+            torch.cuda.set_rng_state(extra["cuda_rng"], device)
+    last_step = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
 
     out = None
     if rank == 0:
         os.makedirs(cfg.out, exist_ok=True)
-        out = open(os.path.join(cfg.out, "metrics.jsonl"), "w")
+        out = open(os.path.join(cfg.out, "metrics.jsonl"), "a" if cfg.resume else "w")
         print(f"fsdp8 train: preset {cfg.preset} ({n_params / 1e6:.2f}M params), {world} x {device.type}, "
               f"strategy {cfg.strategy}, {cfg.precision if fp8 else ('bf16' if bf16 else 'fp32')} compute, "
-              f"{tokens_per_step} tokens/step",
+              f"{tokens_per_step} tokens/step" + (f", resumed at step {first_step}" if resumed_from else ""),
               file=sys.stderr)
         print(model.memory_report(), file=sys.stderr)
     progress = Progress(cfg.steps) if rank == 0 else None
     steps: List[int] = []
     losses: List[float] = []
     val_points: List[tuple] = []
-    running = torch.zeros((), device=device)
-    window_start, window_steps = time.perf_counter(), 0
+    skipped: List[int] = []
+    running = torch.zeros((), device=device)  # sum of this log window's step losses (applied steps)
+    window_start, window_steps, window_applied = time.perf_counter(), 0, 0
     start = time.perf_counter()
-    for step in range(cfg.steps):
+    for step in range(first_step, last_step):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         x, y = train_data.batch(step, rank, world, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        step_loss = torch.zeros((), device=device)
         for mb, (xs, ys) in enumerate(zip(x.chunk(cfg.micro_batches), y.chunk(cfg.micro_batches))):
             last = mb == cfg.micro_batches - 1
             with model.no_sync() if not last else contextlib.nullcontext():
                 loss = model(xs, ys) / cfg.micro_batches
+                if _nan_fault(step, rank):
+                    loss = loss * float("nan")
                 loss.backward()
-            running += loss.detach()
-        clip_grad_norm_(model, cfg.clip)
-        opt.step()
+            step_loss += loss.detach()
+        norm = clip_grad_norm_(model, cfg.clip)
+        if bool(torch.isfinite(norm)):  # one host sync per step: a bad step must not reach the weights
+            opt.step()
+            running += step_loss
+            window_applied += 1
+        else:
+            skipped.append(step + 1)
+            if rank == 0:
+                print(f"\nstep {step + 1}: gradient norm is {float(norm)} (NaN/Inf in a gradient); step skipped, "
+                      "weights unchanged", file=sys.stderr)
+                out.write(json.dumps({"step": step + 1, "skipped": True, "grad_norm": str(float(norm))}) + "\n")
         opt.zero_grad(set_to_none=True)
         window_steps += 1
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+        if (step + 1) % cfg.log_every == 0 or step + 1 == last_step:
             dist.all_reduce(running)  # one small collective per log line, not per step
-            mean_loss = float(running) / (world * window_steps)
+            mean_loss = float(running) / (world * window_applied) if window_applied else float("nan")
             running.zero_()
             now = time.perf_counter()
             tok_s = tokens_per_step * window_steps / (now - window_start)
-            window_start, window_steps = now, 0
+            window_start, window_steps, window_applied = now, 0, 0
             mem = _memory_mib(device)
             if rank == 0:
                 steps.append(step + 1)
@@ -174,24 +213,32 @@ def train(cfg: TrainConfig) -> Optional[dict]:
                 out.write(json.dumps(record) + "\n")
                 out.flush()
                 progress.update(step + 1, f"loss {mean_loss:.3f} | {tok_s / 1e3:.1f}k tok/s | mem {mem:.0f} MiB")
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == last_step:
             val = _evaluate(model, val_data, cfg, rank, world, device)
             if rank == 0:
                 val_points.append((step + 1, val))
                 out.write(json.dumps({"step": step + 1, "val_loss": val}) + "\n")
+        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or (cfg.stop_at and step + 1 == last_step):
+            extra = {"step": step + 1, "rng": torch.get_rng_state()}
+            if device.type == "cuda":
+                extra["cuda_rng"] = torch.cuda.get_rng_state(device)
+            save(os.path.join(ckpt_dir, f"step-{step + 1:06d}"), model, opt, extra,
+                 keep_last=cfg.keep_last, async_save=cfg.async_save)
+    wait_for_saves()
     if rank != 0:
         return None
     progress.close()
     out.close()
+    if not losses:
+        return None
     val_series = [dict(val_points).get(s, float("nan")) for s in steps]
     save_line_plot(os.path.join(cfg.out, "loss.png"), steps, {"train": losses, "val": val_series},
                    title=f"fsdp8 {cfg.preset} {cfg.strategy}", xlabel="step", ylabel="loss")
     summary = {"config": asdict(cfg), "world_size": world, "device": device.type, "params": n_params,
                "first_loss": losses[0], "final_loss": losses[-1], "final_val_loss": val_points[-1][1],
-               "elapsed_s": time.perf_counter() - start}
+               "skipped_steps": skipped, "resumed_from": resumed_from, "elapsed_s": time.perf_counter() - start}
     with open(os.path.join(cfg.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} (val {val_points[-1][1]:.3f}) in {summary['elapsed_s']:.0f}s; "
           f"wrote {cfg.out}/metrics.jsonl, loss.png, summary.json", file=sys.stderr)
     return summary
-

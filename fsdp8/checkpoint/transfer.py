@@ -30,18 +30,25 @@ class _SafeEmptyPlanner(_EmptyStateDictLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def read_full_model_state(path: str) -> Dict[str, torch.Tensor]:
-    """Every model tensor of a checkpoint, in full, in this process alone (no process group)."""
+def read_full_state(path: str, prefix: Optional[str] = None) -> Dict:
+    """A checkpoint's entries (those under ``prefix``, e.g. "model"), full tensors, read in
+    this process alone (no process group); nested as saved."""
     problems = store.problems(path, foreign_ok=True)
     if problems:
         raise store.CheckpointError("cannot read checkpoint: " + "; ".join(problems))
     reader = SafeReader(path)
     metadata = reader.read_metadata()
-    nested = any(k.startswith("model.") for k in metadata.state_dict_metadata)
-    keys = [k for k in metadata.state_dict_metadata if k.startswith("model.")] if nested else \
-        list(metadata.state_dict_metadata)
+    keys = [k for k in metadata.state_dict_metadata if prefix is None or k.startswith(prefix + ".")]
     state: Dict = {}
     _load_state_dict(state, storage_reader=reader, planner=_SafeEmptyPlanner(keys=set(keys)), no_dist=True)
+    return state
+
+
+def read_full_model_state(path: str) -> Dict[str, torch.Tensor]:
+    """Every model tensor of a checkpoint, in full (an fsdp8 checkpoint, or a bare DCP model one)."""
+    reader = SafeReader(path) if store.problems(path, foreign_ok=True) == [] else None
+    nested = reader is not None and any(k.startswith("model.") for k in reader.read_metadata().state_dict_metadata)
+    state = read_full_state(path, "model" if nested else None)
     flat = state.get("model", state) if nested else state
     return {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
 

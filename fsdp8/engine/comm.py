@@ -98,12 +98,32 @@ def _supports_avg(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed (timed out, a peer died); says which one, for what, and when."""
+
+
+# The training iteration (counted by the schedule at each root forward), for error messages.
+iteration = [0]
+
+
+@contextlib.contextmanager
+def _collective(kind: str, label: str):
+    with record_function(f"fsdp8::{kind}[{label}]"):
+        try:
+            yield
+        except RuntimeError as e:
+            raise CollectiveError(
+                f"{kind} for {label} failed at iteration {iteration[0]}: {e}. A rank that stopped "
+                "or skipped a step, or a network fault, leaves the others waiting here."
+            ) from e
+
+
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, label: str) -> None:
     """Gather ``inp`` from every rank of ``group`` into ``out`` (rank-major)."""
     if group_size(group) == 1:
         out.copy_(inp.view(out.shape))
         return
-    with record_function(f"fsdp8::all_gather[{label}]"):
+    with _collective("all_gather", label):
         _all_gather_fn()(out, inp, group=group)
 
 
@@ -113,7 +133,7 @@ def reduce_scatter_avg(out: torch.Tensor, inp: torch.Tensor, group, label: str) 
     if n == 1:
         out.copy_(inp.view(out.shape))
         return
-    with record_function(f"fsdp8::reduce_scatter[{label}]"):
+    with _collective("reduce_scatter", label):
         if _supports_avg(out):
             _reduce_scatter_fn()(out, inp, op=dist.ReduceOp.AVG, group=group)
         else:
@@ -126,7 +146,7 @@ def all_reduce_avg(tensor: torch.Tensor, group, label: str) -> None:
     n = group_size(group)
     if n == 1:
         return
-    with record_function(f"fsdp8::all_reduce[{label}]"):
+    with _collective("all_reduce", label):
         if _supports_avg(tensor):
             dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
         else:
@@ -138,5 +158,5 @@ def all_reduce(tensor: torch.Tensor, group, op, label: str) -> None:
     """All-reduce ``tensor`` in place with ``op`` (used for norms and checks)."""
     if group_size(group) == 1:
         return
-    with record_function(f"fsdp8::all_reduce[{label}]"):
+    with _collective("all_reduce", label):
         dist.all_reduce(tensor, op=op, group=group)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable, List, Union
+from typing import Dict, Iterable, List, Union
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,8 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
-    """Scale gradients so their global ``norm_type``-norm is at most ``max_norm``; return the norm.
+    """Scale gradients so their global ``norm_type``-norm is at most ``max_norm``; return the norm
+    (NaN or Inf when a gradient holds one: check it, or call ``check_finite``).
 
     For a sharded model the norm covers every shard on every rank with one all-reduce
     (sum of ``|g|^p``, or max for ``inf``) over the ranks that hold distinct chunks; no host
@@ -49,8 +50,42 @@ def clip_grad_norm_(
     comm.all_reduce(local, engine.topology.main_group, op, "grad_norm")
     total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise RuntimeError(f"the total gradient norm is {total.item()}; some gradient holds NaN or Inf")
+        check_finite(model)  # names the parameters and ranks
+        raise NonFiniteGradError(f"the total gradient norm is {total.item()}")
     if grads:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_(grads, coef)
     return total
+
+
+def nonfinite_grads(model: nn.Module) -> Dict[str, List[int]]:
+    """Parameters whose gradient holds NaN or Inf, with the ranks where it does.
+
+    One all-gather of a flag per parameter; a host synchronization, so call it when you
+    want to know (``check_finite=True`` does after every backward)."""
+    names = [n for n, p in model.named_parameters() if p.grad is not None]
+    grads = [dict(model.named_parameters())[n].grad for n in names]
+    if not names:
+        return {}
+    flags = torch.stack([~torch.isfinite(_local(g)).all() for g in grads]).to(torch.uint8)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        gathered = torch.empty(world * len(names), dtype=torch.uint8, device=flags.device)
+        comm.all_gather(gathered, flags, dist.group.WORLD, "non-finite check")
+        flags_by_rank = gathered.view(world, -1).cpu()
+    else:
+        flags_by_rank = flags.view(1, -1).cpu()
+    return {name: [r for r in range(world) if flags_by_rank[r, i]] for i, name in enumerate(names)
+            if flags_by_rank[:, i].any()}
+
+
+class NonFiniteGradError(FloatingPointError):
+    """A gradient holds NaN or Inf."""
+
+
+def check_finite(model: nn.Module) -> None:
+    """Raise NonFiniteGradError naming every parameter with a NaN/Inf gradient and its ranks."""
+    bad = nonfinite_grads(model)
+    if bad:
+        listed = "; ".join(f"{name} on rank(s) {', '.join(map(str, ranks))}" for name, ranks in bad.items())
+        raise NonFiniteGradError(f"non-finite gradients in {len(bad)} parameter(s): {listed}")

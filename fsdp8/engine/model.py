@@ -23,6 +23,7 @@ from ..fp8.recipes import Recipe
 from .check import check_same_everywhere
 from .fp8_scales import ScaleAgreement, delayed_states_of
 from .fp8_unit import Float8Unit
+from .grads import check_finite as check_finite_grads
 from .layout import plan_unit
 from .materialize import materialize_and_load, meta_leftovers, rng_fingerprint
 from .schedule import Schedule
@@ -294,12 +295,15 @@ def fully_shard(
     reshard_after_forward: bool = True,
     fp8: Optional[Recipe] = None,
     fp8_filter: Optional[Callable[[str, nn.Linear], bool]] = None,
+    check_finite: bool = False,
 ) -> ShardedModel:
     """Shard ``module`` in place over the data-parallel ranks and return it as a ShardedModel.
 
     With ``fp8=recipe``, the ``nn.Linear`` layers inside units become Float8Linear (those
     ``fp8_filter`` accepts; by default those with dimensions divisible by 16) and their
-    weights are all-gathered as FP8 bytes."""
+    weights are all-gathered as FP8 bytes. ``check_finite=True`` checks every gradient after
+    each synced backward and raises NonFiniteGradError naming parameters and ranks (one
+    all-gather and a host synchronization per step)."""
     if isinstance(module, ShardedModel):
         raise RuntimeError(f"{type(module).__name__} is already sharded by fsdp8.fully_shard; wrap a model only once")
     if not isinstance(module, nn.Module):
@@ -390,6 +394,8 @@ def fully_shard(
             )
 
     schedule._preflight = preflight
+    if check_finite:
+        schedule.after_backward.append(lambda: check_finite_grads(module) if schedule.sync_grads else None)
     schedule.install()
     module.__class__ = _sharded_class(type(module))
     module._fsdp8 = engine

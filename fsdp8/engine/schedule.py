@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 from torch.profiler import record_function
 
+from . import comm
 from .unit import PendingReduce, ShardedUnit
 
 
@@ -104,6 +105,7 @@ class Schedule:
         self._handles = []
         self._preflight = None  # set by the model: checks run before the first forward
         self.before_forward: List = []  # called at each root forward before any gather (FP8 scales)
+        self.after_backward: List = []  # called at the end of each backward (finite checks)
 
     # -- installation ------------------------------------------------------------------
     def install(self) -> None:
@@ -164,6 +166,7 @@ class Schedule:
                 self._unshard(self.root_unit, None)
             return None
         if self.phase is Phase.IDLE:
+            comm.iteration[0] += 1
             self._forward_calls.clear()
             self._expected_post.clear()
             self._reduced.clear()
@@ -279,6 +282,8 @@ class Schedule:
             self._release_pending()
             self.backward_recorded = True
             self._finish_iteration()
+        for callback in self.after_backward:
+            callback()
 
     def _finish_iteration(self) -> None:
         for unit in self.all_units:
