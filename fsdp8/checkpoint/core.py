@@ -63,18 +63,32 @@ def _state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Dict
 def _stage_to_host(obj: Any) -> Any:
     """An independent host copy of a (nested) state dict; DTensors keep their placement.
 
+    GPU tensors go to page-locked host memory with asynchronous copies and one
+    synchronization at the end, so training is blocked only for the device-to-host copy.
     (torch's own async staging cannot copy tensors that are views into one shared buffer,
     which is what fsdp8's main weights are.)"""
+    staged = _copy_to_host(obj)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return staged
+
+
+def _copy_to_host(obj: Any) -> Any:
     if isinstance(obj, DTensor):
-        return DTensor(obj._local_tensor.detach().to("cpu", copy=True), obj._spec, requires_grad=False)
+        return DTensor(_copy_to_host(obj._local_tensor), obj._spec, requires_grad=False)
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        t = obj.detach()
+        if not t.is_cuda:
+            return t.to("cpu", copy=True)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
     if isinstance(obj, dict):
-        return {k: _stage_to_host(v) for k, v in obj.items()}
+        return {k: _copy_to_host(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_stage_to_host(v) for v in obj]
+        return [_copy_to_host(v) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_stage_to_host(v) for v in obj)
+        return tuple(_copy_to_host(v) for v in obj)
     return obj
 
 
