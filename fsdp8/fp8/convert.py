@@ -9,7 +9,6 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .formats import Granularity
 from .kernels import quantize
 from .linear import Float8Linear
 from .recipes import Recipe

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from .formats import Granularity, scale_inv_to_e8m0
-from .kernels import Quantized, amax, cast_transpose, quantize, quantize_1x128_both_ways
+from .kernels import Quantized, cast_transpose, quantize, quantize_1x128_both_ways
 from .recipes import G, W, X, DelayedState, Recipe, update_delayed_states
 from .tensor import Float8Tensor
 

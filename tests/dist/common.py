@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist

@@ -1,6 +1,5 @@
 """Pure layout and chunk-ownership math."""
 
-import math
 
 import pytest
 import torch
