@@ -138,3 +138,18 @@ def test_export_cli_and_bad_keep_last(tmp_path):
     model, _ = _model()
     with pytest.raises(ValueError, match="keep_last must be >= 1"):
         fsdp8.save(str(tmp_path / "d"), model, keep_last=0)
+
+
+def test_safetensors_directory_with_index(tmp_path):
+    """An HF-style sharded directory: model.safetensors.index.json names the shard files."""
+    import json
+
+    safetensors.write(str(tmp_path / "model-00001-of-00002.safetensors"), {"a.weight": torch.ones(2, 3)})
+    safetensors.write(str(tmp_path / "model-00002-of-00002.safetensors"), {"b.weight": torch.zeros(4)})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}))
+    files = safetensors.SafetensorsDir(str(tmp_path))
+    assert sorted(files.names()) == ["a.weight", "b.weight"]
+    assert torch.equal(files.file_of("a.weight").read("a.weight", (1, 2)), torch.ones(1, 3))
+    with pytest.raises(safetensors.SafetensorsError, match="does not exist"):
+        safetensors.SafetensorsDir(str(tmp_path / "nope"))
