@@ -94,7 +94,7 @@ class SafetensorsFile:
         entry = self.entries[name]
         dtype, shape = _DTYPES[entry["dtype"]], list(entry["shape"])
         begin, end = entry["data_offsets"]
-        itemsize = torch.tensor([], dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if rows is not None:
             if not shape:
                 raise SafetensorsError(f"{name} is a scalar; it has no rows")

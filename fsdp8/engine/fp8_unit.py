@@ -51,7 +51,7 @@ class Float8Unit(ShardedUnit):
 
     # -- layout ------------------------------------------------------------------------------
     def _plan_wire(self) -> Tuple[UnitLayout, torch.dtype]:
-        itemsize = torch.tensor([], dtype=self.compute_dtype).element_size()
+        itemsize = self.compute_dtype.itemsize
         entries = [(s, "value", s.layout.row_numel * itemsize) for s in self.slots if id(s) not in self.fp8_ids]
         entries += [(s, "fp8", s.layout.row_numel) for s in self.slots if id(s) in self.fp8_ids]
         if self.recipe.w_granularity is Granularity.MX_1x32:
@@ -59,13 +59,11 @@ class Float8Unit(ShardedUnit):
         layout = plan_unit([(s.layout.rows, row_bytes) for s, _, row_bytes in entries], len(entries),
                            self.layout.num_chunks, chunk_align=16)
         self._entries = [(s, kind, p) for (s, kind, _), p in zip(entries, layout.params)]
+        self._entry_of = {(id(s), kind): p for s, kind, p in self._entries}
         return layout, torch.uint8
 
     def _entry(self, slot: ParamSlot, kind: str):
-        for s, k, p in self._entries:
-            if s is slot and k == kind:
-                return p
-        raise KeyError(kind)
+        return self._entry_of[(id(slot), kind)]
 
     def _scale_tensor(self, table: Dict[int, torch.Tensor], slot: ParamSlot) -> torch.Tensor:
         if id(slot) not in table:

@@ -127,8 +127,8 @@ class ShardedModel(nn.Module):
     def memory_report(self) -> MemoryReport:
         engine = self._fsdp8
         units = engine.all_units
-        main_elem = _element_size(engine.precision.main_dtype)
-        reduce_elem = _element_size(engine.precision.grad_reduce_dtype)
+        main_elem = engine.precision.main_dtype.itemsize
+        reduce_elem = engine.precision.grad_reduce_dtype.itemsize
         acc = 0
         if engine.topology.grads_unsharded:
             acc = sum(u.layout.num_chunks * u.layout.trainable_numel * reduce_elem for u in units)
@@ -167,10 +167,6 @@ class ShardedModel(nn.Module):
         with self._main_registered():
             expected = super().state_dict(keep_vars=True)
         return load_sharded_state_dict(self, self._fsdp8, expected, state_dict, strict)
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
 
 
 _SHARDED_CLASSES: Dict[type, type] = {}

@@ -15,6 +15,7 @@ A unit owns three kinds of storage (sizes from ``layout.py``):
 from __future__ import annotations
 
 import enum
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
@@ -62,11 +63,10 @@ def alias_storage(buffer: torch.Tensor, byte_offset: int, dtype: torch.dtype, sh
 
     Autograd checks the version of tensors saved for backward; refilling the unsharded
     buffer before backward must not count as modifying the parameters saved in forward."""
-    itemsize = torch.tensor([], dtype=dtype).element_size()
-    if byte_offset % itemsize:
+    if byte_offset % dtype.itemsize:
         raise ValueError(f"byte offset {byte_offset} is not aligned to {dtype}")
     alias = torch.empty(0, dtype=dtype, device=buffer.device)
-    alias.set_(buffer.untyped_storage(), byte_offset // itemsize, torch.Size(shape))
+    alias.set_(buffer.untyped_storage(), byte_offset // dtype.itemsize, torch.Size(shape))
     return alias
 
 
@@ -134,6 +134,7 @@ class ShardedUnit:
         # zero_grad(set_to_none=True) frees it.
         self._grad_buffer_ref = None
         self._grad_refs: List[weakref.ref] = []
+        self.trainable_slots = [s for s in slots if s.requires_grad]
         self._make_params()
         if not self.aliased:
             # Aliases are made while the storage has its full size (set_ would grow it).
@@ -153,8 +154,7 @@ class ShardedUnit:
         mesh, placements = self.topology.main_placement()
         for slot in self.slots:
             p = slot.layout
-            chunk_shape = p.chunk_shape(self.chunk_index)
-            local = self.main[p.offset : p.offset + _numel(chunk_shape)].view(chunk_shape)
+            local = self._chunk_view(self.main, slot)
             meta = TensorMeta(torch.Size(p.shape), _contiguous_stride(p.shape), self.main_dtype)
             slot.spec = DTensorSpec(mesh, placements, tensor_meta=meta)
             slot.main = nn.Parameter(
@@ -287,10 +287,6 @@ class ShardedUnit:
         self.exposes_compute = compute
 
     # -- gradients -------------------------------------------------------------------------
-    @property
-    def trainable_slots(self) -> List[ParamSlot]:
-        return [s for s in self.slots if s.requires_grad]
-
     def has_unsharded_grads(self) -> bool:
         return any(s.compute.grad is not None for s in self.trainable_slots)
 
@@ -400,21 +396,22 @@ class ShardedUnit:
             return
         if result is not buffer:
             buffer.copy_(result)
-        if kind == "merge":
-            for slot, g in zip(self.trainable_slots, [s.main.grad for s in self.trainable_slots]):
+        if kind == "merge":  # some grads exist already (e.g. assigned by the user): add them
+            for slot in self.trainable_slots:
+                g = slot.main.grad
                 if g is not None:
-                    view = self._grad_view(buffer, slot)
-                    view.add_(g._local_tensor if isinstance(g, DTensor) else g)
+                    self._chunk_view(buffer, slot).add_(g._local_tensor if isinstance(g, DTensor) else g)
         self._grad_buffer_ref = weakref.ref(buffer)
         self._grad_refs = []
         for slot in self.trainable_slots:
-            grad = DTensor(self._grad_view(buffer, slot), slot.spec, requires_grad=False)
+            grad = DTensor(self._chunk_view(buffer, slot), slot.spec, requires_grad=False)
             slot.main.grad = grad
             self._grad_refs.append(weakref.ref(grad))
 
-    def _grad_view(self, buffer: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+    def _chunk_view(self, buffer: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+        """This rank's rows of ``slot`` inside a flat chunk-layout buffer (main or grads)."""
         shape = slot.layout.chunk_shape(self.chunk_index)
-        return buffer[slot.layout.offset : slot.layout.offset + _numel(shape)].view(shape)
+        return buffer[slot.layout.offset : slot.layout.offset + math.prod(shape)].view(shape)
 
     # -- accounting ------------------------------------------------------------------------
     def persistent_compute_bytes(self) -> int:
@@ -427,9 +424,3 @@ class ShardedUnit:
             return self.topology.plan.replicate_size * self.wire_layout.chunk_numel * self.unsharded.element_size()
         return 0
 
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -11,6 +12,16 @@ import torch.distributed as dist
 from .formats import E4M3, E5M2, Granularity, amax_to_scale, scale_to_inv
 
 _FORMATS = ("hybrid", "e4m3")
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int):
+    return torch.cuda.get_device_capability(device_index)
+
+
+def capability(device: torch.device):
+    """The CUDA compute capability, asked once per device (it is checked on every FP8 GEMM)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 class Recipe:
@@ -40,7 +51,7 @@ class Recipe:
         """Whether this device multiplies this recipe's FP8 operands natively (else emulated)."""
         if device.type != "cuda":
             return False
-        return torch.cuda.get_device_capability(device) >= (8, 9)
+        return capability(device) >= (8, 9)
 
 
 @dataclass(frozen=True)
@@ -91,7 +102,7 @@ class Float8BlockScaling(Recipe):
         self._check_format(("e4m3",))
 
     def native_gemm(self, device: torch.device) -> bool:
-        return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+        return device.type == "cuda" and capability(device) == (9, 0)
 
 
 @dataclass(frozen=True)
@@ -109,7 +120,7 @@ class MXFP8BlockScaling(Recipe):
         self._check_format()
 
     def native_gemm(self, device: torch.device) -> bool:
-        return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (10, 0)
+        return device.type == "cuda" and capability(device) >= (10, 0)
 
 
 RECIPES = {

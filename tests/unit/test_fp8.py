@@ -257,3 +257,23 @@ def test_float8_tensor_behaves_like_its_dequantized_value():
     assert torch.equal(t + 1, q.dequantize(torch.bfloat16) + 1)
     assert torch.equal(t.transposed().data.view(torch.uint8), q.data.t().contiguous().view(torch.uint8))
     assert isinstance(Quantized(q.data, q.scale_inv, Granularity.TENSOR).nbytes, int)
+
+
+def test_linears_on_one_input_share_its_quantization_and_save_fp8_only():
+    """q/k/v-style linears fed the same tensor quantize it once; what each saves for
+    backward is FP8 (the input's transpose) plus the weight, never a bf16 input copy."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 32, bias=False).to(torch.bfloat16) for _ in range(3)]
+    for layer in layers:
+        convert_to_fp8(layer, Float8CurrentScaling())
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    outs = [layer(x) for layer in layers]
+    saved = [out.grad_fn.qx_t for out in outs]  # the autograd node is the Function's ctx
+    assert saved[0] is saved[1] is saved[2]  # one quantization of x, shared
+    assert saved[0].data.dtype == torch.float8_e4m3fn and saved[0].shape == (64, 16)
+    ctx_tensors = [v for v in vars(outs[0].grad_fn).values() if isinstance(v, torch.Tensor)]
+    assert not any(t.dtype == torch.bfloat16 and t.numel() == x.numel() for t in ctx_tensors)
+    # Sharing changes nothing numerically: a fresh input with the same values gives the same out.
+    assert torch.equal(layers[2](x.detach().clone()), outs[2])
+    sum(o.float().sum() for o in outs).backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
