@@ -1,10 +1,12 @@
 """FP8 linear vs bf16 nn.Linear, forward + backward, on transformer shapes (one GPU).
 
-    python benchmarks/fp8_gemm.py [--tokens 4096] [--out results.json]
+    python benchmarks/fp8_gemm.py [--tokens 4096] [--compile] [--out results.json]
 
 Shapes are model B's linears (hidden 4096, ffn 14336, 8 kv heads of 128): for each,
 forward+backward time (median of CUDA-event timings), TFLOP/s counting the three GEMMs
 (6*M*K*N), and speedup over bf16. The FP8 time includes every quantization the layer does.
+With --compile, each layer is also timed under torch.compile (bf16 and the traceable recipes),
+where the quantization is generated and fused by the compiler instead of fsdp8's kernels.
 """
 
 import argparse
@@ -18,6 +20,7 @@ from fsdp8.fp8.recipes import recipe_from_name
 
 SHAPES = [("q/o proj", 4096, 4096), ("k/v proj", 4096, 1024), ("gate/up", 4096, 14336), ("down", 14336, 4096)]
 RECIPES = ["fp8-current", "fp8-delayed", "fp8-block", "fp8-mxfp8"]
+COMPILED_RECIPES = ["fp8-current", "fp8-block"]
 
 
 def time_layer(layer, x, dy, iters=20, warmup=5):
@@ -28,7 +31,8 @@ def time_layer(layer, x, dy, iters=20, warmup=5):
         y = layer(x)
         y.backward(dy)
         end.record()
-        layer.weight.grad = None
+        for param in layer.parameters():
+            param.grad = None
         x.grad = None
         if i >= warmup:
             times.append((start, end))
@@ -39,6 +43,7 @@ def time_layer(layer, x, dy, iters=20, warmup=5):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--compile", action="store_true", help="also time compiled layers")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = []
@@ -50,11 +55,16 @@ def main():
         base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         t_bf16 = time_layer(base, x, dy)
         rows.append({"shape": name, "K": k, "N": n, "recipe": "bf16", "ms": t_bf16, "tflops": flops / t_bf16 / 1e9, "speedup": 1.0})
-        for recipe in RECIPES:
+        variants = [(recipe, False) for recipe in RECIPES]
+        if args.compile:
+            variants += [("bf16", True)] + [(recipe, True) for recipe in COMPILED_RECIPES]
+        for recipe, compiled in variants:
             layer = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-            convert_to_fp8(layer, recipe_from_name(recipe))
-            t = time_layer(layer, x, dy)
-            rows.append({"shape": name, "K": k, "N": n, "recipe": recipe, "ms": t, "tflops": flops / t / 1e9, "speedup": t_bf16 / t})
+            if recipe != "bf16":
+                convert_to_fp8(layer, recipe_from_name(recipe))
+            t = time_layer(torch.compile(layer) if compiled else layer, x, dy)
+            label = recipe + (" + compile" if compiled else "")
+            rows.append({"shape": name, "K": k, "N": n, "recipe": label, "ms": t, "tflops": flops / t / 1e9, "speedup": t_bf16 / t})
     print(f"\n## Float8Linear forward+backward vs bf16, M={args.tokens} tokens, {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     print("| shape | K x N | recipe | ms | TFLOP/s | speedup |")
     print("|---|---|---|---|---|---|")

@@ -11,10 +11,20 @@ Stacks (--stacks, default all; one that cannot run is listed with the reason):
   fsdp2     torch.distributed.fsdp.fully_shard per decoder layer, then the root
   megatron  megatron_fsdp.fully_shard_model + fully_shard_optimizer (ZeRO-3),
             PyPI package megatron-fsdp, CUDA only
+HSDP stacks (opt-in; R = --hsdp-replicate, default 2; mesh R x world/R):
+  fsdp8-hsdp-noshard  fsdp8 ZeRO-3 inside each shard group, gradients all-reduced across
+                      the R replicas (outer_strategy "no_shard")
+  fsdp8-hsdp-optim    the same, main weights and optimizer state also sharded across
+                      replicas (outer_strategy "optim")
+  fsdp2-hsdp          torch FSDP2 fully_shard on a 2-D ("replicate", "shard") mesh
+  They are skipped (with the reason) where world % R != 0 or R == world (shard groups of 1).
 All use bf16 compute weights, fp32 gradient reduction and fp32 main weights.
 
 On 2 GPUs:
     torchrun --nproc_per_node 2 benchmarks/peers.py --models A,B --out runs/peers.json
+HSDP 2x2 against flat ZeRO-3 on 4 GPUs:
+    torchrun --nproc_per_node 4 benchmarks/peers.py --models B \
+        --stacks fsdp8,fsdp2,fsdp8-hsdp-noshard,fsdp8-hsdp-optim,fsdp2-hsdp
 CPU smoke test (gloo; memory and MFU columns are n/a):
     torchrun --nproc_per_node 2 benchmarks/peers.py --model tiny --device cpu \
         --stacks fsdp2 --steps 2 --warmup 1
@@ -46,6 +56,9 @@ STACKS = ("fsdp8", "fsdp2", "megatron")
 # FP8 stacks (recipes native on Hopper), run with --stacks; see build_fsdp8_fp8 / build_torchao.
 FP8_STACKS = ("fsdp8-fp8-current", "fsdp8-fp8-delayed", "fsdp8-fp8-block", "fsdp8-fp8-current-primary",
               "fsdp8-compile", "fsdp8-fp8-current-compile", "fsdp8-fp8-block-compile", "torchao", "torchao-compile")
+# HSDP stacks: a (replicate, shard) mesh of --hsdp-replicate x world/R ranks; see hsdp_mesh_shape.
+HSDP_STACKS = ("fsdp8-hsdp-noshard", "fsdp8-hsdp-optim", "fsdp2-hsdp")
+ALL_STACKS = STACKS + FP8_STACKS + HSDP_STACKS
 FLOPS_FORMULA = (
     "FLOPs/token = 6*N + 12*L*H*S (N = all parameters incl. embedding and lm_head, L layers, H hidden, S seq)"
 )
@@ -83,6 +96,7 @@ class Context:
     world: int
     mesh: object = None
     megatron_mesh: object = None
+    hsdp_meshes: dict = field(default_factory=dict)  # "fsdp8" / "fsdp2" -> 2-D mesh, built once
 
 
 @dataclass
@@ -102,6 +116,7 @@ class Result:
     stack: str
     status: str  # "ok" | "skipped" | "failed"
     note: str = ""
+    mesh: str = ""  # data-parallel mesh: "4" (1-D) or "2x2" (replicate x shard, HSDP)
     n_params: int = 0
     flops_per_token: int = 0
     tokens_per_s_per_gpu: float | None = None
@@ -124,7 +139,7 @@ class Result:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", "--model", dest="models", default="A", help="comma list of A, B, tiny")
-    p.add_argument("--stacks", default=",".join(STACKS), help="comma list of " + ", ".join(STACKS + FP8_STACKS))
+    p.add_argument("--stacks", default=",".join(STACKS), help="comma list of " + ", ".join(ALL_STACKS))
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
@@ -133,10 +148,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H200 SXM: 989)")
     p.add_argument("--timeout-s", type=int, default=300,
                    help="collective timeout, so a broken stack cannot hang the run")
-    p.add_argument("--out", default="runs/peers.json", help="JSON results file (rank 0 writes it)")
+    p.add_argument("--hsdp-replicate", type=int, default=2,
+                   help="replica groups R of the HSDP stacks (mesh R x world/R)")
+    p.add_argument("--out", default="runs/peers.json",
+                   help="JSON results file (rank 0 rewrites it after every stack, so a timeout keeps what ran)")
     args = p.parse_args(argv)
     args.models = _split(args.models, MODELS)
-    args.stacks = _split(args.stacks, STACKS + FP8_STACKS)
+    args.stacks = _split(args.stacks, ALL_STACKS)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     return args
@@ -246,8 +264,36 @@ def plain_optimizer(model: torch.nn.Module, ctx: Context) -> Built:
 # ----------------------------------------------------------------------------- stacks
 
 
+def hsdp_mesh_shape(world: int, replicate: int) -> tuple[int, int]:
+    """(R, S) of the HSDP mesh: R replicas of S-rank shard groups; ValueError saying why not."""
+    if replicate < 2:
+        raise ValueError(f"--hsdp-replicate {replicate} < 2: one replica is flat FSDP, not HSDP")
+    if world % replicate:
+        raise ValueError(f"world size {world} is not divisible by --hsdp-replicate {replicate}")
+    if world == replicate:
+        raise ValueError(f"--hsdp-replicate {replicate} at world size {world} leaves shard groups of one rank "
+                         f"(a {replicate}x1 mesh is pure replication); HSDP needs world >= {2 * replicate}")
+    return replicate, world // replicate
+
+
+def mesh_label(stack: str, ctx: Context) -> str:
+    """The data-parallel mesh a stack runs on: "W" (1-D) or "RxS" (HSDP, replicate x shard)."""
+    if stack in HSDP_STACKS:
+        try:
+            return "x".join(map(str, hsdp_mesh_shape(ctx.world, ctx.args.hsdp_replicate)))
+        except ValueError:
+            return ""
+    return str(ctx.world)
+
+
 def unavailable_reason(stack: str, ctx: Context) -> str | None:
     """None when the stack can run here, else why not."""
+    if stack in HSDP_STACKS:
+        try:
+            hsdp_mesh_shape(ctx.world, ctx.args.hsdp_replicate)
+        except ValueError as err:
+            return str(err)
+        return unavailable_reason("fsdp2" if stack == "fsdp2-hsdp" else "fsdp8", ctx)
     if stack.startswith("fsdp8-"):
         return unavailable_reason("fsdp8", ctx)
     if stack.startswith("torchao"):
@@ -280,27 +326,59 @@ def unavailable_reason(stack: str, ctx: Context) -> str | None:
     raise ValueError(stack)
 
 
-def build_fsdp8(model: torch.nn.Module, ctx: Context) -> Built:
+def build_fsdp8(model: torch.nn.Module, ctx: Context, mesh=None, outer_strategy: str = "no_shard") -> Built:
     import fsdp8
 
     fsdp8.init_distributed()
     model = fsdp8.fully_shard(
         model,
+        mesh=mesh,
         units=[decoder_layer_cls()],
         strategy="optim_grads_params",
+        outer_strategy=outer_strategy,
         precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
     )
     return plain_optimizer(model, ctx)
 
 
-def build_fsdp2(model: torch.nn.Module, ctx: Context) -> Built:
+def build_fsdp2(model: torch.nn.Module, ctx: Context, mesh=None) -> Built:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mesh = ctx.mesh if mesh is None else mesh
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=ctx.mesh, mp_policy=policy)
-    fully_shard(model, mesh=ctx.mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return plain_optimizer(model, ctx)
+
+
+def hsdp_mesh(ctx: Context, kind: str):
+    """The 2-D HSDP mesh, made once per run: fsdp8.make_mesh(dp_replicate=R) for fsdp8 (dims
+    "dp_replicate", "dp_shard"), init_device_mesh with dims ("replicate", "shard") for FSDP2.
+    Both are row-major: ranks r*S .. r*S+S-1 form shard group r."""
+    if kind not in ctx.hsdp_meshes:
+        replicate, shard = hsdp_mesh_shape(ctx.world, ctx.args.hsdp_replicate)
+        if kind == "fsdp8":
+            import fsdp8
+
+            mesh = fsdp8.make_mesh(dp_replicate=replicate)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(ctx.device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+        if mesh.device_type != ctx.device.type or tuple(mesh.shape) != (replicate, shard):
+            raise RuntimeError(f"{kind} HSDP mesh is {mesh.device_type} {tuple(mesh.shape)}, "
+                               f"expected {ctx.device.type} {(replicate, shard)}")
+        ctx.hsdp_meshes[kind] = mesh
+    return ctx.hsdp_meshes[kind]
+
+
+def build_fsdp8_hsdp(model: torch.nn.Module, ctx: Context, outer_strategy: str) -> Built:
+    return build_fsdp8(model, ctx, mesh=hsdp_mesh(ctx, "fsdp8"), outer_strategy=outer_strategy)
+
+
+def build_fsdp2_hsdp(model: torch.nn.Module, ctx: Context) -> Built:
+    return build_fsdp2(model, ctx, mesh=hsdp_mesh(ctx, "fsdp2"))
 
 
 def build_megatron(model: torch.nn.Module, ctx: Context) -> Built:
@@ -428,6 +506,9 @@ BUILDERS = {
     "fsdp8-fp8-block-compile": lambda m, c: build_fsdp8_fp8(m, c, "fp8-block", compile_blocks=True),
     "torchao": lambda m, c: build_torchao(m, c, compile_blocks=False),
     "torchao-compile": lambda m, c: build_torchao(m, c, compile_blocks=True),
+    "fsdp8-hsdp-noshard": lambda m, c: build_fsdp8_hsdp(m, c, "no_shard"),
+    "fsdp8-hsdp-optim": lambda m, c: build_fsdp8_hsdp(m, c, "optim"),
+    "fsdp2-hsdp": build_fsdp2_hsdp,
 }
 
 
@@ -523,7 +604,7 @@ def release(ctx: Context) -> int:
 
 
 def run_stack(spec: ModelSpec, stack: str, ctx: Context) -> Result:
-    result = Result(model=spec.name, stack=stack, status="ok")
+    result = Result(model=spec.name, stack=stack, status="ok", mesh=mesh_label(stack, ctx))
     reason = unavailable_reason(stack, ctx)
     if reason is not None:
         result.status, result.note = "skipped", reason
@@ -568,6 +649,7 @@ def environment(ctx: Context) -> dict:
         "memory": "torch.cuda.max_memory_{allocated,reserved} over warmup+timed steps, max over ranks",
         "warmup": ctx.args.warmup,
         "steps": ctx.args.steps,
+        "hsdp_replicate": ctx.args.hsdp_replicate,
     }
     try:
         import megatron_fsdp
@@ -579,14 +661,15 @@ def environment(ctx: Context) -> dict:
 
 
 def markdown_table(results: list[Result]) -> str:
-    head = ("| model | stack | tokens/s/GPU | step ms (median) | MFU | peak alloc GiB | peak reserved GiB "
+    head = ("| model | stack | mesh | tokens/s/GPU | step ms (median) | MFU | peak alloc GiB | peak reserved GiB "
             "| loss step 1 | loss last | notes |")
-    rows = [head, "|" + "---|" * 10]
+    rows = [head, "|" + "---|" * 11]
     for r in results:
         mfu = None if r.mfu is None else 100 * r.mfu
         note = r.note if r.status == "ok" else f"{r.status.upper()}: {r.note}"
         rows.append(
-            f"| {r.model} | {r.stack} | {_fmt(r.tokens_per_s_per_gpu, ',.0f')} | {_fmt(r.step_ms_median, '.1f')} "
+            f"| {r.model} | {r.stack} | {r.mesh or 'n/a'} | {_fmt(r.tokens_per_s_per_gpu, ',.0f')} "
+            f"| {_fmt(r.step_ms_median, '.1f')} "
             f"| {_fmt(mfu, '.1f')}{'%' if mfu is not None else ''} | {_fmt(r.peak_alloc_gib, '.2f')} "
             f"| {_fmt(r.peak_reserved_gib, '.2f')} | {_fmt(r.loss_first, '.4f')} | {_fmt(r.loss_last, '.4f')} "
             f"| {note} |"
@@ -600,6 +683,7 @@ def print_report(env: dict, orders: dict, results: list[Result]) -> None:
     print(f"- {env['flops_formula']}; MFU = tokens/s/GPU * FLOPs/token / ({env['peak_tflops']:g} TFLOP/s)")
     print(f"- timing: {env['timing']}, {env['warmup']} warmup + {env['steps']} timed steps")
     print(f"- memory: {env['memory']}")
+    print(f"- mesh: data-parallel ranks; RxS = HSDP, R replicas of S-rank shard groups (--hsdp-replicate {env['hsdp_replicate']})")
     for model, order in orders.items():
         print(f"- run order: each stack over all models, stacks in turn: {' -> '.join(order)} (model {model})")
     print()
@@ -610,18 +694,25 @@ def print_report(env: dict, orders: dict, results: list[Result]) -> None:
     sys.stdout.flush()
 
 
-def write_json(path: str, env: dict, orders: dict, results: list[Result]) -> None:
+def write_json(path: str, env: dict, orders: dict, results: list[Result], complete: bool = True) -> None:
+    """Write the results; `complete` is False for the partial files written after each stack."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"environment": env, "stack_order": orders, "results": [asdict(r) for r in results]}
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    payload = {"environment": env, "stack_order": orders, "complete": complete,
+               "results": [asdict(r) for r in results]}
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(out)  # a reader (or a timeout) never sees half a file
+    if complete:
+        print(f"\nwrote {out}")
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     ctx = init_process_group(args)
     results = []
+    orders = {name: list(args.stacks) for name in args.models}
+    env = environment(ctx) if ctx.rank == 0 else None
     # Stack-major: memory a stack fails to free after teardown only weighs on its own later runs.
     for stack in args.stacks:
         for name in args.models:
@@ -629,13 +720,13 @@ def main(argv=None) -> None:
                 print(f"[peers] model {name}: {stack} ...", flush=True)
             result = run_stack(MODELS[name], stack, ctx)
             results.append(result)
-            if ctx.rank == 0:  # partial results survive a timeout
-                print(f"[peers] {name} {stack}: {result.status} {_fmt(result.tokens_per_s_per_gpu, ',.0f')} tok/s/GPU, "
+            if ctx.rank == 0:  # partial results survive a timeout: printed, and in the JSON
+                print(f"[peers] {name} {stack} (mesh {result.mesh or 'n/a'}): {result.status} "
+                      f"{_fmt(result.tokens_per_s_per_gpu, ',.0f')} tok/s/GPU, "
                       f"peak {_fmt(result.peak_alloc_gib, '.2f')} GiB {result.note}", flush=True)
+                write_json(args.out, env, orders, results, complete=False)
     results.sort(key=lambda r: args.models.index(r.model))
-    orders = {name: list(args.stacks) for name in args.models}
     if ctx.rank == 0:
-        env = environment(ctx)
         print_report(env, orders, results)
         write_json(args.out, env, orders, results)
     dist.barrier()

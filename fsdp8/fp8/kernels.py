@@ -35,7 +35,14 @@ class Quantized:
         return self.data.dtype
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.data.float() * expand_scale(self.scale_inv, self.granularity, self.data.shape)).to(dtype)
+        if self.granularity is Granularity.TENSOR:
+            return (self.data.float() * self.scale_inv).to(dtype)
+        # Block by block (a broadcast over the block grid), not through a scale expanded to
+        # every element: the same values, and Inductor's CPU code generator handles it.
+        rows, cols = self.data.shape
+        blocks = _padded_blocks(self.data.float(), self.granularity.block)
+        values = blocks * self.scale_inv[:, None, :, None]
+        return values.reshape(blocks.shape[0] * blocks.shape[1], -1)[:rows, :cols].to(dtype)
 
     def t(self) -> "Quantized":
         """The transpose (a view). Exact for whole-tensor and 128x128 scaling, whose blocks
@@ -55,8 +62,9 @@ class Quantized:
 
 def use_triton(x: torch.Tensor) -> bool:
     """Triton kernels run on CUDA tensors when Triton imports (``FSDP8_TRITON=0`` turns them
-    off); everything else uses torch."""
-    if not x.is_cuda or os.environ.get("FSDP8_TRITON", "1") == "0":
+    off); everything else uses torch. Under torch.compile the torch code is used too: the
+    compiler fuses it into its own kernels, with the neighbouring ops."""
+    if not x.is_cuda or torch.compiler.is_compiling() or os.environ.get("FSDP8_TRITON", "1") == "0":
         return False
     from . import triton_kernels
 

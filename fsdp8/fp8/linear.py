@@ -11,7 +11,7 @@ import torch.nn as nn
 from .formats import Granularity, scale_inv_to_e8m0
 from .kernels import Quantized, cast_transpose, quantize, quantize_1x128_both_ways
 from .recipes import G, W, X, DelayedState, Recipe, update_delayed_states
-from .tensor import Float8Tensor
+from .tensor import Float8Tensor, transpose_of
 
 
 # -- GEMM --------------------------------------------------------------------------------------
@@ -94,7 +94,7 @@ def _quantize_both_ways(t: torch.Tensor, granularity: Granularity, fp8_dtype, st
 def _quantized_input(x: torch.Tensor, x2d: torch.Tensor, recipe: Recipe, state: Optional[DelayedState]):
     """The input in both FP8 layouts. Linears fed the same tensor (q/k/v projections, gate and
     up) share one quantization unless delayed scaling gives each its own scale."""
-    if state is not None:
+    if state is not None or torch.compiler.is_compiling():  # a compiled graph shares by itself
         return _quantize_both_ways(x2d, recipe.x_granularity, recipe.fwd_dtype, state, X)
     key = (x._version, recipe.x_granularity, recipe.fwd_dtype)
     cached = getattr(x, "_fsdp8_fp8_input", None)
@@ -109,30 +109,28 @@ def _weight_operands(weight, recipe: Recipe, state: Optional[DelayedState], dtyp
     """The weight (N, K) quantized along K and, when it comes for free, its transpose (K, N);
     an engine-gathered FP8 weight is used as is (its transpose is made once per gather)."""
     if isinstance(weight, Float8Tensor):
-        return weight.quantized(), None
+        # Read as attributes, not through a method: torch.compile traces them as tensors.
+        return Quantized(weight._data, weight._scale_inv, recipe.w_granularity), None
     w = weight.detach().to(dtype)
     if recipe.w_granularity is Granularity.TENSOR:
         return _quantize_both_ways(w, Granularity.TENSOR, recipe.fwd_dtype, state, W)
     return quantize(w, recipe.fwd_dtype, recipe.w_granularity), None
 
 
-def _weight_transposed(weight, qw: Quantized, recipe: Recipe) -> Quantized:
-    """The weight's transpose (K, N) quantized along N, for the input-gradient GEMM.
-
-    Whole-tensor and 128x128 scaling read the same blocks either way, so this is a
-    transposed copy of the FP8 bytes (cached on an engine weight for the step); MX blocks
-    are not symmetric and are quantized again from the dequantized weight."""
-    if isinstance(weight, Float8Tensor):
+def _weight_transposed(weight, qw: Quantized) -> Quantized:
+    """The weight's transpose (K, N) quantized along N, for the input-gradient GEMM (cached on
+    an engine weight for the step; a compiled graph makes it where it is used)."""
+    if isinstance(weight, Float8Tensor) and not torch.compiler.is_compiling():
         return weight.transposed()
-    if qw.granularity is Granularity.MX_1x32:
-        return quantize(qw.dequantize(torch.float32).t().contiguous(), qw.fp8_dtype, Granularity.MX_1x32)
-    return qw.t().contiguous()
+    return transpose_of(qw)
 
 
 class _Float8LinearFn(torch.autograd.Function):
+    """out = x @ w.T (+ bias) with FP8 GEMMs. Takes only tensors, the (frozen) recipe and the
+    delayed-scaling state, so torch.compile can trace it when ``state`` is None."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, module: "Float8Linear"):
-        recipe, state = module.recipe, module.delayed_state(x.device)
+    def forward(ctx, x, weight, bias, recipe: Recipe, state: Optional[DelayedState]):
         x2d = x.reshape(-1, x.shape[-1])
         compute_dtype = x.dtype
         qw, qw_t = _weight_operands(weight, recipe, state, compute_dtype)
@@ -141,23 +139,23 @@ class _Float8LinearFn(torch.autograd.Function):
         if bias is not None:
             out = out + bias.to(compute_dtype)
         # Saved for backward: FP8 only (the input's transpose and the weight), no bf16 copy.
-        ctx.qx_t, ctx.qw, ctx.qw_t, ctx.weight, ctx.module = qx_t, qw, qw_t, weight, module
+        ctx.qx_t, ctx.qw, ctx.qw_t, ctx.weight = qx_t, qw, qw_t, weight
+        ctx.recipe, ctx.state = recipe, state
         ctx.has_bias, ctx.x_shape, ctx.compute_dtype = bias is not None, x.shape, compute_dtype
         ctx.weight_dtype = weight.dtype
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        recipe, module = ctx.module.recipe, ctx.module
-        state = module.delayed_state(dy.device)
+        recipe = ctx.recipe
         dy2d = dy.reshape(-1, dy.shape[-1]).to(ctx.compute_dtype)
-        qdy, qdy_t = _quantize_both_ways(dy2d, recipe.g_granularity, recipe.bwd_dtype, state, G)
-        qw_t = ctx.qw_t if ctx.qw_t is not None else _weight_transposed(ctx.weight, ctx.qw, recipe)
+        qdy, qdy_t = _quantize_both_ways(dy2d, recipe.g_granularity, recipe.bwd_dtype, ctx.state, G)
+        qw_t = ctx.qw_t if ctx.qw_t is not None else _weight_transposed(ctx.weight, ctx.qw)
         dx = fp8_mm(qdy, qw_t, ctx.compute_dtype, recipe)
         dw = fp8_mm(qdy_t, ctx.qx_t, ctx.compute_dtype, recipe)
         dbias = dy2d.sum(0) if ctx.has_bias else None
         ctx.qx_t = ctx.qw = ctx.qw_t = ctx.weight = None
-        return dx.view(ctx.x_shape), dw.to(ctx.weight_dtype), dbias, None
+        return dx.view(ctx.x_shape), dw.to(ctx.weight_dtype), dbias, None, None
 
 
 _FLOAT8_CLASSES: dict = {}
@@ -211,13 +209,19 @@ class Float8Linear(nn.Linear):
             state.history, state.scale, state.pending = self.fp8_amax_history, self.fp8_scale, self.fp8_amax_pending
         return state
 
-    @torch.compiler.disable  # an opaque call in compiled blocks: its own kernels and state
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.recipe.traceable:
+            return self._forward_opaque(x)
+        # In a compiled block the quantization becomes part of the compiled graph.
+        return _Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, None)
+
+    @torch.compiler.disable  # an opaque call in compiled blocks (see Recipe.traceable)
+    def _forward_opaque(self, x: torch.Tensor) -> torch.Tensor:
         state = self.delayed_state(x.device)
         if state is not None and not self.external_delayed_update and state.dirty:
             # Standalone use: fold last step's amaxes in (over the FSDP1 group, if given).
             update_delayed_states([state], self.amax_reduction_group)
-        return _Float8LinearFn.apply(x, self.weight, self.bias, self)
+        return _Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, state)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"

@@ -19,6 +19,7 @@ def _capability(device_index: int):
     return torch.cuda.get_device_capability(device_index)
 
 
+@torch.compiler.assume_constant_result  # a compiled graph asks once, while it is traced
 def capability(device: torch.device):
     """The CUDA compute capability, asked once per device (it is checked on every FP8 GEMM)."""
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
@@ -32,6 +33,9 @@ class Recipe:
     w_granularity = Granularity.TENSOR
     g_granularity = Granularity.TENSOR
     delayed = False
+    # Whether a Float8Linear of this recipe is traced into a compiled block (else it is an
+    # opaque call there, running its eager kernels).
+    traceable = True
     name = "recipe"
 
     def _check_format(self, allowed=_FORMATS) -> None:
@@ -64,6 +68,7 @@ class DelayedScaling(Recipe):
     fp8_format: str = "hybrid"
 
     delayed = True
+    traceable = False  # its amax history and scales are state updated between steps
     name = "delayed"
 
     def __post_init__(self):

@@ -28,6 +28,16 @@ def _leading_rows(args) -> bool:
             and size[1:] == tuple(src.shape[1:]) and size[0] <= src.shape[0] and stride == src._data.stride())
 
 
+def transpose_of(q: Quantized) -> Quantized:
+    """``q``'s transpose quantized along its rows: a transposed copy of the bytes where the
+    blocks read the same either way (whole tensor, 128x128); MX blocks are quantized again."""
+    if q.granularity is Granularity.MX_1x32:
+        from .kernels import quantize
+
+        return quantize(q.dequantize(torch.float32).t().contiguous(), q.fp8_dtype, Granularity.MX_1x32)
+    return q.t().contiguous()
+
+
 class Float8Tensor(torch.Tensor):
     """A 2-D FP8 tensor with ``scale_inv`` (per tensor or per block) and a logical dtype."""
 
@@ -52,19 +62,23 @@ class Float8Tensor(torch.Tensor):
         return (f"Float8Tensor(shape={tuple(self.shape)}, fp8={self._data.dtype}, "
                 f"granularity={self._granularity.value}, dtype={self.dtype})")
 
+    # torch.compile traces through a Float8Tensor (a compiled block's Float8Linear reads the
+    # bytes and scales of its engine-gathered weight) by taking it apart into these tensors.
+    def __tensor_flatten__(self):
+        return ["_data", "_scale_inv"], (self._granularity, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        granularity, dtype = meta
+        return Float8Tensor(inner["_data"], inner["_scale_inv"], granularity, dtype)
+
     def quantized(self) -> Quantized:
         return Quantized(self._data, self._scale_inv, self._granularity)
 
     def transposed(self) -> Quantized:
         """The transposed FP8 copy the input-gradient GEMM needs, made once per gather."""
         if self._transpose is None:
-            q = self.quantized()
-            if self._granularity is Granularity.MX_1x32:
-                from .kernels import quantize
-
-                self._transpose = quantize(q.dequantize(torch.float32).t().contiguous(), q.fp8_dtype, Granularity.MX_1x32)
-            else:
-                self._transpose = q.t().contiguous()
+            self._transpose = transpose_of(self.quantized())
         return self._transpose
 
     def clear_transpose(self) -> None:

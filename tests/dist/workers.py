@@ -644,3 +644,38 @@ def delayed_group_reduce(with_group=True, steps=3):
         x, y = common.global_batch(step, 2 * w, 8, common.vocab_of(model))
         model(common.rank_slice(x, r, w).to(common.device()), common.rank_slice(y, r, w).to(common.device())).backward()
     return torch.stack([m._delayed.history for m in model.modules() if isinstance(m, Float8Linear)]).cpu()
+
+
+def fp8_compiled_blocks(recipe_name, steps=3):
+    """The engine's FP8 training with each block compiled whole (fullgraph: a graph break,
+    such as an opaque Float8Linear, fails) against the same model in eager mode. Compute is
+    fp32 so that the compiler's fusion does not change roundings ahead of the quantizers."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1  # no compile worker pool inside a test worker
+
+    from fsdp8.models.llama import Block
+
+    recipe = fp8_recipe(recipe_name)
+    models = []
+    for compiled in (False, True):
+        model = common.build_fp8_llama()
+        sharded = fsdp8.fully_shard(model, strategy="optim_grads_params", fp8=recipe,
+                                    precision=fsdp8.Precision(param_dtype=torch.float32, reduce_dtype=torch.float32))
+        if compiled:
+            torch._dynamo.reset()
+            for block in sharded.modules():
+                if isinstance(block, Block):
+                    block.forward = torch.compile(block.forward, fullgraph=True)
+        losses = common.train_sharded(sharded, steps)
+        models.append((sharded, losses))
+    (eager, eager_losses), (compiled, compiled_losses) = models
+    errors = {}
+    for name, got in compiled.state_dict().items():
+        ref = eager.state_dict()[name]
+        got = got.full_tensor() if hasattr(got, "full_tensor") else got
+        ref = ref.full_tensor() if hasattr(ref, "full_tensor") else ref
+        errors[name] = float((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return errors, eager_losses, compiled_losses, frames
