@@ -15,13 +15,17 @@ _FORMATS = ("hybrid", "e4m3")
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(device_index: int):
-    return torch.cuda.get_device_capability(device_index)
+def _capability(device_index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return 10 * major + minor
 
 
-@torch.compiler.assume_constant_result  # a compiled graph asks once, while it is traced
-def capability(device: torch.device):
-    """The CUDA compute capability, asked once per device (it is checked on every FP8 GEMM)."""
+# A compiled graph asks once, while it is traced. An int, not torch's (major, minor) tuple:
+# Dynamo (torch 2.11) cannot compare a tuple that came out of an assumed-constant call.
+@torch.compiler.assume_constant_result
+def capability(device: torch.device) -> int:
+    """The CUDA compute capability as an integer (89 for 8.9), asked once per device (it is
+    checked on every FP8 GEMM)."""
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -55,7 +59,7 @@ class Recipe:
         """Whether this device multiplies this recipe's FP8 operands natively (else emulated)."""
         if device.type != "cuda":
             return False
-        return capability(device) >= (8, 9)
+        return capability(device) >= 89
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,7 @@ class Float8BlockScaling(Recipe):
         self._check_format(("e4m3",))
 
     def native_gemm(self, device: torch.device) -> bool:
-        return device.type == "cuda" and capability(device) == (9, 0)
+        return device.type == "cuda" and capability(device) == 90
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,7 @@ class MXFP8BlockScaling(Recipe):
         self._check_format()
 
     def native_gemm(self, device: torch.device) -> bool:
-        return device.type == "cuda" and capability(device) >= (10, 0)
+        return device.type == "cuda" and capability(device) >= 100
 
 
 RECIPES = {

@@ -124,11 +124,13 @@ def test_triton_1x128_both_ways_matches_reference(shape, fp8, dtype):
 
 @pytest.mark.parametrize("recipe_name", ["fp8-current", "fp8-block"])
 def test_compiled_float8_linear_matches_eager_with_native_gemm(recipe_name):
-    """A Float8Linear traced by torch.compile (compiler-generated quantization feeding native
-    _scaled_mm) against eager (Triton kernels, the same _scaled_mm). Both quantize the same
-    bf16 values with the same fp32 formulas and both round to nearest even, so the FP8 bytes
-    agree; the bound (1e-3 of the norm) leaves room only for a few rounding ties, while the
-    FP8 result sits ~1e-2 away from the bf16 layer's (checked too, so the test can fail)."""
+    """A Float8Linear traced by torch.compile (compiler-generated quantization feeding
+    _scaled_mm, which Inductor may run as its own GEMM) against eager (Triton kernels, cuBLAS).
+    Both quantize the same bf16 values with the same fp32 formulas, rounding to nearest even,
+    so the FP8 operands agree; the GEMMs may accumulate in another order, and their bf16
+    results then differ by at most one bf16 ulp (2**-8 relative) per element: the bound is
+    2**-8 of the norm. FP8 itself sits several percent from the bf16 layer (e4m3 rounds
+    by up to 2**-4), checked against 1e-2 so the test can tell FP8 from no FP8."""
     from fsdp8.fp8.convert import convert_to_fp8
     from fsdp8.fp8.recipes import recipe_from_name
 
@@ -150,5 +152,5 @@ def test_compiled_float8_linear_matches_eager_with_native_gemm(recipe_name):
         results.append([t.float() for t in (out, xi.grad, module.weight.grad)])
     (eager, compiled, plain) = results
     for got, want, bf16 in zip(compiled, eager, plain):
-        assert (got - want).norm() <= 1e-3 * want.norm()
-        assert (want - bf16).norm() > 1e-3 * bf16.norm()
+        assert (got - want).norm() <= 2**-8 * want.norm()
+        assert (want - bf16).norm() > 1e-2 * bf16.norm()
