@@ -219,7 +219,7 @@ class ShardedUnit:
                     comm.all_gather(self.outer_cache, own, topo.replicate_group, f"{self.name}/outer")
                 gathered = torch.empty(n * m, dtype=self.wire_dtype, device=self.device)
                 comm.all_gather(gathered, self.outer_cache, topo.shard_group, self.name)
-                self._copy_out(gathered.view(topo.plan.shard_size, topo.plan.replicate_size, m), shard_major=True)
+                self._copy_out_shard_major(gathered.view(topo.plan.shard_size, topo.plan.replicate_size, m))
             else:
                 gathered = torch.empty(n * m, dtype=self.wire_dtype, device=self.device)
                 send = self._ready_chunk()
@@ -250,26 +250,35 @@ class ShardedUnit:
     def unsharded_nbytes(self) -> int:
         return self.wire_layout.unsharded_numel * self.unsharded.element_size()
 
-    def _copy_out(self, source: torch.Tensor, shard_major: bool = False) -> None:
-        """Gathered chunks -> param-major padded parameters. ``source`` is the contiguous
-        ``[A, B, M]`` all-gather output with chunk ``a * B + b`` at ``[a, b]``; with
-        ``shard_major`` (the two-hop gather) it is ``[S, R, M]`` holding chunk ``r * S + s``
-        at ``[s, r]``, and the transposition is put on the destination views.
-
-        The source must stay contiguous: torch's CUDA fast path of split_with_sizes_copy
-        reads a transposed source as if it were contiguous (wrong data, seen on torch
-        2.11 over NCCL; the CPU kernel is right). Non-contiguous outputs take its general path."""
-        a, b = source.shape[0], source.shape[1]
+    def _regions(self):
+        """(offset, numel, per-chunk numel) of each parameter's padded region (and of the
+        trailing chunk padding) in ``unsharded``, in wire-layout order."""
         layout = self.wire_layout
         regions = [(p.unsharded_offset, p.padded_numel, p.chunk_numel) for p in layout.params]
         if layout.padding:
             regions.append((layout.unsharded_numel - layout.num_chunks * layout.padding,
                             layout.num_chunks * layout.padding, layout.padding))
-        outs = []
-        for offset, numel, per_chunk in regions:
-            region = self.unsharded[offset : offset + numel]
-            outs.append(region.view(b, a, per_chunk).transpose(0, 1) if shard_major else region.view(a, b, per_chunk))
+        return regions
+
+    def _copy_out(self, source: torch.Tensor) -> None:
+        """Rank-major gathered chunks ``[A, B, M]`` (contiguous) -> param-major padded parameters."""
+        a, b = source.shape[0], source.shape[1]
+        outs = [self.unsharded[o : o + n].view(a, b, c) for o, n, c in self._regions()]
         torch.split_with_sizes_copy(source, list(self.wire_layout.split_sizes), dim=2, out=outs)
+
+    def _copy_out_shard_major(self, source: torch.Tensor) -> None:
+        """The two-hop gather's ``[S, R, M]`` (chunk ``r * S + s`` at ``[s, r]``) -> param-major
+        padded parameters, one strided copy per region.
+
+        Not split_with_sizes_copy: its CUDA fast path ignores the strides of a transposed
+        source or destination (wrong weights for ZeRO-3 + outer optim over NCCL, torch 2.11;
+        its CPU kernel is right), while copy_ handles any strides."""
+        s, r = source.shape[0], source.shape[1]
+        start = 0
+        for offset, numel, per_chunk in self._regions():
+            dest = self.unsharded[offset : offset + numel].view(r, s, per_chunk)
+            dest.copy_(source[:, :, start : start + per_chunk].transpose(0, 1))
+            start += per_chunk
 
     def wait_gather(self) -> None:
         """Make the compute stream wait for this unit's gather and drop its temporaries."""

@@ -65,31 +65,12 @@ def fp8_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, recipe: Recipe, f
         scale_a = to_blocked(_e8m0(a.scale_inv))
         scale_b = to_blocked(_e8m0(b.scale_inv))
         return torch._scaled_mm(a.data, mat_b, scale_a, scale_b, out_dtype=torch.bfloat16).to(out_dtype)
-    out = block_scaled_mm(a.data, b.data, a.scale_inv, b.scale_inv, b.granularity is Granularity.BLOCK_128x128)
-    return out.to(out_dtype)
-
-
-# One opaque op for torch.compile: cuBLAS reads the block scales in particular layouts
-# (below), which a compiled graph would not keep (it may lay out intermediates as it likes,
-# or lower the GEMM to its own kernel); measured on H200, torch 2.11, the compiled GEMM
-# came out 0.3-0.5% off in norm with the same FP8 operands. Inside the op it runs exactly as
-# in eager mode.
-@torch.library.custom_op("fsdp8::block_scaled_mm", mutates_args=())
-def block_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
-                    b_blocks: bool) -> torch.Tensor:
-    """``a @ b.T`` in bf16 for FP8 ``a`` (M, K) in 1x128 blocks and ``b`` (N, K) in 128x128
-    blocks (``b_blocks``) or 1x128 blocks, both row-major; scales as Quantized stores them."""
-    if b_blocks:
-        scale_b = _outer_major(b_scale_inv.t())  # (K/128, N/128), K-block stride 1
+    if b.granularity is Granularity.BLOCK_128x128:
+        scale_b = _outer_major(b.scale_inv.t())  # (K/128, N/128), K-block stride 1
     else:
-        scale_b = b_scale_inv.t().contiguous()  # (K/128, N), N stride 1
-    mat_b = b.contiguous().t()  # column-major (K, N) view of the row-major (N, K) operand
-    return torch._scaled_mm(a.contiguous(), mat_b, _outer_major(a_scale_inv), scale_b, out_dtype=torch.bfloat16)
-
-
-@block_scaled_mm.register_fake
-def _(a, b, a_scale_inv, b_scale_inv, b_blocks):
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16)
+        scale_b = b.scale_inv.t().contiguous()  # (K/128, N), N stride 1
+    out = torch._scaled_mm(a.data, mat_b, _outer_major(a.scale_inv), scale_b, out_dtype=torch.bfloat16)
+    return out.to(out_dtype)
 
 
 def _e8m0(scale_inv: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,11 @@ class Recipe:
     g_granularity = Granularity.TENSOR
     delayed = False
     # Whether a Float8Linear of this recipe is traced into a compiled block (else it is an
-    # opaque call there, running its eager kernels).
+    # opaque call there, running its eager kernels). Only per-tensor current scaling is: on
+    # H200 (torch 2.11) its compiled layer matched eager within bf16 rounding, while block
+    # scaling's compiled quantization came out 0.45% off in norm, more than rounding
+    # explains; block and MX recipes stay opaque until that is understood (on CPU all
+    # three trace and match, see tests/unit/test_fp8.py).
     traceable = True
     name = "recipe"
 
@@ -105,6 +109,7 @@ class Float8BlockScaling(Recipe):
     x_granularity = Granularity.ROW_1x128
     w_granularity = Granularity.BLOCK_128x128
     g_granularity = Granularity.ROW_1x128
+    traceable = False
     name = "block"
 
     def __post_init__(self):
@@ -123,6 +128,7 @@ class MXFP8BlockScaling(Recipe):
     x_granularity = Granularity.MX_1x32
     w_granularity = Granularity.MX_1x32
     g_granularity = Granularity.MX_1x32
+    traceable = False
     name = "mxfp8"
 
     def __post_init__(self):

@@ -310,8 +310,8 @@ def _two_linears(recipe=None):
 
 @pytest.mark.parametrize("recipe_name", ["fp8-current", "fp8-block", "fp8-delayed", "fp8-mxfp8"])
 def test_float8_linear_under_torch_compile(recipe_name):
-    """Traceable recipes compile into one graph (fullgraph) and match eager; delayed scaling
-    stays an opaque call inside the compiled block and still matches. fp32 compute: the compiler quantizes
+    """Traceable recipes (current scaling) compile into one graph (fullgraph) and match eager;
+    the others stay opaque calls inside the compiled block and still match. fp32 compute: the compiler quantizes
     the same values with the same formulas, so the bound is fp32 reordering (1e-6)."""
     recipe = recipe_from_name(recipe_name)
     x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1))
