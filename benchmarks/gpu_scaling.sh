@@ -24,7 +24,7 @@
 #   (e) tests: 105 tests at 1 or 4 ranks (77 more skip at once: world 2); on CPU/gloo they
 #       take 84 s; over NCCL add pool starts (~15 s per world size) and the Triton JIT of
 #       the FP8 kernels                                            ~100-200 s: whatever is left
-#   total ~450-540 s. Every step has a deadline from BUDGET (default 550 s): (b) keeps 150 s
+#   total estimated ~450-540 s; measured 224-292 s (three runs, 2026-11-22). Every step has a deadline from BUDGET (default 550 s): (b) keeps 150 s
 #   for what follows, (c) 40 s, the tests get the rest and are interrupted (SIGINT, so pytest
 #   still prints its summary) 15 s before the budget ends. Steps are the cheap part (~0.15 s each on B):
 #   2 warm-up + 8 timed (peers.py's default is 3 + 10) saves ~10 s over the 13 stack runs.
