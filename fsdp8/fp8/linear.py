@@ -94,7 +94,7 @@ def _quantize_both_ways(t: torch.Tensor, granularity: Granularity, fp8_dtype, st
 def _quantized_input(x: torch.Tensor, x2d: torch.Tensor, recipe: Recipe, state: Optional[DelayedState]):
     """The input in both FP8 layouts. Linears fed the same tensor (q/k/v projections, gate and
     up) share one quantization unless delayed scaling gives each its own scale."""
-    if state is not None or torch.compiler.is_compiling():  # a compiled graph shares by itself
+    if state is not None:
         return _quantize_both_ways(x2d, recipe.x_granularity, recipe.fwd_dtype, state, X)
     key = (x._version, recipe.x_granularity, recipe.fwd_dtype)
     cached = getattr(x, "_fsdp8_fp8_input", None)
@@ -130,11 +130,17 @@ class _Float8LinearFn(torch.autograd.Function):
     delayed-scaling state, so torch.compile can trace it when ``state`` is None."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: Recipe, state: Optional[DelayedState]):
+    def forward(ctx, x, weight, bias, recipe: Recipe, state: Optional[DelayedState],
+                qx_data=None, qx_scale_inv=None, qx_t_data=None, qx_t_scale_inv=None):
         x2d = x.reshape(-1, x.shape[-1])
         compute_dtype = x.dtype
         qw, qw_t = _weight_operands(weight, recipe, state, compute_dtype)
-        qx, qx_t = _quantized_input(x, x2d, recipe, state)
+        if qx_data is not None:  # quantized by the caller (compiled graphs, see Float8Linear)
+            qx = Quantized(qx_data, qx_scale_inv, recipe.x_granularity)
+            qx_t = Quantized(qx_t_data, qx_scale_inv if qx_t_scale_inv is None else qx_t_scale_inv,
+                             recipe.x_granularity)
+        else:
+            qx, qx_t = _quantized_input(x, x2d, recipe, state)
         out = fp8_mm(qx, qw, compute_dtype, recipe, fast_accum=True)
         if bias is not None:
             out = out + bias.to(compute_dtype)
@@ -155,7 +161,7 @@ class _Float8LinearFn(torch.autograd.Function):
         dw = fp8_mm(qdy_t, ctx.qx_t, ctx.compute_dtype, recipe)
         dbias = dy2d.sum(0) if ctx.has_bias else None
         ctx.qx_t = ctx.qw = ctx.qw_t = ctx.weight = None
-        return dx.view(ctx.x_shape), dw.to(ctx.weight_dtype), dbias, None, None
+        return dx.view(ctx.x_shape), dw.to(ctx.weight_dtype), dbias, None, None, None, None, None, None
 
 
 _FLOAT8_CLASSES: dict = {}
@@ -212,8 +218,17 @@ class Float8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.recipe.traceable:
             return self._forward_opaque(x)
-        # In a compiled block the quantization becomes part of the compiled graph.
-        return _Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, None)
+        if not torch.compiler.is_compiling():
+            return _Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, None)
+        # In a compiled block the quantization becomes part of the compiled graph. The input
+        # is quantized out here, not inside the autograd function: linears fed the same
+        # input (q/k/v, gate/up) then share one quantization and one saved FP8 copy once the
+        # compiler merges the identical subgraphs (inside separate functions it does not).
+        x2d = x.detach().reshape(-1, x.shape[-1])
+        qx, qx_t = _quantize_both_ways(x2d, self.recipe.x_granularity, self.recipe.fwd_dtype, None, X)
+        shared = qx_t.scale_inv is qx.scale_inv  # one whole-tensor scale (passed once: Dynamo's rule)
+        return _Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, None,
+                                     qx.data, qx.scale_inv, qx_t.data, None if shared else qx_t.scale_inv)
 
     @torch.compiler.disable  # an opaque call in compiled blocks (see Recipe.traceable)
     def _forward_opaque(self, x: torch.Tensor) -> torch.Tensor:

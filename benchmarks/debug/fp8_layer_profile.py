@@ -1,0 +1,100 @@
+"""One compiled HF Llama decoder layer (model B sizes), forward + backward on one GPU: bf16,
+fsdp8 FP8 current scaling (traced), torchao float8 tensorwise. No sharding, so the numbers
+separate the layer's compute from the engine's. Prints time, peak memory and the top CUDA
+kernels of each.
+
+    python benchmarks/debug/fp8_layer_profile.py [--tokens 4096] [--top 12]
+"""
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def build_layer():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                      num_hidden_layers=1, vocab_size=32000, max_position_embeddings=2048)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    layer = LlamaDecoderLayer(cfg, 0).cuda().to(torch.bfloat16)
+    return layer, LlamaRotaryEmbedding(cfg).cuda(), cfg
+
+
+def convert(layer, kind):
+    if kind == "fsdp8-fp8-current":
+        import fsdp8
+        from fsdp8.fp8.recipes import recipe_from_name
+
+        fsdp8.convert_to_fp8(layer, recipe_from_name("fp8-current"))
+    elif kind == "torchao-float8":
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(layer)
+    return layer
+
+
+def run(kind, tokens, top):
+    layer, rotary, cfg = build_layer()
+    layer = convert(layer, kind)
+    fwd = torch.compile(layer)
+    seq = 2048
+    x = torch.randn(tokens // seq, seq, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    pos = torch.arange(seq, device="cuda")[None].expand(x.shape[0], -1)
+    emb = rotary(x, pos)
+
+    def step():
+        out = fwd(x, position_embeddings=emb, position_ids=pos)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(torch.ones_like(out))
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        step()
+        e.record()
+        times.append((s, e))
+    torch.cuda.synchronize()
+    ms = statistics.median(s.elapsed_time(e) for s, e in times)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(f"\n## {kind}: {ms:.3f} ms fwd+bwd, activation peak {peak:.2f} GiB over weights", flush=True)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70)
+    print(table, flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--kinds", default="bf16,fsdp8-fp8-current,torchao-float8")
+    args = p.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, tokens {args.tokens}")
+    for kind in args.kinds.split(","):
+        try:
+            run(kind, args.tokens, args.top)
+        except Exception as err:  # report and go on
+            print(f"\n## {kind}: failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
+        torch._dynamo.reset()
+
+
+if __name__ == "__main__":
+    main()
