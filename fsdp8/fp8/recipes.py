@@ -41,8 +41,8 @@ class Recipe:
     # opaque call there, running its eager kernels). Only per-tensor current scaling is: on
     # H200 (torch 2.11) its compiled layer matched eager within bf16 rounding, while block
     # scaling's compiled quantization came out 0.45% off in norm, more than rounding
-    # explains; block and MX recipes stay opaque until that is understood (on CPU all
-    # three trace and match, see tests/unit/test_fp8.py).
+    # explains; block and MX recipes stay opaque until that is understood (on CPU, traced,
+    # they matched eager exactly when tried).
     traceable = True
     name = "recipe"
 
