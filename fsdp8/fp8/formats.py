@@ -46,17 +46,23 @@ def check_fp8_dtype(dtype: torch.dtype) -> None:
 
 
 def amax_to_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
-    """``FP8_MAX / amax / 2**margin`` in fp32; 1 where amax is 0 or not finite (nothing to scale)."""
+    """``FP8_MAX / amax / 2**margin`` in fp32; 1 where amax is 0 or not finite (nothing to scale).
+
+    The quotient is taken in fp64 and rounded to fp32 once: for division, a format of at
+    least 2p + 2 bits rounds twice to the same result as one IEEE fp32 division, so this is
+    the exactly rounded fp32 scale everywhere, including in code torch.compile generates,
+    whose fp32 division is approximate (Triton's div.full)."""
     amax = amax.float()
-    scale = torch.full_like(amax, FP8_MAX[fp8_dtype]) / amax
+    scale = (FP8_MAX[fp8_dtype] / amax.double()).float()
     if margin:
-        scale = scale / float(2**margin)
+        scale = scale * 2.0**-margin  # exact (a power of two), unlike a compiled division
     good = (amax > 0) & torch.isfinite(amax) & torch.isfinite(scale)
     return torch.where(good, scale, torch.ones_like(scale))
 
 
 def scale_to_inv(scale: torch.Tensor) -> torch.Tensor:
-    return torch.reciprocal(scale.float())
+    """``1 / scale``, exactly rounded to fp32 (through fp64, as in amax_to_scale)."""
+    return torch.reciprocal(scale.double()).float()
 
 
 def amax_to_e8m0(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
