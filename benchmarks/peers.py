@@ -150,6 +150,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="collective timeout, so a broken stack cannot hang the run")
     p.add_argument("--hsdp-replicate", type=int, default=2,
                    help="replica groups R of the HSDP stacks (mesh R x world/R)")
+    p.add_argument("--profile", default="",
+                   help="directory: after timing, profile one more step of each stack and write where its "
+                        "GPU time went (benchmarks/step_profile.py; rank 0's trace kept as .json.gz)")
     p.add_argument("--out", default="runs/peers.json",
                    help="JSON results file (rank 0 rewrites it after every stack, so a timeout keeps what ran)")
     args = p.parse_args(argv)
@@ -586,10 +589,27 @@ def measure(spec: ModelSpec, stack: str, ctx: Context, result: Result) -> None:
         result.mfu = result.tokens_per_s_per_gpu * result.flops_per_token / (ctx.args.peak_tflops * 1e12)
         peaks = [torch.cuda.max_memory_allocated(ctx.device), torch.cuda.max_memory_reserved(ctx.device)]
         result.peak_alloc_gib, result.peak_reserved_gib = (x / GIB for x in _all_reduce(peaks, dist.ReduceOp.MAX, ctx))
+    if ctx.args.profile and ctx.device.type == "cuda":
+        profile_one_step(spec, stack, built, batches[-1], ctx)
     report = getattr(built.model, "memory_report", None)
     if callable(report):
         result.memory_report = str(report())
     result.note = "; ".join(built.notes)
+
+
+def profile_one_step(spec: ModelSpec, stack: str, built: Built, batch: torch.Tensor, ctx: Context) -> None:
+    """One extra, profiled step (not in the timings): compute / exposed communication / idle."""
+    from step_profile import format_summary, profile_step, summarize
+
+    out = Path(ctx.args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    base = out / f"{spec.name}-{stack}-rank{ctx.rank}"
+    kernels = profile_step(lambda: train_step(built, batch, ctx),
+                           trace_path=str(base) + ".json.gz" if ctx.rank == 0 else None)
+    text = format_summary(f"{stack}, model {spec.name}, rank {ctx.rank} of {ctx.world}", summarize(kernels))
+    base.with_suffix(".md").write_text(text + "\n")
+    if ctx.rank == 0:
+        print(text, flush=True)
 
 
 def release(ctx: Context) -> int:

@@ -18,6 +18,7 @@ from typing import List, Sequence
 import torch
 import torch.distributed as dist
 
+from ..fp8.kernels import scales_for
 from ..fp8.recipes import W, DelayedState
 from . import comm
 from .fp8_unit import Float8Unit
@@ -35,28 +36,37 @@ class ScaleAgreement:
         units = [u for u in self.units if delayed or u.weights_changed()]
         if not units:
             return
-        owners = [(unit, slot, piece) for unit in units for slot, piece in unit.local_amaxes()]
-        pieces = [piece for _, _, piece in owners]
-        if delayed:
-            pieces.append(torch.stack([s.pending for s in self.states]).flatten())
-        if pieces:
-            flat = torch.cat(pieces)
+        # One flat tensor: each unit's amaxes (one launch per unit on CUDA), then the
+        # delayed histories' pending amaxes; one all-reduce; each unit takes its slice back.
+        local = [unit.local_amaxes() for unit in units]
+        pieces = local + ([torch.stack([s.pending for s in self.states]).flatten()] if delayed else [])
+        flat = torch.cat(pieces)
+        if flat.numel():
             comm.all_reduce(flat, self.group, dist.ReduceOp.MAX, "fp8 amax")
-            pieces = list(torch.split(flat, [p.numel() for p in pieces]))
-        per_unit = {id(u): {} for u in units}
-        for (unit, slot, _), reduced in zip(owners, pieces):
-            per_unit[id(unit)][id(slot)] = reduced
+        reduced = list(torch.split(flat, [p.numel() for p in pieces]))
         if delayed:
-            self._roll_histories(owners, pieces)
-        for unit in units:
-            unit.set_amaxes(per_unit[id(unit)])
+            self._roll_histories(units, reduced)
+            for unit in units:
+                unit.set_scales_from_histories()
+            return
+        # Every unit shares the recipe: the scales of all weights in one go, then a slice each.
+        recipe = units[0].recipe
+        weights = flat[: sum(p.numel() for p in local)]
+        scale, inv = scales_for(weights, recipe.w_granularity, recipe.fwd_dtype)
+        sizes = [p.numel() for p in local]
+        for unit, s, i in zip(units, torch.split(scale, sizes), torch.split(inv, sizes)):
+            unit.set_scales(s, i)
 
-    def _roll_histories(self, owners, reduced) -> None:
+    def _roll_histories(self, units, reduced) -> None:
         """Every history takes its reduced input and gradient amaxes of the last step and its
         weight's reduced amax of now (so the weight's scale reflects the weight it quantizes)."""
         rows = reduced[-1].view(len(self.states), 3)
-        weight_amax = {id(unit.delayed[id(slot)]): r.max() for (unit, slot, _), r in zip(owners, reduced)
-                       if id(slot) in unit.delayed}
+        weight_amax = {}
+        for unit, amaxes in zip(units, reduced):
+            for slot in unit.amax_slots():
+                if id(slot) in unit.delayed:
+                    start, stop = unit.amax_range(slot)
+                    weight_amax[id(unit.delayed[id(slot)])] = amaxes[start:stop].max()
         for state, row in zip(self.states, rows):
             if id(state) in weight_amax:
                 row = row.clone()

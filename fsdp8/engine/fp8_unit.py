@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from ..fp8.formats import Granularity, e8m0_to_scale_inv, scale_inv_to_e8m0
-from ..fp8.kernels import amax, partial_block_amax, quantize, quantize_rows_with_grid, scales_for
+from ..fp8.kernels import amaxes, partial_block_amax, quantize, quantize_rows_with_grid
 from ..fp8.recipes import W, DelayedState, Recipe
 from ..fp8.tensor import Float8Tensor
 from .layout import UnitLayout, plan_unit
@@ -65,22 +65,45 @@ class Float8Unit(ShardedUnit):
     def _entry(self, slot: ParamSlot, kind: str):
         return self._entry_of[(id(slot), kind)]
 
-    def _scale_tensor(self, table: Dict[int, torch.Tensor], slot: ParamSlot) -> torch.Tensor:
-        if id(slot) not in table:
-            rows, cols = slot.layout.shape
-            shape = {
-                Granularity.TENSOR: (),
-                Granularity.BLOCK_128x128: (math.ceil(rows / 128), math.ceil(cols / 128)),
-                Granularity.MX_1x32: (rows, math.ceil(cols / 32)),
-            }[self.granularity]
-            table[id(slot)] = torch.ones(shape, dtype=torch.float32, device=self.device)
-        return table[id(slot)]
+    def _scale_shape(self, slot: ParamSlot) -> Tuple[int, ...]:
+        rows, cols = slot.layout.shape
+        return {
+            Granularity.TENSOR: (),
+            Granularity.BLOCK_128x128: (math.ceil(rows / 128), math.ceil(cols / 128)),
+            Granularity.MX_1x32: (rows, math.ceil(cols / 32)),
+        }[self.granularity]
+
+    def _allocate_scales(self) -> None:
+        """Every FP8 weight's scale and scale_inv as views of two flat buffers, in slot order,
+        so that new scales land with one indexed copy per unit. Each view starts on a 16-byte
+        boundary: cuBLAS refuses (CUBLAS_STATUS_NOT_SUPPORTED) scale pointers that are not."""
+        fp8 = [s for s in self.slots if id(s) in self.fp8_ids]
+        sizes = [math.prod(self._scale_shape(s)) for s in fp8]
+        starts = [4 * sum(math.ceil(n / 4) for n in sizes[:i]) for i in range(len(sizes))]
+        total = starts[-1] + 4 * math.ceil(sizes[-1] / 4) if fp8 else 0
+        self._scale_flat = torch.ones(total, dtype=torch.float32, device=self.device)
+        self._scale_inv_flat = torch.ones(total, dtype=torch.float32, device=self.device)
+        self._scale_ranges: Dict[int, Tuple[int, int]] = {}
+        positions, amax_start = [], 0
+        for slot, size, start in zip(fp8, sizes, starts):
+            shape = self._scale_shape(slot)
+            self._scale[id(slot)] = self._scale_flat[start : start + size].view(shape)
+            self._scale_inv[id(slot)] = self._scale_inv_flat[start : start + size].view(shape)
+            self._scale_ranges[id(slot)] = (amax_start, amax_start + size)
+            positions.append(torch.arange(start, start + size))
+            amax_start += size
+        # Where each entry of local_amaxes() lands in the (padded) flat buffers.
+        self._scale_positions = torch.cat(positions).to(self.device) if fp8 else None
 
     def scale_of(self, slot: ParamSlot) -> torch.Tensor:
-        return self._scale_tensor(self._scale, slot)
+        if not self._scale:
+            self._allocate_scales()
+        return self._scale[id(slot)]
 
     def scale_inv_of(self, slot: ParamSlot) -> torch.Tensor:
-        return self._scale_tensor(self._scale_inv, slot)
+        if not self._scale:
+            self._allocate_scales()
+        return self._scale_inv[id(slot)]
 
     def _make_compute_param(self, slot: ParamSlot) -> nn.Parameter:
         if id(slot) not in self.fp8_ids:
@@ -104,34 +127,56 @@ class Float8Unit(ShardedUnit):
     def weights_changed(self) -> bool:
         return self._scales_seen != super()._version_key()
 
-    def local_amaxes(self) -> List[Tuple[ParamSlot, torch.Tensor]]:
-        """What this rank contributes to the max all-reduce: one amax per weight (per
-        tensor) or a grid with zeros outside this rank's rows (128x128). MX needs none."""
-        out = []
-        for slot in self.slots:
-            if id(slot) not in self.fp8_ids or self.granularity is Granularity.MX_1x32:
-                continue
-            rows, start = self._rows(slot)
-            if self.granularity is Granularity.TENSOR:
-                out.append((slot, amax(rows).reshape(1)))
-            else:
-                out.append((slot, partial_block_amax(rows, start, slot.layout.rows).flatten()))
-        return out
+    def amax_slots(self) -> List[ParamSlot]:
+        """The weights whose scales are agreed across ranks, in ``local_amaxes`` order (MX
+        weights have row-local scales and need none)."""
+        if self.granularity is Granularity.MX_1x32:
+            return []
+        return [s for s in self.slots if id(s) in self.fp8_ids]
 
-    def set_amaxes(self, reduced: Dict[int, torch.Tensor]) -> None:
-        """Scales from the all-reduced amaxes, keyed by slot id (delayed scaling: from the
-        weight's history, which already holds the reduced amax)."""
-        for slot in self.slots:
-            if id(slot) not in reduced:
-                continue
-            state = self.delayed.get(id(slot))
-            if state is not None:
-                scale, inv = state.scale[W], state.scale_inv(W)
-            else:
-                scale, inv = scales_for(reduced[id(slot)].view(self.scale_of(slot).shape), self.granularity,
-                                        self.recipe.fwd_dtype)
-            self.scale_of(slot).copy_(scale)
-            self.scale_inv_of(slot).copy_(inv)
+    def amax_range(self, slot: ParamSlot) -> Tuple[int, int]:
+        """Where ``slot``'s amaxes sit in ``local_amaxes()``."""
+        self.scale_of(slot)
+        return self._scale_ranges[id(slot)]
+
+    def local_amaxes(self) -> torch.Tensor:
+        """What this rank contributes to the max all-reduce, one flat fp32 tensor: one amax
+        per weight (per tensor), or a grid with zeros outside this rank's rows (128x128).
+
+        Amaxes are of the weights as the compute dtype holds them, taken on the main rows
+        directly: rounding to nearest is monotonic and symmetric, so the largest magnitude
+        of the rounded rows is the rounded largest magnitude of the rows (NaN stays NaN),
+        and no rounded copy of the shard is needed."""
+        slots = self.amax_slots()
+        if not slots:
+            return torch.zeros(0, dtype=torch.float32, device=self.device)
+        if self.granularity is Granularity.TENSOR:
+            local = amaxes([self.main_view(s) for s in slots])
+        else:
+            grids = []
+            for slot in slots:
+                start, _ = slot.layout.chunk_row_range(self.chunk_index)
+                grids.append(partial_block_amax(self.main_view(slot), start, slot.layout.rows).flatten())
+            local = torch.cat(grids)
+        return local.to(self.compute_dtype).float()
+
+    def set_scales(self, scale: torch.Tensor, scale_inv: torch.Tensor) -> None:
+        """Take this unit's slice of the agreed scales (``local_amaxes`` layout)."""
+        if scale.numel():
+            self.scale_of(self.amax_slots()[0])  # allocates the flat buffers
+            self._scale_flat.index_copy_(0, self._scale_positions, scale)
+            self._scale_inv_flat.index_copy_(0, self._scale_positions, scale_inv)
+        self._scales_agreed()
+
+    def set_scales_from_histories(self) -> None:
+        """Delayed scaling: each weight's scale from its history (which holds the reduced amax)."""
+        for slot in self.amax_slots():
+            state = self.delayed[id(slot)]
+            self.scale_of(slot).copy_(state.scale[W])
+            self.scale_inv_of(slot).copy_(state.scale_inv(W))
+        self._scales_agreed()
+
+    def _scales_agreed(self) -> None:
         self._scales_seen = super()._version_key()
         self.scales_version += 1
 
@@ -170,16 +215,18 @@ class Float8Unit(ShardedUnit):
             if kind == "value":
                 region.view(self.compute_dtype).view(slot.layout.chunk_shape(k)).copy_(self.main_view(slot))
             elif kind == "fp8":
-                w, start = self._rows(slot)
                 fp8 = self.recipe.fwd_dtype
                 if self.granularity is Granularity.MX_1x32:
                     # 1x32 blocks stay inside a row: each rank quantizes its rows on its own.
-                    mx = quantize(w, fp8, Granularity.MX_1x32)
+                    mx = quantize(self._rows(slot)[0], fp8, Granularity.MX_1x32)
                     e8m0[id(slot)] = scale_inv_to_e8m0(mx.scale_inv)
                     q = mx.data
+                    region.view(fp8).view(q.shape).copy_(q)
                 else:
-                    q = quantize_rows_with_grid(w, start, self.scale_of(slot), self.granularity, fp8)
-                region.view(fp8).view(q.shape).copy_(q)
+                    # Straight from the fp32 main rows into the send buffer, one pass on CUDA.
+                    start, _ = slot.layout.chunk_row_range(k)
+                    quantize_rows_with_grid(self.main_view(slot), start, self.scale_of(slot), self.granularity, fp8,
+                                            via=self.compute_dtype, out=region.view(fp8).view(slot.layout.chunk_shape(k)))
             else:
                 region.copy_(e8m0[id(slot)].flatten())
 

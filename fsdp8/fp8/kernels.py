@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -195,21 +195,48 @@ def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[Q
 
 
 def quantize_rows_with_grid(rows: torch.Tensor, row_start: int, scale_grid: torch.Tensor,
-                            granularity: Granularity, fp8_dtype: torch.dtype) -> torch.Tensor:
+                            granularity: Granularity, fp8_dtype: torch.dtype, via: Optional[torch.dtype] = None,
+                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Quantize a 2-D slice of rows ``[row_start, row_start + len)`` of a larger tensor whose
     scales are already known: a scalar, or a grid of 128x128 block scales of the whole tensor.
-    This is how a rank quantizes its shard with scales agreed across all shards."""
-    if granularity is Granularity.TENSOR:
-        return saturate_cast(rows, scale_grid, fp8_dtype)
-    if granularity is not Granularity.BLOCK_128x128:
+    This is how a rank quantizes its shard with scales agreed across all shards.
+
+    ``via``: round the rows to this dtype first (the engine quantizes its fp32 main rows as
+    the compute dtype holds them). ``out``: a contiguous FP8 tensor of the rows' shape to
+    write into (a region of a send buffer). On CUDA all of it is one pass: read the rows
+    once, write one byte per element."""
+    if granularity not in (Granularity.TENSOR, Granularity.BLOCK_128x128):
         raise ValueError(f"agreed scales exist for whole-tensor and 128x128 scaling, not {granularity.value}")
-    if use_triton(rows):
+    if use_triton(rows) and rows.numel():
         from . import triton_kernels
 
-        return triton_kernels.quantize_rows_with_grid(rows, row_start, scale_grid, fp8_dtype)
-    row_block = (torch.arange(rows.shape[0], device=rows.device) + row_start) // 128
-    scales = scale_grid[row_block].repeat_interleave(128, dim=1)[:, : rows.shape[1]]
-    return saturate_cast(rows, scales, fp8_dtype)
+        return triton_kernels.quantize_rows_with_grid(rows, row_start, scale_grid, fp8_dtype, granularity, via, out)
+    x = rows if via is None else rows.to(via)
+    if granularity is Granularity.TENSOR:
+        q = saturate_cast(x, scale_grid, fp8_dtype)
+    else:
+        row_block = (torch.arange(x.shape[0], device=x.device) + row_start) // 128
+        scales = scale_grid[row_block].repeat_interleave(128, dim=1)[:, : x.shape[1]]
+        q = saturate_cast(x, scales, fp8_dtype)
+    if out is None:
+        return q
+    return out.copy_(q)
+
+
+def amaxes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One fp32 amax per tensor (0 for an empty one, NaN where a tensor holds NaN), as
+    ``amax`` computes each. On CUDA one launch for all of them (a table of pointers), not
+    one reduction and a few scalar ops per tensor: the engine takes the amax of every FP8
+    weight shard after each optimizer step, and launches, not bytes, were the cost."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float32)
+    first = tensors[0]
+    if (use_triton(first) and all(t.dtype == first.dtype and t.device == first.device and t.is_contiguous()
+                                  for t in tensors)):
+        from . import triton_kernels
+
+        return triton_kernels.amaxes(tensors)
+    return torch.stack([amax(t) for t in tensors])
 
 
 def partial_block_amax(rows: torch.Tensor, row_start: int, total_rows: int) -> torch.Tensor:

@@ -150,16 +150,44 @@ if triton is not None:
 
     @triton.jit
     def _rows_with_grid_kernel(x_ptr, q_ptr, grid_ptr, M, K, sxm, sxk, KB, row_start,
-                               FMAX: tl.constexpr, OUT: tl.constexpr, TM: tl.constexpr, B: tl.constexpr):
-        """Rows [row_start, row_start + M) of a tensor whose 128x128 block scales are given."""
+                               FMAX: tl.constexpr, OUT: tl.constexpr, GRID: tl.constexpr, VIA: tl.constexpr,
+                               TM: tl.constexpr, B: tl.constexpr):
+        """Rows [row_start, row_start + M) of a tensor whose scale is given: one scalar, or
+        (GRID) its 128x128 block scales. VIA: round the input to that dtype first (None: no)."""
         rm = tl.program_id(0) * TM + tl.arange(0, TM)
         kb = tl.program_id(1)
         rk = kb * B + tl.arange(0, B)
         mask = (rm[:, None] < M) & (rk[None, :] < K)
-        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.load(grid_ptr + ((row_start + rm) // B) * KB + kb, mask=rm < M, other=1.0)
-        q = _clamp_cast(x * scale[:, None], FMAX, OUT)
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0)
+        if VIA is not None:
+            x = x.to(VIA, fp_downcast_rounding="rtne")
+        x = x.to(tl.float32)
+        if GRID:
+            scale = tl.load(grid_ptr + ((row_start + rm) // B) * KB + kb, mask=rm < M, other=1.0)[:, None]
+        else:
+            scale = tl.load(grid_ptr)
+        q = _clamp_cast(x * scale, FMAX, OUT)
         tl.store(q_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
+
+    @triton.jit
+    def _amaxes_kernel(ptrs_ptr, numels_ptr, partial_ptr, IN: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (t, j) reduces blocks j, j + S, j + 2S, ... of tensor t (S programs per
+        tensor) to one partial amax, NaN if any element was NaN."""
+        t, j, split = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+        base = tl.load(ptrs_ptr + t).to(tl.pointer_type(IN))
+        n = tl.load(numels_ptr + t)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        nan = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(j * BLOCK, n, split * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(base + offs, mask=offs < n, other=0.0).to(tl.float32)
+            acc = tl.maximum(acc, tl.abs(x))
+            nan = nan | (x != x).to(tl.int32)
+        tile = tl.max(acc, axis=0)
+        tl.store(partial_ptr + t * split + j, tl.where(tl.max(nan, axis=0) > 0, float("nan"), tile))
+
+
+_TL_FLOAT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton else {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -238,15 +266,36 @@ def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype):
     return Quantized(q, sinv, Granularity.ROW_1x128), Quantized(qt, sinv_t, Granularity.ROW_1x128)
 
 
-def quantize_rows_with_grid(rows: torch.Tensor, row_start: int, scale_grid: torch.Tensor, fp8_dtype: torch.dtype):
+def quantize_rows_with_grid(rows: torch.Tensor, row_start: int, scale_grid: torch.Tensor, fp8_dtype: torch.dtype,
+                            granularity: Granularity = Granularity.BLOCK_128x128, via: Optional[torch.dtype] = None,
+                            out: Optional[torch.Tensor] = None):
     m, k = rows.shape
-    q = torch.empty((m, k), dtype=fp8_dtype, device=rows.device)
+    if out is None:
+        out = torch.empty((m, k), dtype=fp8_dtype, device=rows.device)
+    elif not out.is_contiguous() or out.shape != rows.shape or out.dtype != fp8_dtype:
+        raise ValueError(f"out must be a contiguous {fp8_dtype} tensor of shape {tuple(rows.shape)}, "
+                         f"got {out.dtype} {tuple(out.shape)} (contiguous: {out.is_contiguous()})")
     if m == 0:
-        return q
+        return out
     grid_t = scale_grid.float().contiguous()
+    rounds = via is not None and via != rows.dtype and via != torch.float32
     tm = 32
     _rows_with_grid_kernel[(triton.cdiv(m, tm), triton.cdiv(k, 128))](
-        rows, q, grid_t, m, k, rows.stride(0), rows.stride(1), grid_t.shape[1], row_start,
-        FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype), TM=tm, B=128,
+        rows, out, grid_t, m, k, rows.stride(0), rows.stride(1), grid_t.shape[1] if grid_t.dim() == 2 else 1,
+        row_start, FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype), GRID=granularity is Granularity.BLOCK_128x128,
+        VIA=_TL_FLOAT[via] if rounds else None, TM=tm, B=128,
     )
-    return q
+    return out
+
+
+def amaxes(tensors):
+    """Per-tensor amaxes of same-dtype contiguous CUDA tensors: one launch, then one small
+    reduction of the partial maxima (torch.amax keeps NaN)."""
+    device = tensors[0].device
+    table = torch.tensor([[t.data_ptr() for t in tensors], [t.numel() for t in tensors]], dtype=torch.int64)
+    table = table.to(device)
+    block = 1024
+    split = max(1, min(512, triton.cdiv(max(t.numel() for t in tensors), block * 16)))
+    partial = torch.empty((len(tensors), split), dtype=torch.float32, device=device)
+    _amaxes_kernel[(len(tensors), split)](table[0], table[1], partial, IN=_TL_FLOAT[tensors[0].dtype], BLOCK=block)
+    return partial.amax(dim=1)

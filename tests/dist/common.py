@@ -102,11 +102,12 @@ def vocab_of(model: nn.Module) -> int:
 
 
 def train_sharded(model, steps: int, batch_per_rank: int = 2, seq: int = 8, lr: float = 1e-3, clip: float = 1.0,
-                  micro_batches: int = 1) -> List[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+                  micro_batches: int = 1, opt=None, first_step: int = 0) -> List[float]:
+    """``steps`` steps from global batch ``first_step`` on (``opt``: go on with this optimizer)."""
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     losses = []
     w, r = world(), rank()
-    for step in range(steps):
+    for step in range(first_step, first_step + steps):
         x, y = global_batch(step, batch_per_rank * w * micro_batches, seq, vocab_of(model))
         x, y = rank_slice(x, r, w).to(device()), rank_slice(y, r, w).to(device())
         total = 0.0
@@ -127,7 +128,8 @@ def train_sharded(model, steps: int, batch_per_rank: int = 2, seq: int = 8, lr: 
 
 
 def train_reference(model, steps: int, batch_per_rank: int = 2, seq: int = 8, lr: float = 1e-3, clip: float = 1.0,
-                    ranks: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None, micro_batches: int = 1) -> nn.Module:
+                    ranks: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None, micro_batches: int = 1,
+                    opt=None, first_step: int = 0) -> nn.Module:
     """Single-process training on the global batch.
 
     fp32: one forward over the whole global batch. With ``compute_dtype`` it mirrors the
@@ -135,8 +137,8 @@ def train_reference(model, steps: int, batch_per_rank: int = 2, seq: int = 8, lr
     rank slice, fp32 average of the per-rank gradients) so differences are only the
     order of the fp32 gradient sum."""
     w = ranks or world()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    for step in range(steps):
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    for step in range(first_step, first_step + steps):
         x, y = global_batch(step, batch_per_rank * w * micro_batches, seq, vocab_of(model))
         x, y = x.to(device()), y.to(device())
         if compute_dtype is None:
@@ -159,6 +161,34 @@ def train_reference(model, steps: int, batch_per_rank: int = 2, seq: int = 8, lr
         opt.step()
         opt.zero_grad()
     return model
+
+
+def lockstep_errors(sharded, reference: nn.Module, steps: int, compute_dtype: torch.dtype,
+                    micro_batches: int = 1, lr: float = 1e-3) -> Dict[str, float]:
+    """Worst relative error per parameter over ``steps`` steps of both trainings, the
+    reference's weights set to the engine's before each step (optimizer states are not).
+
+    Why reset: the two gradient sums differ in fp32 order (~3e-8), and once that moves a
+    weight across an FP8 rounding boundary, one byte differs by a whole FP8 step (2^-3
+    relative for e4m3) and the runs drift apart chaotically (1e-4 after 4 steps, seen at
+    world size 4). With equal weights before every step, the FP8 bytes, scales and GEMMs
+    of each step are identical, so each step's error stays at the fp32 summation level
+    while every step, and the optimizer and scaling state carried between steps, is still
+    checked."""
+    opt_sharded = torch.optim.AdamW(sharded.parameters(), lr=lr, weight_decay=0.1)
+    opt_reference = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=0.1)
+    worst: Dict[str, float] = {}
+    for step in range(steps):
+        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sharded.state_dict().items()}
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                param.copy_(full[name].to(param.device))
+        train_sharded(sharded, 1, micro_batches=micro_batches, opt=opt_sharded, first_step=step)
+        train_reference(reference, 1, compute_dtype=compute_dtype, micro_batches=micro_batches, opt=opt_reference,
+                        first_step=step)
+        for name, err in relative_errors(sharded, reference).items():
+            worst[name] = max(worst.get(name, 0.0), err)
+    return worst
 
 
 def relative_errors(sharded, reference: nn.Module) -> Dict[str, float]:

@@ -7,7 +7,9 @@ import torch
 
 from fsdp8.fp8 import triton_kernels
 from fsdp8.fp8.formats import E4M3, E5M2, Granularity, amax_to_scale
-from fsdp8.fp8.kernels import cast_transpose, quantize, quantize_reference, quantize_rows_with_grid, saturate_cast
+from fsdp8.fp8.kernels import (
+    amax, amaxes, cast_transpose, quantize, quantize_reference, quantize_rows_with_grid, saturate_cast,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -70,6 +72,46 @@ def test_triton_rows_with_agreed_grid(row_start, rows):
     block = (torch.arange(rows, device="cuda") + row_start) // 128
     ref = saturate_cast(x, grid[block].repeat_interleave(128, dim=1)[:, :384], E4M3)
     assert _same(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_amaxes_match_reference(dtype):
+    g = torch.Generator(device="cuda").manual_seed(5)
+    sizes = [0, 1, 1000, 4096 * 4096 + 3, 5000, 1 << 20]
+    tensors = [(torch.randn(n, generator=g, device="cuda") * 10.0 ** (i - 2)).to(dtype) for i, n in enumerate(sizes)]
+    tensors[4][1234] = float("nan")
+    tensors[5][-1] = -3e4  # the largest magnitude is the last, negative element (29952 in bf16)
+    got = amaxes(tensors)  # one Triton launch
+    ref = torch.stack([amax(t) for t in tensors])
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)) and torch.isnan(got[4])
+    keep = ~torch.isnan(ref)
+    assert torch.equal(got[keep], ref[keep]) and got[0].item() == 0.0
+    assert got[5].item() == -tensors[5][-1].float().item()
+
+
+@pytest.mark.parametrize("granularity", [Granularity.TENSOR, Granularity.BLOCK_128x128])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("shape,row_start", [((300, 384), 100), ((4096, 1024), 0), ((17, 130), 250)])
+def test_triton_rows_through_compute_dtype_into_buffer(granularity, fp8, shape, row_start, monkeypatch):
+    """The engine's pack: fp32 main rows -> bf16 -> scaled -> FP8, written into a send-buffer
+    region in one pass; bit for bit the torch reference, nothing written outside the region."""
+    rows = _inputs(shape, torch.float32, 11) * 1e-3
+    rows[2, 5] = 0.25
+    # fp32 values half a bf16 step above bf16 values: rounding to bf16 first matters.
+    rows[1::2] = rows[1::2].to(torch.bfloat16).float() * (1 + 2.0**-9)
+    total = row_start + shape[0]
+    if granularity is Granularity.TENSOR:
+        scale = torch.tensor(300.0, device="cuda")
+    else:
+        scale = torch.rand(math.ceil(total / 128), math.ceil(shape[1] / 128), device="cuda") * 1e4
+    numel = shape[0] * shape[1]
+    buffer = torch.full((numel + 64,), 0xAB, dtype=torch.uint8, device="cuda")
+    region = buffer[32 : 32 + numel].view(fp8).view(shape)
+    quantize_rows_with_grid(rows, row_start, scale, granularity, fp8, via=torch.bfloat16, out=region)
+    monkeypatch.setenv("FSDP8_TRITON", "0")
+    ref = quantize_rows_with_grid(rows, row_start, scale, granularity, fp8, via=torch.bfloat16)
+    assert _same(region, ref)
+    assert (buffer[:32] == 0xAB).all() and (buffer[-32:] == 0xAB).all()
 
 
 @pytest.mark.parametrize("recipe_name", ["fp8-current", "fp8-delayed", "fp8-block", "fp8-mxfp8"])

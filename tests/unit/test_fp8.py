@@ -11,7 +11,9 @@ from fsdp8.fp8.convert import convert_to_fp8
 from fsdp8.fp8.formats import (
     E4M3, E5M2, FP8_MAX, Granularity, amax_to_e8m0, amax_to_scale, e8m0_to_scale_inv, scale_inv_to_e8m0,
 )
-from fsdp8.fp8.kernels import Quantized, quantize, quantize_reference, saturate_cast
+from fsdp8.fp8.kernels import (
+    Quantized, amax, amaxes, partial_block_amax, quantize, quantize_reference, quantize_rows_with_grid, saturate_cast,
+)
 from fsdp8.fp8.linear import Float8Linear
 from fsdp8.fp8.recipes import (
     DelayedScaling, DelayedState, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, recipe_from_name,
@@ -97,6 +99,57 @@ def test_amax_to_scale():
     assert amax_to_scale(amax, E4M3).tolist()[:3] == [1.0, 448.0, 1.0]
     assert amax_to_scale(amax, E4M3).tolist()[3] == 1.0 and amax_to_scale(amax, E4M3).tolist()[4] == 1.0
     assert amax_to_scale(torch.tensor(1.0), E4M3, margin=2).item() == 112.0
+
+
+def _near_bf16_ties(n: int, seed: int) -> torch.Tensor:
+    """fp32 values on and next to bf16 rounding midpoints, over a wide range of magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    bf16 = (torch.randn(n, generator=g) * torch.logspace(-3, 3, n)).to(torch.bfloat16).float()
+    midpoint = bf16 + bf16.abs() * 2.0**-9  # half a bf16 step above (to within fp32)
+    nudge = torch.randint(-2, 3, (n,), generator=g).float() * bf16.abs() * 2.0**-23
+    return torch.cat([bf16, midpoint, midpoint + nudge])
+
+
+def test_amax_of_rounded_rows_is_rounded_amax():
+    # The engine takes FP8 weight amaxes on the fp32 main rows and rounds the result to the
+    # compute dtype instead of rounding every element first (fp8_unit.local_amaxes).
+    for seed in range(20):
+        x = _near_bf16_ties(3000, seed).view(-1, 30)
+        assert amax(x.to(torch.bfloat16)).item() == amax(x).to(torch.bfloat16).float().item()
+        grid = partial_block_amax(x, 7, 300)
+        assert torch.equal(partial_block_amax(x.to(torch.bfloat16), 7, 300), grid.to(torch.bfloat16).float())
+
+
+def test_amaxes_one_per_tensor():
+    x = [torch.randn(5, 7), torch.zeros(0, 4), torch.randn(300) * 1e3, torch.tensor([1.0, float("nan"), -9.0])]
+    got = amaxes(x)
+    assert got.dtype == torch.float32 and got.shape == (4,)
+    assert got[:3].tolist() == [amax(t).item() for t in x[:3]] and got[1].item() == 0.0 and torch.isnan(got[3])
+    assert amaxes([]).shape == (0,)
+
+
+@pytest.mark.parametrize("granularity", [Granularity.TENSOR, Granularity.BLOCK_128x128])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_rows_quantized_through_compute_dtype_into_a_buffer(granularity, fp8):
+    rows = _near_bf16_ties(200, 1).view(15, 40) * 0.01  # inside the FP8 range after scaling
+    if granularity is Granularity.TENSOR:
+        scale = torch.tensor(2.0)
+    else:
+        scale = torch.rand(3, 1) * 100
+        scale[1] = 2.0  # the block of global row 130, where row 0 of this slice sits
+    # Just above an FP8 midpoint (between 1 and the next FP8 value) after the exact x2 scaling:
+    # rounding to bf16 first lands on the midpoint itself, which rounds to even (down).
+    rows[0, 0] = ((1.0625 if fp8 == E4M3 else 1.125) + 2.0**-20) / 2
+    buffer = torch.full((rows.numel() + 16,), 0xAB, dtype=torch.uint8)
+    region = buffer[8 : 8 + rows.numel()].view(fp8).view(rows.shape)
+    out = quantize_rows_with_grid(rows, 130, scale, granularity, fp8, via=torch.bfloat16, out=region)
+    assert out.data_ptr() == region.data_ptr()
+    expected = quantize_rows_with_grid(rows.to(torch.bfloat16), 130, scale, granularity, fp8)
+    assert torch.equal(region.view(torch.uint8), expected.view(torch.uint8))
+    assert (buffer[:8] == 0xAB).all() and (buffer[-8:] == 0xAB).all()  # nothing outside the region
+    # Rounding first matters: quantizing the fp32 values directly flips that byte.
+    direct = quantize_rows_with_grid(rows, 130, scale, granularity, fp8)
+    assert not torch.equal(direct.view(torch.uint8), expected.view(torch.uint8))
 
 
 def test_e8m0_scales_are_exact_powers_of_two():
