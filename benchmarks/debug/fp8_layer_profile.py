@@ -1,7 +1,7 @@
 """One compiled HF Llama decoder layer (model B sizes), forward + backward on one GPU: bf16,
 fsdp8 FP8 current scaling (traced), torchao float8 tensorwise. No sharding, so the numbers
-separate the layer's compute from the engine's. Prints time, peak memory and the top CUDA
-kernels of each.
+separate the layer's compute from the engine's. Prints time, peak memory, what autograd saves
+for backward (grouped by shape and dtype) and the top CUDA kernels of each.
 
     python benchmarks/debug/fp8_layer_profile.py [--tokens 4096] [--top 12]
 """
@@ -73,12 +73,43 @@ def run(kind, tokens, top):
     torch.cuda.synchronize()
     ms = statistics.median(s.elapsed_time(e) for s, e in times)
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    print_saved(layer, lambda: fwd(x, position_embeddings=emb, position_ids=pos), kind)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     print(f"\n## {kind}: {ms:.3f} ms fwd+bwd, activation peak {peak:.2f} GiB over weights", flush=True)
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70)
     print(table, flush=True)
+
+
+def print_saved(layer, forward, kind):
+    """What one forward saves for backward, parameters excluded, each storage counted once."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = forward()
+    torch.cuda.synchronize()
+    print(f"\n## {kind}: one forward leaves {(torch.cuda.memory_allocated() - before) / 2**20:.1f} MiB allocated "
+          f"(its output and what it saves)", flush=True)
+    del out
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen, groups = set(), {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            key = (tuple(t.shape), str(t.dtype).replace("torch.", ""))
+            count, nbytes = groups.get(key, (0, 0))
+            groups[key] = (count + 1, nbytes + t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    del out
+    total = sum(b for _, b in groups.values())
+    print(f"## {kind}: saved for backward {total / 2**20:.1f} MiB in {len(seen)} storages", flush=True)
+    for (shape, dtype), (count, nbytes) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {count} x {dtype} {list(shape)}: {nbytes / 2**20:.1f} MiB")
 
 
 def main():

@@ -53,6 +53,10 @@ def _native_ok(a: Quantized, b: Quantized, recipe: Recipe) -> bool:
 
 def fp8_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, recipe: Recipe, fast_accum: bool = False) -> torch.Tensor:
     """``a @ b.T`` for row-major ``a`` (M, K) and ``b`` (N, K), both quantized along K."""
+    if not (a.data.is_contiguous() and b.data.is_contiguous()):
+        # cuBLAS needs exactly this layout; checked on every path so CPU runs catch a slip too.
+        raise ValueError(f"fp8_mm takes row-major (contiguous) operands, got strides {a.data.stride()} and "
+                         f"{b.data.stride()}")
     if not _native_ok(a, b, recipe):
         # Emulation: exact dequantization, then one matmul (bf16 for MX: power-of-two scales
         # keep the dequantized values exact in bf16; fp32 otherwise).
@@ -130,22 +134,21 @@ class _Float8LinearFn(torch.autograd.Function):
     delayed-scaling state, so torch.compile can trace it when ``state`` is None."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: Recipe, state: Optional[DelayedState],
-                qx_data=None, qx_scale_inv=None, qx_t_data=None, qx_t_scale_inv=None):
+    def forward(ctx, x, weight, bias, recipe: Recipe, state: Optional[DelayedState], qx_data=None, qx_scale_inv=None):
         x2d = x.reshape(-1, x.shape[-1])
         compute_dtype = x.dtype
         qw, qw_t = _weight_operands(weight, recipe, state, compute_dtype)
-        if qx_data is not None:  # quantized by the caller (compiled graphs, see Float8Linear)
-            qx = Quantized(qx_data, qx_scale_inv, recipe.x_granularity)
-            qx_t = Quantized(qx_t_data, qx_scale_inv if qx_t_scale_inv is None else qx_t_scale_inv,
-                             recipe.x_granularity)
+        if qx_data is not None:
+            # Compiled graphs (see Float8Linear.forward): quantized by the caller; backward
+            # quantizes the input's transpose again from the input itself.
+            qx, qx_t, saved_x = Quantized(qx_data, qx_scale_inv, recipe.x_granularity), None, x
         else:
-            qx, qx_t = _quantized_input(x, x2d, recipe, state)
+            # Eager: saved for backward are FP8 only (the input's transpose and the weight).
+            (qx, qx_t), saved_x = _quantized_input(x, x2d, recipe, state), None
         out = fp8_mm(qx, qw, compute_dtype, recipe, fast_accum=True)
         if bias is not None:
             out = out + bias.to(compute_dtype)
-        # Saved for backward: FP8 only (the input's transpose and the weight), no bf16 copy.
-        ctx.qx_t, ctx.qw, ctx.qw_t, ctx.weight = qx_t, qw, qw_t, weight
+        ctx.qx_t, ctx.x, ctx.qw, ctx.qw_t, ctx.weight = qx_t, saved_x, qw, qw_t, weight
         ctx.recipe, ctx.state = recipe, state
         ctx.has_bias, ctx.x_shape, ctx.compute_dtype = bias is not None, x.shape, compute_dtype
         ctx.weight_dtype = weight.dtype
@@ -157,11 +160,15 @@ class _Float8LinearFn(torch.autograd.Function):
         dy2d = dy.reshape(-1, dy.shape[-1]).to(ctx.compute_dtype)
         qdy, qdy_t = _quantize_both_ways(dy2d, recipe.g_granularity, recipe.bwd_dtype, ctx.state, G)
         qw_t = ctx.qw_t if ctx.qw_t is not None else _weight_transposed(ctx.weight, ctx.qw)
+        qx_t = ctx.qx_t
+        if qx_t is None:  # the same bytes and scales as quantizing both ways in forward
+            x_t = ctx.x.detach().reshape(-1, ctx.x_shape[-1]).t().contiguous()  # fused away when compiled
+            qx_t = quantize(x_t, recipe.fwd_dtype, recipe.x_granularity)
         dx = fp8_mm(qdy, qw_t, ctx.compute_dtype, recipe)
-        dw = fp8_mm(qdy_t, ctx.qx_t, ctx.compute_dtype, recipe)
+        dw = fp8_mm(qdy_t, qx_t, ctx.compute_dtype, recipe)
         dbias = dy2d.sum(0) if ctx.has_bias else None
-        ctx.qx_t = ctx.qw = ctx.qw_t = ctx.weight = None
-        return dx.view(ctx.x_shape), dw.to(ctx.weight_dtype), dbias, None, None, None, None, None, None
+        ctx.qx_t = ctx.x = ctx.qw = ctx.qw_t = ctx.weight = None
+        return dx.view(ctx.x_shape), dw.to(ctx.weight_dtype), dbias, None, None, None, None
 
 
 _FLOAT8_CLASSES: dict = {}
@@ -222,13 +229,15 @@ class Float8Linear(nn.Linear):
             return _Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, None)
         # In a compiled block the quantization becomes part of the compiled graph. The input
         # is quantized out here, not inside the autograd function: linears fed the same
-        # input (q/k/v, gate/up) then share one quantization and one saved FP8 copy once the
-        # compiler merges the identical subgraphs (inside separate functions it does not).
+        # input (q/k/v, gate/up) then share one quantization once the compiler merges the
+        # identical subgraphs (inside separate functions it does not). The function keeps
+        # the input itself for backward, not an FP8 copy: the block keeps it (or what it is
+        # recomputed from) anyway (a norm's input, the attention output, the MLP's gate and
+        # up outputs), so the compiler saves no copy at all, where an FP8 copy per distinct
+        # input cost 104 MiB per layer on model B. Backward quantizes it again (same bytes).
         x2d = x.detach().reshape(-1, x.shape[-1])
-        qx, qx_t = _quantize_both_ways(x2d, self.recipe.x_granularity, self.recipe.fwd_dtype, None, X)
-        shared = qx_t.scale_inv is qx.scale_inv  # one whole-tensor scale (passed once: Dynamo's rule)
-        return _Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, None,
-                                     qx.data, qx.scale_inv, qx_t.data, None if shared else qx_t.scale_inv)
+        qx = quantize(x2d, self.recipe.fwd_dtype, self.recipe.x_granularity)
+        return _Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, None, qx.data, qx.scale_inv)
 
     @torch.compiler.disable  # an opaque call in compiled blocks (see Recipe.traceable)
     def _forward_opaque(self, x: torch.Tensor) -> torch.Tensor:
