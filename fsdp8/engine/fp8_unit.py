@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from ..fp8.formats import Granularity, e8m0_to_scale_inv, scale_inv_to_e8m0
-from ..fp8.kernels import amaxes, partial_block_amax, quantize, quantize_rows_with_grid
+from ..fp8.kernels import amaxes, partial_block_amax, quantize, quantize_pieces, quantize_rows_with_grid
 from ..fp8.recipes import W, DelayedState, Recipe
 from ..fp8.tensor import Float8Tensor
 from .layout import UnitLayout, plan_unit
@@ -47,6 +47,7 @@ class Float8Unit(ShardedUnit):
         # Per FP8 weight: the agreed scale and the scale_inv its Float8Tensor carries.
         self._scale: Dict[int, torch.Tensor] = {}
         self._scale_inv: Dict[int, torch.Tensor] = {}
+        self._pieces = None  # _tensorwise_pieces(), once computed
         super().__init__(*args, **kwargs)
 
     # -- layout ------------------------------------------------------------------------------
@@ -209,13 +210,18 @@ class Float8Unit(ShardedUnit):
     def _pack_into(self, dest: torch.Tensor) -> None:
         k = self.chunk_index
         e8m0 = {}
+        fp8 = self.recipe.fwd_dtype
+        tensorwise = self.granularity is Granularity.TENSOR
+        if tensorwise and self.fp8_ids:
+            # Every FP8 weight in one pass (one launch on CUDA), from the fp32 main chunk.
+            pieces = self._tensorwise_pieces()
+            quantize_pieces(self.main, dest.view(fp8), self._scale_flat, pieces, fp8, via=self.compute_dtype)
         for slot, kind, p in self._entries:
             rows = slot.layout.chunk_shape(k)[0]
             region = dest[p.offset : p.offset + rows * p.row_numel]
             if kind == "value":
                 region.view(self.compute_dtype).view(slot.layout.chunk_shape(k)).copy_(self.main_view(slot))
-            elif kind == "fp8":
-                fp8 = self.recipe.fwd_dtype
+            elif kind == "fp8" and not tensorwise:
                 if self.granularity is Granularity.MX_1x32:
                     # 1x32 blocks stay inside a row: each rank quantizes its rows on its own.
                     mx = quantize(self._rows(slot)[0], fp8, Granularity.MX_1x32)
@@ -227,8 +233,26 @@ class Float8Unit(ShardedUnit):
                     start, _ = slot.layout.chunk_row_range(k)
                     quantize_rows_with_grid(self.main_view(slot), start, self.scale_of(slot), self.granularity, fp8,
                                             via=self.compute_dtype, out=region.view(fp8).view(slot.layout.chunk_shape(k)))
-            else:
+            elif kind == "e8m0":
                 region.copy_(e8m0[id(slot)].flatten())
+
+    def _tensorwise_pieces(self) -> Tuple[Tuple[int, int, int, int], ...]:
+        """(main offset, send-chunk byte offset, length, scale index) of each FP8 weight's rows;
+        fixed for the unit's life (its buffers never move), so computed once."""
+        if self._pieces is None:
+            pieces = []
+            for slot, kind, p in self._entries:
+                if kind != "fp8":
+                    continue
+                rows = self.main_view(slot)
+                scale = self.scale_of(slot)
+                if rows.untyped_storage().data_ptr() != self.main.untyped_storage().data_ptr():
+                    raise RuntimeError(f"the main shard of {slot.fqn} no longer views its unit's main buffer; "
+                                       "replace parameter values with copy_ (load_state_dict does), not by assigning .data")
+                pieces.append((rows.storage_offset() - self.main.storage_offset(), p.offset, rows.numel(),
+                               scale.storage_offset() - self._scale_flat.storage_offset()))
+            self._pieces = tuple(pieces)
+        return self._pieces
 
     def _after_gather(self) -> None:
         for slot in self.slots:

@@ -8,7 +8,7 @@ A unit owns three kinds of storage (sizes from ``layout.py``):
   sees plain ``nn.Parameter`` aliases of it. ZeRO-3 frees it between uses (the storage is
   resized to 0, so the aliases survive); ZeRO-0/1/2 keep it and refresh it after each
   optimizer step. With one chunk and no dtype change it *is* ``main`` (no copy at all).
-- gradient buffers: unsharded gradients are packed rank-major by ``torch._chunk_cat``,
+- gradient buffers: unsharded gradients are packed rank-major (``pack.py``),
   reduced, and land in one flat main-dtype buffer that the DTensor ``.grad`` views share.
 """
 
@@ -28,6 +28,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from ..config import Precision
 from . import comm
 from .layout import ParamLayout, UnitLayout
+from .pack import pack_rank_major
 from .topology import Topology
 
 
@@ -341,15 +342,15 @@ class ShardedUnit:
                     self.grad_acc = torch.empty(n, mt, dtype=self.reduce_dtype, device=self.device)
                 if self.grad_acc_full:
                     packed = torch.empty_like(self.grad_acc)
-                    torch._chunk_cat(grads, dim=0, num_chunks=n, out=packed)
+                    self._pack_grads(grads, packed)
                     self.grad_acc.add_(packed)
                 else:
-                    torch._chunk_cat(grads, dim=0, num_chunks=n, out=self.grad_acc)
+                    self._pack_grads(grads, self.grad_acc)
                 self.grad_acc_full = not sync
                 packed = self.grad_acc
             else:
                 packed = torch.empty(n, mt, dtype=self.reduce_dtype, device=self.device)
-                torch._chunk_cat(grads, dim=0, num_chunks=n, out=packed)
+                self._pack_grads(grads, packed)
             if communicate:
                 outs = self._allocate_step_outputs(steps, n * mt, landing)
                 result = self._run_steps(steps, outs, packed.view(-1))
@@ -361,6 +362,9 @@ class ShardedUnit:
                 else:
                     self._land(result, landing)
         return PendingReduce(streams.record(streams.reduce), grads)
+
+    def _pack_grads(self, grads: List[torch.Tensor], out: torch.Tensor) -> None:
+        pack_rank_major(grads, [slot.layout for slot in self.trainable_slots], out)
 
     def _allocate_step_outputs(self, steps, numel: int, landing) -> List[Optional[torch.Tensor]]:
         """One output per reduce-scatter (None for in-place all-reduces); the last one may be

@@ -8,7 +8,8 @@ import torch
 from fsdp8.fp8 import triton_kernels
 from fsdp8.fp8.formats import E4M3, E5M2, Granularity, amax_to_scale
 from fsdp8.fp8.kernels import (
-    amax, amaxes, cast_transpose, quantize, quantize_reference, quantize_rows_with_grid, saturate_cast,
+    amax, amaxes, cast_transpose, quantize, quantize_pieces, quantize_reference, quantize_rows_with_grid,
+    saturate_cast,
 )
 
 pytestmark = [
@@ -87,6 +88,40 @@ def test_triton_amaxes_match_reference(dtype):
     keep = ~torch.isnan(ref)
     assert torch.equal(got[keep], ref[keep]) and got[0].item() == 0.0
     assert got[5].item() == -tensors[5][-1].float().item()
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_triton_pieces_match_reference_bit_for_bit(fp8, aligned):
+    """One launch for every weight of a unit, bit for bit the per-piece torch reference."""
+    shift = 0 if aligned else 3
+    src = _inputs((64, 4096), torch.float32, 21).flatten() * 1e-3
+    scales = torch.tensor([448.0, 3.5e3, 0.25, 1.0], device="cuda")
+    pieces = [(shift, 0, 4096 * 40, 1), (4096 * 40 + 16, 4096 * 40 + shift, 4096 * 20 - 32, 0),
+              (4096 * 60, 4096 * 61, 4096 * 3 + 5, 3), (0, 4096 * 64 + 16, 0, 2)]
+    out = torch.full((4096 * 65,), 0xAB, dtype=torch.uint8, device="cuda")
+    quantize_pieces(src, out.view(fp8), scales, pieces, fp8, via=torch.bfloat16)
+    ref = out.clone().fill_(0xAB)
+    for s_off, o_off, n, k in pieces:
+        q = saturate_cast(src[s_off : s_off + n].to(torch.bfloat16), scales[k], fp8)
+        ref[o_off : o_off + n] = q.view(torch.uint8)
+    assert torch.equal(out, ref)
+
+
+def test_triton_amaxes_reuse_their_pointer_table_without_going_stale():
+    """The second call on the same tensors reuses the uploaded pointer table (no host sync)
+    and still sees the tensors' new values; other tensors get a table of their own."""
+    tensors = [torch.ones(1000, device="cuda"), torch.ones(3000, device="cuda")]
+    assert amaxes(tensors).tolist() == [1.0, 1.0]
+    tensors[0].mul_(7.0)
+    tensors[1][2999] = -9.0
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = amaxes(tensors)
+    assert got.tolist() == [7.0, 9.0]
+    assert not [e for e in prof.events() if e.name in ("aten::_to_copy", "aten::copy_")], "a cached table needs no upload"
+    others = [torch.full((10,), 2.0, device="cuda"), torch.full((5,), -4.0, device="cuda")]
+    assert amaxes(others).tolist() == [2.0, 4.0]
 
 
 @pytest.mark.parametrize("granularity", [Granularity.TENSOR, Granularity.BLOCK_128x128])

@@ -12,7 +12,8 @@ from fsdp8.fp8.formats import (
     E4M3, E5M2, FP8_MAX, Granularity, amax_to_e8m0, amax_to_scale, e8m0_to_scale_inv, scale_inv_to_e8m0,
 )
 from fsdp8.fp8.kernels import (
-    Quantized, amax, amaxes, partial_block_amax, quantize, quantize_reference, quantize_rows_with_grid, saturate_cast,
+    Quantized, amax, amaxes, partial_block_amax, quantize, quantize_pieces, quantize_reference, quantize_rows_with_grid,
+    saturate_cast,
 )
 from fsdp8.fp8.linear import Float8Linear
 from fsdp8.fp8.recipes import (
@@ -150,6 +151,36 @@ def test_rows_quantized_through_compute_dtype_into_a_buffer(granularity, fp8):
     # Rounding first matters: quantizing the fp32 values directly flips that byte.
     direct = quantize_rows_with_grid(rows, 130, scale, granularity, fp8)
     assert not torch.equal(direct.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_quantize_pieces_writes_each_piece_with_its_scale(fp8):
+    """Pieces of one flat source land in one flat FP8 buffer, each as quantize_rows_with_grid
+    quantizes it alone with its own scale; bytes between pieces stay untouched."""
+    src = _near_bf16_ties(300, 2) * 0.01
+    src[17] = float("nan")
+    scales = torch.tensor([2.0, 0.5, 1e4, 7.0])
+    pieces = [(0, 4, 100, 0), (100, 120, 37, 2), (137, 200, 163, 3), (5, 380, 0, 1)]
+    out = torch.full((400,), 0xAB, dtype=torch.uint8)
+    quantize_pieces(src, out.view(fp8), scales, pieces, fp8, via=torch.bfloat16)
+    written = torch.zeros(400, dtype=torch.bool)
+    for s_off, o_off, n, k in pieces:
+        expected = quantize_rows_with_grid(src[s_off : s_off + n].view(1, n), 0, scales[k], Granularity.TENSOR, fp8,
+                                           via=torch.bfloat16)
+        assert torch.equal(out[o_off : o_off + n], expected.view(torch.uint8).flatten())
+        written[o_off : o_off + n] = True
+    assert (out[~written] == 0xAB).all()
+    assert torch.isnan(out[4 + 17 : 4 + 18].view(fp8).float()).all()
+
+
+def test_quantize_pieces_rejects_pieces_outside_the_buffers():
+    src, out, scales = torch.zeros(10), torch.zeros(10, dtype=E4M3), torch.ones(2)
+    with pytest.raises(ValueError, match="reaches outside"):
+        quantize_pieces(src, out, scales, [(5, 0, 6, 0)], E4M3)
+    with pytest.raises(ValueError, match="reaches outside"):
+        quantize_pieces(src, out, scales, [(0, 0, 4, 2)], E4M3)
+    with pytest.raises(ValueError, match="must be"):
+        quantize_pieces(src, out.view(torch.uint8), scales, [(0, 0, 4, 0)], E4M3)
 
 
 def test_e8m0_scales_are_exact_powers_of_two():
