@@ -1,0 +1,92 @@
+"""The FP8 gather pack of one model-B decoder layer on one GPU: the per-weight Triton kernel
+(quantize_rows_with_grid, one launch per weight) against the one-launch quantize_pieces at
+several block sizes and warp counts. Prints GPU time per pack (CUDA events, median of 50),
+host time per pack (launches only) and the achieved bandwidth (4 bytes read + 1 written per
+element). --world W packs this rank's rows of a W-way shard (default 2).
+
+    python benchmarks/debug/pack_kernels.py [--world 2]
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from fsdp8.fp8 import triton_kernels  # noqa: E402
+from fsdp8.fp8.formats import E4M3, Granularity  # noqa: E402
+from fsdp8.fp8.kernels import quantize_rows_with_grid, saturate_cast  # noqa: E402
+
+H, I, KV = 4096, 14336, 1024
+SHAPES = [(H, H), (KV, H), (KV, H), (H, H), (I, H), (I, H), (H, I)]  # q k v o gate up down
+
+
+def timed(fn, reps=50):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    gpu, host = [], []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        s.record()
+        fn()
+        e.record()
+        host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        gpu.append(s.elapsed_time(e))
+    return statistics.median(gpu), statistics.median(host)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--world", type=int, default=2)
+    args = p.parse_args()
+    rows = [(r // args.world, c) for r, c in SHAPES]
+    sizes = [r * c for r, c in rows]
+    total = sum(sizes)
+    main_buf = torch.randn(total + 8192, device="cuda") * 0.02
+    out = torch.empty(total + 8192, dtype=torch.uint8, device="cuda")
+    scales = torch.rand(len(rows) * 4, device="cuda") * 1000 + 1
+    pieces, s_off, o_off = [], 4096, 8192  # norms first, as in the engine's layouts
+    for i, n in enumerate(sizes):
+        pieces.append((s_off, o_off - 8192 + 4096, n, 4 * i))
+        s_off += n
+        o_off += n
+    views = [main_buf[s : s + n].view(r, c) for (s, _, n, _), (r, c) in zip(pieces, rows)]
+    outs = [out[o : o + n].view(E4M3).view(r, c) for (_, o, n, _), (r, c) in zip(pieces, rows)]
+
+    def per_weight():
+        for v, o, (_, _, _, k) in zip(views, outs, pieces):
+            quantize_rows_with_grid(v, 0, scales[k], Granularity.TENSOR, E4M3, via=torch.bfloat16, out=o)
+
+    out.zero_()
+    per_weight()
+    expected = out.clone()
+    gbytes = total * 5 / 1e9
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; one layer at world {args.world}: "
+          f"{total / 1e6:.1f}M elements\n")
+    print("| pack | GPU ms | host ms | TB/s |\n|---|---|---|---|")
+    g, h = timed(per_weight)
+    print(f"| per weight (7 launches) | {g:.3f} | {h:.3f} | {gbytes / g:.2f} |")
+    for block in (1024, 2048, 4096, 8192):
+        for warps in (4, 8):
+            def pieces_pack(block=block, warps=warps):
+                triton_kernels.quantize_pieces(main_buf, out.view(E4M3), scales, tuple(pieces), E4M3, torch.bfloat16,
+                                               block=block, num_warps=warps)
+            out.zero_()
+            pieces_pack()
+            same = torch.equal(out, expected)
+            g, h = timed(pieces_pack)
+            print(f"| pieces block {block} warps {warps}{'' if same else ' (DIFFERENT BYTES)'} | {g:.3f} | {h:.3f} "
+                  f"| {gbytes / g:.2f} |")
+    ref = saturate_cast(views[0].to(torch.bfloat16), scales[0], E4M3)
+    assert torch.equal(outs[0].view(torch.uint8), ref.view(torch.uint8))
+
+
+if __name__ == "__main__":
+    main()
