@@ -117,6 +117,10 @@ class Float8Unit(ShardedUnit):
         return nn.Parameter(weight, requires_grad=slot.requires_grad)
 
     # -- scales (agreed by fp8_scales.ScaleAgreement) --------------------------------------
+    @property
+    def gather_needs_scales(self) -> bool:
+        return bool(self.fp8_ids)
+
     def _version_key(self):
         return super()._version_key() + (self.scales_version,)
 

@@ -104,7 +104,7 @@ class Schedule:
         self._streams = self.all_units[0].streams if self.all_units else None
         self._handles = []
         self._preflight = None  # set by the model: checks run before the first forward
-        self.before_forward: List = []  # called at each root forward before any gather (FP8 scales)
+        self.before_forward: List = []  # called at each root forward before any gather that needs them (FP8 scales)
         self.after_backward: List = []  # called at the end of each backward (finite checks)
 
     # -- installation ------------------------------------------------------------------
@@ -172,6 +172,9 @@ class Schedule:
             self._reduced.clear()
             self._backward_started.clear()
         self.phase = Phase.FORWARD
+        if self.root_unit is not None and not self.root_unit.gather_needs_scales:
+            # Issued before the FP8 scale agreement: its all-gather overlaps the amax kernels.
+            self.root_unit.gather()
         for callback in self.before_forward:
             callback()
         first = self.forward_order[0] if self.forward_order else None

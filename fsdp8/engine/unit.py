@@ -194,6 +194,9 @@ class ShardedUnit:
             return False
         return self.state is UnitState.UNSHARDED and self._persistent_copy_stale()
 
+    # Whether this unit's gather reads the FP8 scales agreed before each forward (fp8_unit.py).
+    gather_needs_scales = False
+
     def gather(self) -> None:
         """Issue the all-gather(s) that make ``unsharded`` valid; returns before they finish."""
         if not self.needs_gather():

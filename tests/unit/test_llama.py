@@ -197,3 +197,23 @@ def test_presets_and_counts():
 def test_config_validation(overrides, message):
     with pytest.raises(ValueError, match=message):
         small(**overrides)
+
+
+def test_bf16_linear_on_cpu_is_a_bf16_gemm():
+    """The CPU bf16 path (an fp32 GEMM of the bf16 values, rounded once) gives what a bf16
+    GEMM defines: the exactly summed products rounded to bf16, up to fp32 summation order
+    (so within one bf16 step of the float64 result), for the output and both gradients."""
+    from fsdp8.models.llama import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(96, 80, std=0.5).to(torch.bfloat16)
+    x = torch.randn(33, 96, dtype=torch.bfloat16, requires_grad=True)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    w64, x64, g64 = layer.weight.double(), x.detach().double(), grad.double()
+    for got, exact in ((out, x64 @ w64.t()), (x.grad, g64 @ w64), (layer.weight.grad, g64.t() @ x64)):
+        step = exact.abs().clamp_min(1e-30) * 2.0**-7  # one bf16 step (8-bit significand) or less
+        assert ((got.double() - exact).abs() <= step).all()
+        assert not torch.equal(got.double(), exact)  # rounded: the bound is not vacuous
