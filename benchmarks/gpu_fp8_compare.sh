@@ -2,7 +2,7 @@
 # One device call (2x H200, ~6 min): fsdp8 FP8 against torch FSDP2 + torchao float8 on model B.
 #   (a) environment; the FP8 kernel tests (Triton vs the torch reference, bit for bit)
 #   (b) one compiled decoder layer per FP8 stack on GPU 0: time, what autograd saves, kernels
-#   (c) peers.py at 2 GPUs: bf16 baselines, then the FP8 stacks, then the two compiled FP8
+#   (c) peers.py at 2 GPUs (NPROC=1: one GPU, no communication): bf16 baselines, then the FP8 stacks, then the two compiled FP8
 #       stacks again in the reverse order (run-to-run spread is part of the answer)
 #   (d) the FP8 engine's distributed tests over NCCL, with what time is left
 #   OUT=$OUT bash benchmarks/gpu_fp8_compare.sh        (.whl with torchao carried)
@@ -31,7 +31,7 @@ fi
 # (c)
 ORDER=${ORDER:-fsdp8,fsdp2,fsdp8-compile,fsdp8-fp8-current-compile,torchao-compile,fsdp8-fp8-block-compile,torchao-compile,fsdp8-fp8-current-compile}
 t=$(( $(left) - ${KEEP:-120} )); (( t > 330 )) && t=330
-timeout -k 20 "$t" torchrun --nproc_per_node 2 benchmarks/peers.py --models B --warmup 2 --steps 8 --stacks "$ORDER" \
+timeout -k 20 "$t" torchrun --nproc_per_node "${NPROC:-2}" benchmarks/peers.py --models B --warmup 2 --steps 8 --stacks "$ORDER" \
   --out "$OUT/peers.json" >"$OUT/peers.log" 2>&1
 echo "(peers exit $?)"
 grep -E "^\| (B|model)|^\|---" "$OUT/peers.log" | cut -c1-240
