@@ -1,5 +1,7 @@
-"""FP8 training converges like bf16: `fsdp8 train` with each recipe for 300 steps (2 gloo
-workers, the tiny preset, sequences of 64 bytes) ends no more than 3% above the bf16 run's
+"""FP8 training converges like bf16: `fsdp8 train` with each recipe for 200 steps (2 gloo
+workers, the tiny preset, sequences of 64 bytes; 200 rather than 300 steps to keep CI
+inside its limit on a 2-core AVX2 machine: measured, bf16 0.872, fp8-current 0.871,
+fp8-delayed 0.848, fp8-block 0.872, fp8-mxfp8 0.861) ends no more than 3% above the bf16 run's
 loss (ending lower is fine: measured, MXFP8 ended 3.1% below bf16), and not absurdly below it."""
 
 import json
@@ -9,7 +11,7 @@ import sys
 
 import pytest
 
-STEPS = ["--steps", "300", "--seq-len", "64", "--log-every", "25", "--eval-every", "300"]
+STEPS = ["--steps", "200", "--seq-len", "64", "--log-every", "25", "--eval-every", "200"]
 
 
 def _final_loss(tmp_path_factory, precision):
@@ -31,5 +33,6 @@ def bf16_loss(tmp_path_factory):
 def test_fp8_recipe_converges_like_bf16(tmp_path_factory, bf16_loss, precision):
     final, first = _final_loss(tmp_path_factory, precision)
     assert final < first / 3  # it learned (about 3.8 -> 0.6)
+    print(f"{precision}: final loss {final:.4f}, bf16 {bf16_loss:.4f}")
     assert final <= 1.03 * bf16_loss, (final, bf16_loss)
     assert final >= 0.9 * bf16_loss, (final, bf16_loss)  # a much lower loss would mean a broken run
