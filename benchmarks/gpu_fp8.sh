@@ -2,15 +2,8 @@
 # One device-machine call (2x H200) for the FP8 issue: kernel and engine tests over NCCL,
 # the GEMM table, fsdp8 train in FP8, and the peer benchmark with FP8 stacks.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-runs/gpu}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch, triton, transformers, torchao; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'torchao', torchao.__version__)"
-} 2>&1 | tee "$OUT/env.txt"
+source benchmarks/gpu_env.sh
+record_env
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py -x 2>&1 | tee "$OUT/kernels.log" | tail -n 15
   FSDP8_TEST_BACKEND=nccl timeout 200 python3 -m pytest -q -p no:cacheprovider tests/dist/test_fp8_engine.py tests/gpu/test_cuda.py \

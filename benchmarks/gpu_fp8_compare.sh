@@ -7,16 +7,10 @@
 #   (d) the FP8 engine's distributed tests over NCCL, with what time is left
 #   OUT=$OUT bash benchmarks/gpu_fp8_compare.sh        (.whl with torchao carried)
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
+source benchmarks/gpu_env.sh
 BUDGET=${BUDGET:-560}; T0=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch, triton, transformers, torchao; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'torchao', torchao.__version__)"
-} 2>&1 | tee "$OUT/env.txt"
+record_env
 
 # (a)
 if [ "${SKIP_KERNEL_TESTS:-0}" != 1 ]; then

@@ -4,11 +4,7 @@
 # idle) and the costliest kernels. Results in $OUT; the tables go to stdout.
 #   OUT=$OUT bash benchmarks/debug/gpu_profile.sh          (.whl with torchao carried)
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+source benchmarks/gpu_env.sh
 STACKS=${STACKS:-fsdp8-compile,fsdp8-fp8-current-compile,torchao-compile}
 if [ -n "${PRE_TESTS:-}" ]; then  # e.g. the GPU kernel tests a change needs, before the benchmark
   timeout 240 python3 -m pytest -q -p no:cacheprovider $PRE_TESTS >"$OUT/pre_tests.log" 2>&1
