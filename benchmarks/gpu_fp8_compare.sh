@@ -6,6 +6,8 @@
 #       stacks again in the reverse order (run-to-run spread is part of the answer)
 #   (d) the FP8 engine's distributed tests over NCCL, with what time is left
 #   OUT=$OUT bash benchmarks/gpu_fp8_compare.sh        (.whl with torchao carried)
+#   PEERS_ARGS adds peers.py flags, e.g. NPROC=1 PEERS_ARGS="--loopback-world 2 --profile $OUT/prof": the
+#   2-GPU step minus communication on one GPU (benchmarks/loopback.py)
 set -uo pipefail
 source benchmarks/gpu_env.sh
 BUDGET=${BUDGET:-560}; T0=$SECONDS
@@ -26,7 +28,7 @@ fi
 ORDER=${ORDER:-fsdp8,fsdp2,fsdp8-compile,fsdp8-fp8-current-compile,torchao-compile,fsdp8-fp8-block-compile,torchao-compile,fsdp8-fp8-current-compile}
 t=$(( $(left) - ${KEEP:-120} )); (( t > 330 )) && t=330
 timeout -k 20 "$t" torchrun --nproc_per_node "${NPROC:-2}" benchmarks/peers.py --models B --warmup 2 --steps 8 --stacks "$ORDER" \
-  --out "$OUT/peers.json" >"$OUT/peers.log" 2>&1
+  ${PEERS_ARGS:-} --out "$OUT/peers.json" >"$OUT/peers.log" 2>&1
 echo "(peers exit $?)"
 grep -E "^\| (B|model)|^\|---" "$OUT/peers.log" | cut -c1-240
 grep -E "failed:" "$OUT/peers.log" | head -n 3 | cut -c1-200

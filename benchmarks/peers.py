@@ -153,6 +153,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default="",
                    help="directory: after timing, profile one more step of each stack and write where its "
                         "GPU time went (benchmarks/step_profile.py; rank 0's trace kept as .json.gz)")
+    p.add_argument("--loopback-world", type=int, default=0,
+                   help="N > 1: one process plays rank 0 of a world of N with loopback collectives "
+                        "(benchmarks/loopback.py): the world-N step minus communication, on one device")
     p.add_argument("--out", default="runs/peers.json",
                    help="JSON results file (rank 0 rewrites it after every stack, so a timeout keeps what ran)")
     args = p.parse_args(argv)
@@ -160,6 +163,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.stacks = _split(args.stacks, ALL_STACKS)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.loopback_world and (args.loopback_world < 2 or int(os.environ.get("WORLD_SIZE", 1)) != 1):
+        p.error("--loopback-world takes N >= 2 and runs in one process (plain python, or torchrun --nproc_per_node 1)")
     return args
 
 
@@ -178,7 +183,15 @@ def init_process_group(args) -> Context:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     timeout = timedelta(seconds=args.timeout_s)
-    if args.device == "cuda":
+    if args.loopback_world:
+        import loopback
+
+        rank, world = 0, args.loopback_world
+        device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        loopback.init_loopback(world)
+    elif args.device == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         if not dist.is_initialized():
@@ -670,6 +683,7 @@ def environment(ctx: Context) -> dict:
         "warmup": ctx.args.warmup,
         "steps": ctx.args.steps,
         "hsdp_replicate": ctx.args.hsdp_replicate,
+        "loopback": bool(ctx.args.loopback_world),
     }
     try:
         import megatron_fsdp
@@ -704,6 +718,9 @@ def print_report(env: dict, orders: dict, results: list[Result]) -> None:
     print(f"- timing: {env['timing']}, {env['warmup']} warmup + {env['steps']} timed steps")
     print(f"- memory: {env['memory']}")
     print(f"- mesh: data-parallel ranks; RxS = HSDP, R replicas of S-rank shard groups (--hsdp-replicate {env['hsdp_replicate']})")
+    if env.get("loopback"):
+        print(f"- LOOPBACK: one process plays rank 0 of {env['world_size']} on one device; collectives are local "
+              "copies (benchmarks/loopback.py): the world's step minus communication; losses are not a real model's")
     for model, order in orders.items():
         print(f"- run order: each stack over all models, stacks in turn: {' -> '.join(order)} (model {model})")
     print()
