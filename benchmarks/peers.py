@@ -348,7 +348,7 @@ def build_fsdp8(model: torch.nn.Module, ctx: Context, mesh=None, outer_strategy:
     fsdp8.init_distributed()
     model = fsdp8.fully_shard(
         model,
-        mesh=mesh,
+        mesh=mesh if mesh is not None else ctx.mesh,
         units=[decoder_layer_cls()],
         strategy="optim_grads_params",
         outer_strategy=outer_strategy,
@@ -478,6 +478,7 @@ def build_fsdp8_fp8(model: torch.nn.Module, ctx: Context, recipe_name: str, prim
                     fsdp8.fp8.convert.make_fp8_primary(module, recipe)
     model = fsdp8.fully_shard(
         model,
+        mesh=ctx.mesh,
         units=[decoder_layer_cls()],
         strategy="optim_grads_params",
         precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),

@@ -3,7 +3,8 @@
 [Note: one iteration]
 root pre-forward   gather the root unit, prefetch the first unit of the recorded order
 unit pre-forward   gather (if not prefetched), prefetch the next unit, wait, expose params
-unit post-forward  reshard (ZeRO-3), hook the outputs for pre-backward
+unit post-forward  reshard (ZeRO-3; not the last unit of the recorded forward order, which
+                   backward needs first), hook the outputs for pre-backward
 unit pre-backward  (first output grad) gather again, prefetch the next unit backwards
 unit post-backward (grad reached the unit's inputs) reduce gradients, reshard
 end of backward    reduce what is left (root, units whose inputs need no grad), wait for
@@ -12,6 +13,16 @@ end of backward    reduce what is left (root, units whose inputs need no grad), 
 The prefetch order is the order recorded in the first iteration (backward: reverse of
 forward until a backward has been recorded), so a model that runs its blocks in another
 order than it defines them still overlaps. A wrong guess costs only an early gather.
+
+[Note: the last unit stays gathered]
+Backward starts with the unit forward ended with. Resharding it after forward would free
+its parameters only to gather them again a moment later, with nothing but the head's
+compute to hide that gather behind (FSDP2 leaves this to the user, who passes
+``reshard_after_forward=False`` for the last block). So once the order is recorded, the last
+unit of forward keeps its parameters until its post-backward. The root keeps its own for
+the same reason. A forward that starts before the previous one's backward reshards both
+first, so they are gathered afresh like every other unit: an optimizer step may have come
+between (forward, step, forward) and must not leave them stale.
 
 [Note: post-backward]
 A unit's gradients are complete when autograd has produced the gradient of its inputs:
@@ -101,6 +112,7 @@ class Schedule:
         self._backward_started: set = set()
         self._callback_queued = False
         self._pending: Optional[PendingReduce] = None
+        self._kept: Optional[ShardedUnit] = None  # gathered through to backward ([Note: the last unit ...])
         self._streams = self.all_units[0].streams if self.all_units else None
         self._handles = []
         self._preflight = None  # set by the model: checks run before the first forward
@@ -165,6 +177,8 @@ class Schedule:
             if self.root_unit is not None:
                 self._unshard(self.root_unit, None)
             return None
+        if self.phase is Phase.AWAIT_BACKWARD:
+            self._reshard_kept()
         if self.phase is Phase.IDLE:
             comm.iteration[0] += 1
             self._forward_calls.clear()
@@ -229,11 +243,26 @@ class Schedule:
         if in_backward():
             return None
         if unit.reshard_after_forward:
-            unit.reshard()
-            unit.register(compute=False)
+            if self._backward_starts_with(unit):
+                self._kept = unit
+            else:
+                unit.reshard()
+                unit.register(compute=False)
         if torch.is_grad_enabled():
             self._register_pre_backward(unit, output)
         return None
+
+    def _backward_starts_with(self, unit: ShardedUnit) -> bool:
+        return (torch.is_grad_enabled() and self.order_frozen and bool(self.forward_order)
+                and unit is self.forward_order[-1])
+
+    def _reshard_kept(self) -> None:
+        """Reshard what the last forward kept gathered for its backward."""
+        for unit in (self._kept, self.root_unit):
+            if unit is not None:
+                unit.reshard()
+                unit.register(compute=False)
+        self._kept = None
 
     # -- backward --------------------------------------------------------------------------
     def _pre_backward(self, unit: Optional[ShardedUnit]) -> None:
@@ -289,6 +318,7 @@ class Schedule:
             callback()
 
     def _finish_iteration(self) -> None:
+        self._kept = None
         for unit in self.all_units:
             unit.reshard()
             unit.register(compute=False)

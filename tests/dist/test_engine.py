@@ -22,9 +22,10 @@ def test_world_size_one_issues_no_collective(strategy, precision):
 
 def test_collectives_per_step_zero3():
     counts, units = run_on_ranks(2, workers.collective_counts, "optim_grads_params")[0]
-    # Forward: one all-gather per unit (the root keeps its parameters for backward); backward:
-    # one all-gather per resharded unit and one reduce-scatter per unit; nothing else.
-    resharded = units - 1
+    # Forward: one all-gather per unit (the root and the last unit of forward keep their
+    # parameters for backward); backward: one all-gather per resharded unit and one
+    # reduce-scatter per unit; nothing else.
+    resharded = units - 2
     assert counts == {"all_gather": units + resharded, "reduce_scatter": units}
 
 
@@ -43,8 +44,9 @@ def test_collectives_per_step_no_shard():
 @pytest.mark.parametrize("strategy,expected", [
     # ZeRO-1 keeps unsharded gradients: 3 micro-batches, one reduce-scatter per unit.
     ("optim", lambda u: {"all_gather": u, "reduce_scatter": u}),
-    # ZeRO-3 reduce-scatters every micro-batch into the fp32 shards; params gathered twice per pass.
-    ("optim_grads_params", lambda u: {"all_gather": 3 * (2 * u - 1), "reduce_scatter": 3 * u}),
+    # ZeRO-3 reduce-scatters every micro-batch into the fp32 shards; params gathered twice per
+    # pass, except the root and the last unit of forward in backward.
+    ("optim_grads_params", lambda u: {"all_gather": 3 * (2 * u - 2), "reduce_scatter": 3 * u}),
 ])
 def test_collectives_with_no_sync(strategy, expected):
     counts, units = run_on_ranks(2, workers.collective_counts, strategy, 3)[0]
@@ -53,7 +55,7 @@ def test_collectives_with_no_sync(strategy, expected):
 
 def test_hsdp_no_sync_defers_replica_all_reduce():
     counts, units = run_on_ranks(4, workers.collective_counts, "optim_grads_params", 3, (2, 2))[0]
-    assert counts == {"all_gather": 3 * (2 * units - 1), "reduce_scatter": 3 * units, "all_reduce": units}
+    assert counts == {"all_gather": 3 * (2 * units - 2), "reduce_scatter": 3 * units, "all_reduce": units}
 
 
 # -- memory ----------------------------------------------------------------------------------
@@ -169,11 +171,15 @@ def test_prefetch_follows_recorded_execution_order():
     forward, backward, issued, errors = run_on_ranks(2, workers.recorded_order)[0]
     assert forward == ["blocks.2", "blocks.1", "blocks.0"]
     assert backward == ["blocks.0", "blocks.1", "blocks.2"]
-    # Iteration 2 gathers each unit one ahead of its use, in the recorded order; backward
-    # gathers again (units were resharded after forward), also one ahead.
-    second = issued[len(issued) // 2 :]
+    # Iteration 1 records the order: each unit gathered as it runs, and all three again in
+    # backward. Iteration 2 gathers each unit one ahead of its use, in the recorded order;
+    # backward gathers again, also one ahead, all but blocks.0: the last unit of forward
+    # keeps its parameters for backward, which starts with it.
+    first, second = issued[:9], issued[9:]
+    assert first[:6] == ["gather blocks.2", "run blocks.2", "gather blocks.1", "run blocks.1", "gather blocks.0", "run blocks.0"]
+    assert sorted(first[6:]) == ["gather blocks.0", "gather blocks.1", "gather blocks.2"]
     assert second[:6] == ["gather blocks.2", "gather blocks.1", "run blocks.2", "gather blocks.0", "run blocks.1", "run blocks.0"]
-    assert second[6:] == ["gather blocks.0", "gather blocks.1", "gather blocks.2"]
+    assert second[6:] == ["gather blocks.1", "gather blocks.2"]
     assert max(errors.values()) <= 1e-6
 
 
@@ -187,3 +193,9 @@ def test_meta_init_holds_one_module_at_a_time():
     assert len(log) == 6
     for real, own in log:
         assert real == own < total  # only the module being initialized is materialized in full
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_forward_before_backward_gathers_fresh_weights(world):
+    errors = run_on_ranks(world, workers.forward_before_backward)[0]
+    assert max(errors.values()) <= 1e-5, errors

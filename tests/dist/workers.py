@@ -689,3 +689,40 @@ def fp8_compiled_blocks(recipe_name, steps=3):
             errors[name] = max(errors.get(name, 0.0), err)
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return errors, eager_losses, compiled_losses, frames
+
+
+def forward_before_backward():
+    """Forwards that do not follow a backward: (forward, backward, forward, step, forward,
+    backward, step), then two forwards whose summed loss takes one backward. The units kept
+    gathered for backward (the root, the last unit) must not carry weights from before a step."""
+    torch.manual_seed(0)
+    model = common.build("llama")
+    reference = copy.deepcopy(model).to(common.device())
+    sharded = fsdp8.fully_shard(model)
+    w, r = common.world(), common.rank()
+    vocab = common.vocab_of(reference)
+
+    def batch(step, ranks):
+        x, y = common.global_batch(step, 2 * w, 8, vocab)
+        if ranks:
+            x, y = common.rank_slice(x, r, w), common.rank_slice(y, r, w)
+        return x.to(common.device()), y.to(common.device())
+
+    def run(model, sliced):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        model(*batch(0, sliced)).backward()  # records the order
+        opt.step()
+        opt.zero_grad()
+        model(*batch(1, sliced)).backward()
+        model(*batch(2, sliced))  # no backward: its graph is dropped
+        opt.step()  # with step 1's gradients
+        opt.zero_grad()
+        model(*batch(3, sliced)).backward()
+        opt.step()
+        opt.zero_grad()
+        (model(*batch(4, sliced)) + model(*batch(5, sliced))).backward()
+        opt.step()
+
+    run(sharded, True)
+    run(reference, False)
+    return common.relative_errors(sharded, reference)
