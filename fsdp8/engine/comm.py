@@ -131,7 +131,8 @@ def reduce_scatter_avg(out: torch.Tensor, inp: torch.Tensor, group, label: str) 
     """Average ``inp`` over ``group`` and keep this rank's slice in ``out``."""
     n = group_size(group)
     if n == 1:
-        out.copy_(inp.view(out.shape))
+        if out.data_ptr() != inp.data_ptr():  # in place when the caller packed into ``out``
+            out.copy_(inp.view(out.shape))
         return
     with _collective("reduce_scatter", label):
         if _supports_avg(out):

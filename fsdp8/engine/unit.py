@@ -352,7 +352,12 @@ class ShardedUnit:
                 self.grad_acc_full = not sync
                 packed = self.grad_acc
             else:
-                packed = torch.empty(n, mt, dtype=self.reduce_dtype, device=self.device)
+                if self._lands_in_place(steps, landing):
+                    # Nothing to communicate (groups of one rank): pack straight into the new
+                    # gradient buffer rather than into a second buffer of the unit's size.
+                    packed = landing[1].view(n, mt)
+                else:
+                    packed = torch.empty(n, mt, dtype=self.reduce_dtype, device=self.device)
                 self._pack_grads(grads, packed)
             if communicate:
                 outs = self._allocate_step_outputs(steps, n * mt, landing)
@@ -365,6 +370,13 @@ class ShardedUnit:
                 else:
                     self._land(result, landing)
         return PendingReduce(streams.record(streams.reduce), grads)
+
+    def _lands_in_place(self, steps, landing) -> bool:
+        """Whether the reduction is the identity, so the packed gradients can be written
+        where they land: every group has one rank, and a fresh fp32 buffer awaits them (which
+        the last reduce-scatter would write anyway, see ``_allocate_step_outputs``)."""
+        return (landing is not None and landing[0] == "fresh" and self.reduce_dtype == self.main_dtype
+                and any(op == "rs" for op, _ in steps) and all(comm.group_size(g) == 1 for _, g in steps))
 
     def _pack_grads(self, grads: List[torch.Tensor], out: torch.Tensor) -> None:
         pack_rank_major(grads, [slot.layout for slot in self.trainable_slots], out)
@@ -418,7 +430,7 @@ class ShardedUnit:
         if kind == "add":
             buffer.add_(result)
             return
-        if result is not buffer:
+        if result.data_ptr() != buffer.data_ptr():
             buffer.copy_(result)
         if kind == "merge":  # some grads exist already (e.g. assigned by the user): add them
             for slot in self.trainable_slots:

@@ -199,3 +199,15 @@ def test_meta_init_holds_one_module_at_a_time():
 def test_forward_before_backward_gathers_fresh_weights(world):
     errors = run_on_ranks(world, workers.forward_before_backward)[0]
     assert max(errors.values()) <= 1e-5, errors
+
+
+def test_one_rank_packs_gradients_where_they_land():
+    # With nothing to communicate, each of the biggest units packs its fp32 gradients into
+    # the buffer its main gradients then view: one allocation of that size per unit, not a
+    # pack buffer and a landing buffer.
+    sizes, largest, units = run_on_ranks(1, workers.reduce_allocations, "optim_grads_params")[0]
+    assert units >= 1 and sizes == [largest] * units, (sizes, largest, units)
+    # Across two ranks the reduce-scatter's input (the whole unit, twice the shard) and its
+    # output (the landing buffer) are two buffers.
+    sizes, largest, units = run_on_ranks(2, workers.reduce_allocations, "optim_grads_params")[0]
+    assert sorted(sizes) == [largest] * units + [2 * largest] * units, (sizes, largest, units)

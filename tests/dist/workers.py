@@ -726,3 +726,42 @@ def forward_before_backward():
     run(sharded, True)
     run(reference, False)
     return common.relative_errors(sharded, reference)
+
+
+class LargeAllocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the element count of every fp32 tensor of at least ``least`` elements that
+    aten allocates while active."""
+
+    ALLOCATORS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                  torch.ops.aten.empty_like.default, torch.ops.aten.zeros.default,
+                  torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default}
+
+    def __init__(self, least: int):
+        super().__init__()
+        self.least, self.sizes = least, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.ALLOCATORS and isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+            if out.numel() >= self.least:
+                self.sizes.append(out.numel())
+        return out
+
+
+def reduce_allocations(strategy):
+    """fp32 buffers at least the size of the biggest unit's gradient shard allocated during
+    one backward (the second step's: the first records the order), with bf16 compute and
+    fp32 reduction; that
+    size; how many units have it."""
+    model = common.build("llama")
+    precision = fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    sharded = fsdp8.fully_shard(model, strategy=strategy, precision=precision)
+    common.train_sharded(sharded, 1, clip=0)
+    largest = max(u.layout.trainable_numel for u in sharded._fsdp8.all_units)
+    x, y = common.global_batch(1, 2 * common.world(), 8, common.vocab_of(sharded))
+    x, y = common.rank_slice(x, common.rank(), common.world()), common.rank_slice(y, common.rank(), common.world())
+    loss = sharded(x.to(common.device()), y.to(common.device()))
+    with LargeAllocations(largest) as seen:
+        loss.backward()
+    biggest = sum(u.layout.trainable_numel == largest for u in sharded._fsdp8.all_units)
+    return seen.sizes, largest, biggest
