@@ -643,6 +643,10 @@ def run_stack(spec: ModelSpec, stack: str, ctx: Context) -> Result:
     if reason is not None:
         result.status, result.note = "skipped", reason
         return result
+    # Each stack compiles afresh: Dynamo's cache is per code object, so a stack compiling the
+    # same decoder-layer forward at another model's shapes would otherwise get (and time) a
+    # recompiled dynamic-shape graph.
+    torch._dynamo.reset()
     try:
         measure(spec, stack, ctx, result)
     except Exception as err:  # report and go on with the next stack
