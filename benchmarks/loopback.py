@@ -89,7 +89,7 @@ def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async
             f"loopback reduce-scatter: input has {input.numel()} elements, expected "
             f"{world} x {output.numel()} (world size x output)"
         )
-    mine = input.reshape(world, -1)[dist.get_rank(group) if group is not None else dist.get_rank()]
+    mine = input.reshape(world, -1)[dist.get_rank(group)]
     factor = _sum_factor(op, world)
     if factor == 1:
         output.view(-1).copy_(mine)
