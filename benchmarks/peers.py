@@ -177,21 +177,19 @@ def _split(text: str, allowed) -> list[str]:
 
 
 def init_process_group(args) -> Context:
-    """torchrun env -> process group (nccl on cuda, gloo on cpu) and a 1-D world mesh."""
+    """torchrun env -> process group (nccl on cuda, gloo on cpu; the loopback group with
+    --loopback-world) and a 1-D world mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     timeout = timedelta(seconds=args.timeout_s)
-    if args.loopback_world:
+    if args.loopback_world:  # the group exists before the branches below, which then only pick the device
         import loopback
 
         rank, world = 0, args.loopback_world
-        device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
         loopback.init_loopback(world)
-    elif args.device == "cuda":
+    if args.device == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         if not dist.is_initialized():

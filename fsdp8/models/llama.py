@@ -111,14 +111,6 @@ class Embedding(nn.Embedding):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=self.std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and self.weight.dtype == torch.bfloat16:
-            # A bf16 GEMM is exact products summed in fp32 and rounded once to bf16: the fp32
-            # GEMM of the same values does that too. On CPUs without bf16 units (AVX2) torch's
-            # bf16 GEMM is ~20x slower than its fp32 one (71 vs 3 ms for 512x128x512, fwd+bwd).
-            return F.linear(x.float(), self.weight.float()).to(torch.bfloat16)
-        return super().forward(x)
-
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, std={self.std:.3g}"
 

@@ -205,13 +205,28 @@ def test_bf16_linear_on_cpu_is_a_bf16_gemm():
     (so within one bf16 step of the float64 result), for the output and both gradients."""
     from fsdp8.models.llama import Linear
 
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class GemmDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+                self.seen.append(args[-1].dtype)
+            return func(*args, **(kwargs or {}))
+
     torch.manual_seed(0)
     layer = Linear(96, 80, std=0.5).to(torch.bfloat16)
     x = torch.randn(33, 96, dtype=torch.bfloat16, requires_grad=True)
-    out = layer(x)
+    with GemmDtypes() as gemms:
+        out = layer(x)
+        grad = torch.randn_like(out)
+        out.backward(grad)
     assert out.dtype == torch.bfloat16
-    grad = torch.randn_like(out)
-    out.backward(grad)
+    # The point of the path: torch's CPU bf16 GEMM is what it avoids (forward, dgrad, wgrad).
+    assert gemms.seen == [torch.float32] * 3, gemms.seen
     w64, x64, g64 = layer.weight.double(), x.detach().double(), grad.double()
     for got, exact in ((out, x64 @ w64.t()), (x.grad, g64 @ w64), (layer.weight.grad, g64.t() @ x64)):
         step = exact.abs().clamp_min(1e-30) * 2.0**-7  # one bf16 step (8-bit significand) or less
