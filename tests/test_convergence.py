@@ -14,19 +14,43 @@ import pytest
 STEPS = ["--steps", "200", "--seq-len", "64", "--log-every", "25", "--eval-every", "200"]
 
 
-def _final_loss(tmp_path_factory, precision):
+def _train(tmp_path_factory, precision):
     out = tmp_path_factory.mktemp(precision)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     proc = subprocess.run([sys.executable, "-m", "fsdp8.cli", "train", "--precision", precision, "--out", str(out), *STEPS],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stderr
+
+
+def _final_loss(tmp_path_factory, precision):
+    out, _ = _train(tmp_path_factory, precision)
     summary = json.loads((out / "summary.json").read_text())
     return summary["final_loss"], summary["first_loss"]
 
 
 @pytest.fixture(scope="module")
-def bf16_loss(tmp_path_factory):
-    return _final_loss(tmp_path_factory, "bf16")[0]
+def bf16_run(tmp_path_factory):
+    return _train(tmp_path_factory, "bf16")
+
+
+@pytest.fixture(scope="module")
+def bf16_loss(bf16_run):
+    return json.loads((bf16_run[0] / "summary.json").read_text())["final_loss"]
+
+
+def test_fsdp8_train_writes_its_outputs(bf16_run):
+    """The main job's outputs, on the bf16 run: two workers, metrics every --log-every steps,
+    the loss plot, progress lines and the memory table; the loss falls."""
+    out, stderr = bf16_run
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert summary["final_loss"] < summary["first_loss"] / 3, summary  # ln(256) = 5.5 at init
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(25, 201, 25))
+    assert all(r["tokens_per_s"] > 0 and r["max_mem_mib"] > 0 for r in records if "loss" in r)
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "step 200/200" in stderr and "memory per rank" in stderr
 
 
 @pytest.mark.parametrize("precision", ["fp8-current", "fp8-delayed", "fp8-block", "fp8-mxfp8"])
