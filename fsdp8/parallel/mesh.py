@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from datetime import timedelta
@@ -54,27 +55,98 @@ def default_device_type() -> str:
     return "cuda" if "nccl" in backend else "cpu"
 
 
-def make_mesh(dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1) -> DeviceMesh:
-    """The data-parallel mesh: 1-D ``(dp_shard,)`` or 2-D ``(dp_replicate, dp_shard)`` for HSDP.
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
-    ``dp_shard=-1`` takes whatever the world leaves. Context and tensor parallel
-    dimensions are not available yet and raise."""
-    init_distributed()
-    if cp != 1 or tp != 1:
-        raise NotImplementedError("context and tensor parallel meshes are not supported yet (cp=1, tp=1)")
-    world = dist.get_world_size()
-    if dp_replicate < 1:
-        raise ValueError(f"dp_replicate must be >= 1, got {dp_replicate}")
-    if dp_shard == -1:
-        if world % dp_replicate:
-            raise ValueError(f"world size {world} is not divisible by dp_replicate={dp_replicate}")
-        dp_shard = world // dp_replicate
-    if dp_replicate * dp_shard != world:
+
+def mesh_dims(world: int, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1) -> dict[str, int]:
+    """The world mesh's dimensions, outermost first: ``{name: size}`` in ``MESH_DIMS`` order.
+
+    ``dp_shard`` is always there (size 1 too: the engine shards over it); ``dp_replicate``,
+    ``cp`` and ``tp`` only when larger than 1, so the cp = tp = 1 meshes are today's 1-D and
+    2-D ones. One size may be ``-1``: it takes what the world leaves."""
+    sizes = dict(zip(MESH_DIMS, (dp_replicate, dp_shard, cp, tp)))
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+            raise ValueError(f"{name} must be a positive int or -1 (inferred), got {size!r}")
+    spelled = " x ".join(f"{name} {size}" for name, size in sizes.items())
+    inferred = [name for name, size in sizes.items() if size == -1]
+    if len(inferred) > 1:
         raise ValueError(
-            f"dp_replicate * dp_shard = {dp_replicate} * {dp_shard} = {dp_replicate * dp_shard}, "
-            f"but the world has {world} ranks"
+            f"only one mesh size may be -1 (inferred), got {spelled}; dp_shard defaults to -1, "
+            "so give it a size when another one is -1"
         )
-    device_type = default_device_type()
-    if dp_replicate == 1:
-        return init_device_mesh(device_type, (dp_shard,), mesh_dim_names=("dp_shard",))
-    return init_device_mesh(device_type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if inferred:
+        if world % known:
+            raise ValueError(
+                f"{spelled}: the given sizes multiply to {known}, which does not divide the world of "
+                f"{world} ranks, so {inferred[0]} cannot be inferred; choose sizes whose product divides {world}"
+            )
+        sizes[inferred[0]] = world // known
+    elif known != world:
+        raise ValueError(f"{spelled} = {known}, but the world has {world} ranks")
+    return {name: size for name, size in sizes.items() if name == "dp_shard" or size > 1}
+
+
+def flattened_dims(dims: dict[str, int]) -> dict[str, tuple[str, ...]]:
+    """The flattened views of a world mesh with ``dims``, as torchtitan names them.
+
+    ``dp``: every data-parallel rank (data loading), when there are two dp dims;
+    ``dp_shard_cp``: what the engine shards over once context parallelism splits the
+    sequence; ``dp_cp``: the ranks a loss is averaged over."""
+    views = {}
+    if "dp_replicate" in dims:
+        views["dp"] = ("dp_replicate", "dp_shard")
+    if "cp" in dims:
+        views["dp_shard_cp"] = ("dp_shard", "cp")
+        views["dp_cp"] = tuple(name for name in ("dp_replicate", "dp_shard", "cp") if name in dims)
+    return views
+
+
+def make_mesh(dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1) -> DeviceMesh:
+    """The world mesh, ordered ``(dp_replicate, dp_shard, cp, tp)`` with named dimensions.
+
+    TP is innermost, so a TP group is neighbouring ranks (one node); dims of size 1 other
+    than ``dp_shard`` are left out, so without cp and tp this is the 1-D ``(dp_shard,)`` or
+    the 2-D HSDP ``(dp_replicate, dp_shard)`` mesh. One size may be ``-1`` (by default
+    ``dp_shard``): it takes what the world leaves. The flattened views of
+    ``flattened_dims`` are created, so ``mesh["dp"]``, ``mesh["dp_shard_cp"]`` and
+    ``mesh["tp"]`` work; ``data_parallel_mesh`` and ``tp_mesh`` pick the sub-meshes."""
+    init_distributed()
+    dims = mesh_dims(dist.get_world_size(), dp_replicate, dp_shard, cp, tp)
+    mesh = init_device_mesh(default_device_type(), tuple(dims.values()), mesh_dim_names=tuple(dims))
+    for name, parts in flattened_dims(dims).items():
+        mesh[parts]._flatten(name)
+    return mesh
+
+
+def _dim_names(mesh: DeviceMesh) -> tuple[str, ...]:
+    names = tuple(mesh.mesh_dim_names or ())
+    if "dp_shard" not in names:
+        raise ValueError(
+            f"mesh with dimensions {names or tuple(mesh.shape)} has no 'dp_shard' dimension; "
+            "build the world mesh with fsdp8.make_mesh(dp_replicate=, dp_shard=, cp=, tp=)"
+        )
+    return names
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel sub-mesh of a world mesh from ``make_mesh``: what ``fully_shard`` takes.
+
+    2-D ``(dp_replicate, dp_shard)`` with HSDP, else 1-D ``(dp_shard,)``; with context
+    parallelism the shard dim is the flattened ``dp_shard_cp`` (cp ranks hold different
+    tokens of the same sequences, so they share parameter shards like dp ranks)."""
+    names = _dim_names(mesh)
+    if "cp" not in names:
+        wanted = tuple(name for name in ("dp_replicate", "dp_shard") if name in names)
+        return mesh if names == wanted else mesh[wanted]
+    if "dp_replicate" in names:
+        return mesh["dp_replicate", "dp_shard_cp"]
+    # Flattening again returns the view make_mesh created (torch >= 2.11 deprecates
+    # slicing a flattened dim from the root mesh).
+    return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+
+
+def tp_mesh(mesh: DeviceMesh) -> Optional[DeviceMesh]:
+    """The 1-D tensor-parallel sub-mesh of a world mesh from ``make_mesh``, or None without tp."""
+    return mesh["tp"] if "tp" in _dim_names(mesh) else None
