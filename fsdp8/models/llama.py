@@ -189,10 +189,11 @@ class Attention(nn.Module):
         self.wo = Linear(config.dim, config.dim, out_std)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism wq/wk/wv yield this rank's heads only.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.n_kv_heads != self.n_heads:
             # Explicit expansion rather than SDPA's enable_gqa: every backend supports it.
@@ -200,7 +201,7 @@ class Attention(nn.Module):
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(batch, seq, dim))
+        return self.wo(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):

@@ -1,0 +1,317 @@
+"""Tensor parallelism: pick torch ParallelStyles for a model's modules and apply them with parallelize_module.
+
+The layers themselves are torch's (``torch.distributed.tensor.parallel``); this file only
+decides which style goes where (the built-in Llama's plan here, Hugging Face plans in
+``tp_hf.py``), checks every shape against the TP degree before anything is communicated,
+and keeps tied weights tied.
+
+[Note: errors before collectives]
+``parallelize_module`` scatters each weight from TP rank 0 as it goes, so a shape that
+fails half-way leaves the other ranks waiting in a collective. Every check here (plan keys,
+divisibility, tied placements) runs on the model's structure alone, which every rank
+holds identically, so every rank raises the same error before the first collective.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+Plan = Dict[str, Optional[ParallelStyle]]
+
+
+@dataclass
+class FamilyPlan:
+    """A model family's automatic plan and the facts needed to check it.
+
+    ``styles``: module pattern -> style; patterns that match no module are skipped (a
+    family's plan may name optional modules). ``heads``: ``(config name, count, pattern)``
+    for head counts that tp must divide when the module matching ``pattern`` (the
+    projection that yields those heads) is column-sharded. ``vocab_modules``: FQNs whose
+    vocabulary dim may be uneven over tp (torch's vocab-sharded embedding and colwise head
+    handle uneven chunks). ``unsupported``: pattern -> the family's name of a style with
+    no torch equivalent; the caller's plan must cover those modules."""
+
+    styles: Plan
+    heads: List[Tuple[str, int, str]] = field(default_factory=list)
+    vocab_modules: Tuple[str, ...] = ()
+    unsupported: Dict[str, str] = field(default_factory=dict)
+
+
+def llama_plan(sequence_parallel: bool = False, loss_parallel: bool = False) -> FamilyPlan:
+    """The built-in Llama's plan: the Megatron layout, as torchtitan's parallelize_llama.
+
+    Attention and feed-forward are column- then row-parallel (one all-reduce each); the
+    embedding is vocabulary-sharded; the head is column-parallel and, with loss parallel,
+    leaves its logits vocabulary-sharded (``Shard(-1)``) for ``loss_parallel()``. With
+    sequence parallel the residual stream between blocks is sequence-sharded (``Shard(1)``):
+    norms run on sequence shards, the input of attention and feed-forward is all-gathered
+    and their output reduce-scattered instead of all-reduced."""
+    seq = Shard(1) if sequence_parallel else None
+    head = ColwiseParallel(
+        input_layouts=seq,
+        output_layouts=Shard(-1) if loss_parallel else Replicate(),
+        use_local_output=not loss_parallel,
+    )
+    styles: Plan = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "layers.*.attn.wq": ColwiseParallel(),
+        "layers.*.attn.wk": ColwiseParallel(),
+        "layers.*.attn.wv": ColwiseParallel(),
+        "layers.*.attn.wo": RowwiseParallel(output_layouts=seq),
+        "layers.*.ffn.w1": ColwiseParallel(),
+        "layers.*.ffn.w3": ColwiseParallel(),
+        "layers.*.ffn.w2": RowwiseParallel(output_layouts=seq),
+        "head": head,
+    }
+    if sequence_parallel:
+        styles.update({
+            "norm": SequenceParallel(),
+            "layers.*.attn_norm": SequenceParallel(),
+            "layers.*.ffn_norm": SequenceParallel(),
+            # attention(x, cos, sin): gather x's sequence; cos/sin are full-length tables already.
+            "layers.*.attn": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "layers.*.ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        })
+    return FamilyPlan(styles, vocab_modules=("embed", "head"))
+
+
+def _family_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> Optional[FamilyPlan]:
+    from ..models.llama import Llama
+    from .tp_hf import hf_plan
+
+    if isinstance(model, Llama):
+        plan = llama_plan(sequence_parallel, loss_parallel)
+        c = model.config
+        plan.heads = [("n_heads", c.n_heads, "layers.*.attn.wq"), ("n_kv_heads", c.n_kv_heads, "layers.*.attn.wk")]
+        return plan
+    return hf_plan(model, sequence_parallel, loss_parallel)
+
+
+def resolve_plan(names: List[str], automatic: Plan, user: Optional[Mapping[str, Optional[ParallelStyle]]]) -> Plan:
+    """Module FQN -> style, in ``names`` order: the automatic patterns, then the user's.
+
+    Patterns are ``fnmatch`` patterns over FQNs (``*`` also spans dots). A user pattern
+    replaces what earlier patterns gave the modules it matches (``None``: leave them
+    unsharded); every user pattern must match a module."""
+    resolved: Plan = {}
+    for pattern, style in automatic.items():
+        for name in names:
+            if fnmatchcase(name, pattern):
+                resolved[name] = style
+    for pattern, style in (user or {}).items():
+        if style is not None and not isinstance(style, ParallelStyle):
+            raise TypeError(
+                f"plan[{pattern!r}] must be a torch ParallelStyle (ColwiseParallel(), RowwiseParallel(), ...) "
+                f"or None, got {type(style).__name__}"
+            )
+        matched = [name for name in names if fnmatchcase(name, pattern)]
+        if not matched:
+            raise ValueError(
+                f"plan key {pattern!r} matches no module of the model; keys are fnmatch patterns over "
+                f"module names such as {', '.join(repr(n) for n in names[:4])}"
+            )
+        for name in matched:
+            resolved[name] = style
+    order = {name: i for i, name in enumerate(names)}
+    return {name: resolved[name] for name in sorted(resolved, key=order.__getitem__) if resolved[name] is not None}
+
+
+def _check_unsupported(names: List[str], unsupported: Mapping[str, str], user: Mapping, model_name: str) -> None:
+    covered = [pattern for pattern in user]
+    left = {}
+    for pattern, kind in unsupported.items():
+        for name in names:
+            if fnmatchcase(name, pattern) and not any(fnmatchcase(name, p) for p in covered):
+                left.setdefault(f"{pattern} ({kind!r})", name)
+    if left:
+        raise ValueError(
+            f"{model_name}'s tensor-parallel plan uses styles with no torch ParallelStyle equivalent: "
+            f"{', '.join(left)}; pass plan={{pattern: ParallelStyle or None}} covering those modules "
+            f"(e.g. {next(iter(left.values()))!r})"
+        )
+
+
+def _divisors(n: int) -> Tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+def _sharded_dims(module: nn.Module, style: ParallelStyle) -> List[Tuple[str, int, bool]]:
+    """``(what, size, is_vocab_dim)`` for each dim ``style`` splits over tp in ``module``."""
+    if isinstance(module, nn.Linear):
+        if isinstance(style, ColwiseParallel):
+            return [("out_features", module.out_features, True)]
+        if isinstance(style, RowwiseParallel):
+            return [("in_features", module.in_features, False)]
+    if isinstance(module, nn.Embedding):
+        if isinstance(style, RowwiseParallel):
+            return [("num_embeddings", module.num_embeddings, True)]
+        if isinstance(style, ColwiseParallel):
+            return [("embedding_dim", module.embedding_dim, False)]
+    return []
+
+
+def check_shapes(modules: Mapping[str, nn.Module], plan: Plan, tp: int, family: Optional[FamilyPlan]) -> None:
+    """Raise one ValueError listing every head count and module dim that tp does not divide."""
+    problems = []
+    heads = [(name, count) for name, count, pattern in (family.heads if family else [])
+             if any(fnmatchcase(fqn, pattern) and isinstance(style, ColwiseParallel) for fqn, style in plan.items())]
+    if heads:
+        common = math.gcd(*(count for _, count in heads))
+        for name, count in heads:
+            if count % tp:
+                problems.append(
+                    f"{name}={count} is not divisible by tp={tp} (each rank computes whole heads); "
+                    f"use tp in {_divisors(common)}"
+                )
+    vocab = family.vocab_modules if family else ()
+    for fqn, style in plan.items():
+        for what, size, vocab_dim in _sharded_dims(modules[fqn], style):
+            if size % tp == 0 or (vocab_dim and fqn in vocab):
+                continue
+            remedy = ("pad the vocabulary to a multiple of tp" if vocab_dim
+                      else f"use tp in {_divisors(size)}")
+            problems.append(
+                f"{fqn} ({type(style).__name__}) splits {what}={size} over tp={tp}, which does not divide it; {remedy}"
+            )
+    if problems:
+        raise ValueError("tensor_parallel: " + "; ".join(problems))
+
+
+def _predicted_placement(module: nn.Module, param_name: str, style: Optional[ParallelStyle]) -> Optional[Placement]:
+    """How ``style`` will place ``module.<param_name>`` (None: stays a plain tensor)."""
+    if style is None or isinstance(style, PrepareModuleInput):
+        return None
+    if isinstance(style, SequenceParallel):
+        return Replicate()
+    linear = isinstance(module, nn.Linear)
+    if isinstance(module, (nn.Linear, nn.Embedding)) and isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        colwise = isinstance(style, ColwiseParallel)
+        if param_name == "bias":
+            return Shard(0) if colwise else Replicate()
+        return Shard(0) if colwise == linear else Shard(1)
+    raise LookupError  # a style of the user's own: compared after it ran
+
+
+def _tied_groups(modules: Mapping[str, nn.Module], plan: Plan) -> List[List[Tuple[str, str]]]:
+    """Owners ``(module FQN, param name)`` of each parameter held by several modules;
+    raises when the plan would place a shared parameter differently in its owners."""
+    owners: Dict[int, List[Tuple[str, str]]] = {}
+    for fqn, module in modules.items():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((fqn, name))
+    groups = [group for group in owners.values() if len(group) > 1]
+    for group in groups:
+        try:
+            placements = {owner: _predicted_placement(modules[owner[0]], owner[1], plan.get(owner[0]))
+                          for owner in group}
+        except LookupError:
+            continue
+        if len(set(placements.values())) > 1:
+            described = ", ".join(
+                f"{fqn or '<root>'}.{name} as {placement or 'a plain tensor'}"
+                for (fqn, name), placement in placements.items()
+            )
+            raise ValueError(
+                f"tied parameter placed differently by the plan: {described}; give tied modules styles "
+                "that shard the shared weight the same way (e.g. a vocab-sharded embedding with a colwise head)"
+            )
+    return groups
+
+
+def _retie(modules: Mapping[str, nn.Module], groups: List[List[Tuple[str, str]]]) -> None:
+    # Each style swapped in its own DTensor for the shared parameter: point every owner
+    # back at the first one's, so the tie (one parameter, one gradient) survives.
+    for (first_fqn, first_name), *rest in groups:
+        shared = modules[first_fqn]._parameters[first_name]
+        for fqn, name in rest:
+            other = modules[fqn]._parameters[name]
+            same = (type(other) is type(shared) and other.shape == shared.shape
+                    and getattr(other, "placements", None) == getattr(shared, "placements", None))
+            if not same:
+                raise ValueError(
+                    f"tied parameter {first_fqn}.{first_name} and {fqn}.{name} came out of the plan's styles "
+                    f"with different layouts ({getattr(shared, 'placements', 'plain')} vs "
+                    f"{getattr(other, 'placements', 'plain')}); give tied modules matching styles"
+                )
+            modules[fqn]._parameters[name] = shared
+
+
+def _check_sequence_length(tp: int):
+    def hook(module, args, kwargs):
+        tokens = args[0] if args else kwargs.get("input_ids", kwargs.get("tokens"))
+        if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and tokens.shape[1] % tp:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} is not divisible by tp={tp}: sequence parallelism splits "
+                f"every sequence evenly over the tp ranks; pad sequences to a multiple of {tp}"
+            )
+
+    return hook
+
+
+def tensor_parallel(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: Optional[Mapping[str, Optional[ParallelStyle]]] = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+) -> nn.Module:
+    """Split ``model``'s layers over the 1-D ``tp_mesh`` with torch's ParallelStyles; returns ``model``.
+
+    The plan is automatic for the built-in Llama and for Hugging Face models with a
+    ``config.base_model_tp_plan`` (plus their embedding and head); ``plan``
+    (``{"module pattern": ParallelStyle or None}``, fnmatch over module names) overrides
+    and extends it, or is the whole plan for other models. ``sequence_parallel``: the
+    Megatron sequence-parallel layout (norms on sequence shards; sequence lengths must be
+    multiples of tp). ``loss_parallel``: the head's logits stay vocabulary-sharded
+    DTensors; compute the loss and call ``backward()`` inside
+    ``torch.distributed.tensor.parallel.loss_parallel()`` so no rank holds the full
+    logits (the built-in Llama's ``model(tokens, targets)`` and an HF causal LM's
+    ``labels=`` loss both work there). Parameters become DTensors on ``tp_mesh``; tied
+    weights stay one parameter. Raises on every rank, before any communication, for plan
+    keys that match nothing and for shapes tp does not divide."""
+    if not isinstance(tp_mesh, DeviceMesh) or tp_mesh.ndim != 1:
+        raise ValueError(
+            f"tp_mesh must be a 1-D DeviceMesh, got {tp_mesh!r}; take it from the world mesh with "
+            "fsdp8.parallel.mesh.tp_mesh(fsdp8.make_mesh(tp=N))"
+        )
+    family = _family_plan(model, sequence_parallel, loss_parallel)
+    if family is None and plan is None:
+        raise ValueError(
+            f"no automatic tensor-parallel plan for {type(model).__name__} (neither fsdp8's Llama nor a Hugging "
+            "Face model with config.base_model_tp_plan); pass plan={'module pattern': ParallelStyle, ...}"
+        )
+    modules = dict(model.named_modules())
+    names = [name for name in modules if name]
+    resolved = resolve_plan(names, family.styles if family else {}, plan)
+    if family is not None:
+        _check_unsupported(names, family.unsupported, plan or {}, type(model).__name__)
+    if not resolved:
+        raise ValueError(f"the tensor-parallel plan shards no module of {type(model).__name__}; pass plan=")
+    tp = tp_mesh.size()
+    check_shapes(modules, resolved, tp, family)
+    tied = _tied_groups(modules, resolved)
+    for name, style in resolved.items():
+        parallelize_module(modules[name], tp_mesh, style)
+    _retie(modules, tied)
+    if sequence_parallel:
+        model.register_forward_pre_hook(_check_sequence_length(tp), with_kwargs=True)
+    return model

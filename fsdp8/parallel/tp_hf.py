@@ -1,0 +1,111 @@
+"""Hugging Face tensor-parallel plans: a model's ``config.base_model_tp_plan`` strings as torch ParallelStyles.
+
+transformers names its styles with strings (``"colwise"``, ``"rowwise"``, ...) keyed by
+module patterns relative to the base model (``"layers.*.self_attn.q_proj"``); their
+meaning here is the one transformers gives them (4.5x and 5.x agree on the strings
+below). Strings with no torch ParallelStyle equivalent (packed, MoE and replicated-with-
+gradient-all-reduce styles) are reported unless the caller's plan covers those modules.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from typing import Dict, Optional
+
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+# Projections whose output features are attention heads, and the config field counting them.
+_HEAD_PROJECTIONS = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}
+
+
+def _style(kind: str, sequence_parallel: bool) -> Optional[ParallelStyle]:
+    # Under sequence parallel the residual stream is a sequence-sharded DTensor (HF models
+    # read the sequence length and positions off the embedding output, so it must keep its
+    # global shape): column-parallel projections gather it, row-parallel ones
+    # reduce-scatter back into it.
+    seq = Shard(1) if sequence_parallel else None
+    if kind in ("colwise", "local_colwise"):  # local_*: 4.5x's same sharding without DTensor params
+        return ColwiseParallel(input_layouts=seq)
+    if kind in ("rowwise", "local_rowwise"):
+        return RowwiseParallel(output_layouts=seq, use_local_output=not sequence_parallel)
+    if kind in ("colwise_rep", "colwise_gather_output"):
+        return ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    if kind in ("rowwise_rep", "rowwise_split_input"):
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=not sequence_parallel)
+    if kind == "sequence_parallel":
+        return SequenceParallel(use_local_output=not sequence_parallel)
+    return None
+
+
+def _module_name(model: nn.Module, target: Optional[nn.Module]) -> Optional[str]:
+    if target is None:
+        return None
+    return next((name for name, module in model.named_modules() if module is target), None)
+
+
+def hf_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool):
+    """The FamilyPlan of a Hugging Face model with ``config.base_model_tp_plan``, else None."""
+    from .tp import FamilyPlan
+
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "get_input_embeddings"):
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    base_plan: Dict[str, str] = dict(getattr(text, "base_model_tp_plan", None) or {})
+    if not base_plan:
+        return None
+    base = _module_name(model, getattr(model, "base_model", model)) or ""
+    prefix = f"{base}." if base else ""
+    styles, unsupported, heads = {}, {}, []
+    for key, kind in base_plan.items():
+        pattern = prefix + key
+        style = _style(kind, sequence_parallel)
+        if style is None:
+            unsupported[pattern] = kind
+            continue
+        styles[pattern] = style
+        field = _HEAD_PROJECTIONS.get(key.rsplit(".", 1)[-1])
+        count = getattr(text, field, None) if field else None
+        if count is None and field == "num_key_value_heads":
+            count = text.num_attention_heads
+        if count is not None and isinstance(style, ColwiseParallel):
+            heads.append((field, count, pattern))
+    if sequence_parallel:
+        styles.update(_sequence_parallel_styles(model, styles))
+    seq = Shard(1) if sequence_parallel else None
+    embed = _module_name(model, model.get_input_embeddings())
+    head = _module_name(model, model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None)
+    vocab = []
+    if embed is not None:
+        styles[embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq,
+                                        use_local_output=not sequence_parallel)
+        vocab.append(embed)
+    if head is not None:
+        styles[head] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                       use_local_output=not loss_parallel)
+        vocab.append(head)
+    return FamilyPlan(styles, heads=heads, vocab_modules=tuple(vocab), unsupported=unsupported)
+
+
+def _sequence_parallel_styles(model: nn.Module, styles: Dict[str, ParallelStyle]) -> Dict[str, ParallelStyle]:
+    """SequenceParallel for the norms on the residual stream: every norm module (by class
+    name, as HF names them: ``*RMSNorm``, ``*LayerNorm``) outside the modules that own a
+    sharded projection (a q/k norm inside attention sees heads, not sequence shards)."""
+    sharded = [name for name in (n for n, _ in model.named_modules())
+               if any(fnmatchcase(name, pattern) for pattern in styles)]
+    owners = {name.rsplit(".", 1)[0] for name in sharded if "." in name}
+    norms = {}
+    for name, module in model.named_modules():
+        if "norm" not in type(module).__name__.lower() or not name:
+            continue
+        if any(name == owner or name.startswith(owner + ".") for owner in owners):
+            continue
+        norms[name] = SequenceParallel()
+    return norms
