@@ -18,7 +18,6 @@ import math
 from typing import Dict, List, Tuple
 
 import torch
-import torch.nn as nn
 
 from ..fp8.formats import Granularity, e8m0_to_scale_inv, scale_inv_to_e8m0
 from ..fp8.kernels import amaxes, partial_block_amax, quantize, quantize_pieces, quantize_rows_with_grid
@@ -106,15 +105,13 @@ class Float8Unit(ShardedUnit):
             self._allocate_scales()
         return self._scale_inv[id(slot)]
 
-    def _make_compute_param(self, slot: ParamSlot) -> nn.Parameter:
+    def _compute_local(self, slot: ParamSlot) -> torch.Tensor:
         if id(slot) not in self.fp8_ids:
             p = self._entry(slot, "value")
-            return nn.Parameter(alias_storage(self.unsharded, p.unsharded_offset, self.compute_dtype, slot.layout.shape),
-                                requires_grad=slot.requires_grad)
+            return alias_storage(self.unsharded, p.unsharded_offset, self.compute_dtype, slot.layout.shape)
         p = self._entry(slot, "fp8")
         data = alias_storage(self.unsharded, p.unsharded_offset, self.recipe.fwd_dtype, slot.layout.shape)
-        weight = Float8Tensor(data, self.scale_inv_of(slot), self.granularity, self.compute_dtype)
-        return nn.Parameter(weight, requires_grad=slot.requires_grad)
+        return Float8Tensor(data, self.scale_inv_of(slot), self.granularity, self.compute_dtype)
 
     # -- scales (agreed by fp8_scales.ScaleAgreement) --------------------------------------
     @property
@@ -262,7 +259,7 @@ class Float8Unit(ShardedUnit):
         for slot in self.slots:
             if id(slot) not in self.fp8_ids:
                 continue
-            slot.compute.clear_transpose()
+            self.compute_local(slot).clear_transpose()
             if self.granularity is Granularity.MX_1x32:
                 p = self._entry(slot, "e8m0")
                 rows, cols = slot.layout.rows, p.row_numel
@@ -274,5 +271,5 @@ class Float8Unit(ShardedUnit):
         if self.shards_params:
             for slot in self.slots:
                 if id(slot) in self.fp8_ids:
-                    slot.compute.clear_transpose()
+                    self.compute_local(slot).clear_transpose()
 

@@ -37,8 +37,15 @@ def clip_grad_norm_(
     norm_type = float(norm_type)
     if norm_type <= 0 and not math.isinf(norm_type):
         raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
-    grads: List[torch.Tensor] = [_local(p.grad) for p in model.parameters() if p.grad is not None]
     engine = model._fsdp8
+    topology = engine.topology
+    # Under TP a tp-replicated weight's gradient is on every tp rank: count it on one of them
+    # for sums (a max does not care).
+    skip = set()
+    if topology.inner_mesh is not None and not math.isinf(norm_type) and topology.inner_mesh.get_local_rank() != 0:
+        skip = engine.tp_replicated
+    grads: List[torch.Tensor] = [_local(p.grad) for p in model.parameters() if p.grad is not None and id(p) not in skip]
+    clipped: List[torch.Tensor] = [_local(p.grad) for p in model.parameters() if p.grad is not None]
     device = engine.all_units[0].device if engine.all_units else torch.device("cpu")
     grads = [g for g in grads if g.numel() > 0]
     if grads:
@@ -47,14 +54,16 @@ def clip_grad_norm_(
     else:
         local = torch.zeros((), dtype=torch.float32, device=device)
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-    comm.all_reduce(local, engine.topology.main_group, op, "grad_norm")
+    comm.all_reduce(local, topology.main_group, op, "grad_norm")
+    comm.all_reduce(local, topology.inner_group, op, "grad_norm/tp")
     total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         check_finite(model)  # names the parameters and ranks
         raise NonFiniteGradError(f"the total gradient norm is {total.item()}")
-    if grads:
+    clipped = [g for g in clipped if g.numel() > 0]
+    if clipped:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef)
+        torch._foreach_mul_(clipped, coef)
     return total
 
 

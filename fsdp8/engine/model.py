@@ -24,6 +24,7 @@ from .check import check_same_everywhere
 from .fp8_scales import ScaleAgreement, delayed_states_of
 from .fp8_unit import Float8Unit
 from .grads import check_finite as check_finite_grads
+from .dtensor_params import InnerSpec, inner_mesh_of
 from .layout import plan_unit
 from .materialize import materialize_and_load, meta_leftovers, rng_fingerprint
 from .schedule import Schedule
@@ -74,6 +75,8 @@ class Engine:
         self.all_units = schedule.all_units
         self.scales: Optional["ScaleAgreement"] = None
         self._unit_of_param = {id(s.main): u for u in self.all_units for s in u.slots}
+        # Main weights that every tensor-parallel rank holds whole (norms, biases of rowwise layers).
+        self.tp_replicated = {id(s.main) for u in self.all_units for s in u.slots if s.inner is not None and s.inner.is_replicated}
 
     def note_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Mark units whose main weights this optimizer may have changed as stale."""
@@ -236,15 +239,12 @@ def _collect_slots(root: nn.Module, unit_modules: List[Tuple[str, nn.Module]]):
                 f"parameter {regs[0][0]!r} is shared by units {names}; a parameter must belong to one "
                 "unit: put the modules that share it in the same unit (or outside all units), or untie it"
             )
-        if isinstance(p, DTensor) or isinstance(getattr(p, "data", None), DTensor):
-            raise NotImplementedError(
-                f"parameter {regs[0][0]!r} is already a DTensor; tensor-parallel inputs are not supported yet"
-            )
         if p.dim() == 0:
             raise ValueError(f"parameter {regs[0][0]!r} is 0-dimensional; give it shape (1,) so it can be sharded")
         if not p.is_floating_point():
             raise ValueError(f"parameter {regs[0][0]!r} has dtype {p.dtype}; only floating-point parameters can be sharded")
-        slot = ParamSlot(fqn=regs[0][0], aliases=[(m, a) for _, m, a, _ in regs], layout=None, requires_grad=p.requires_grad)
+        slot = ParamSlot(fqn=regs[0][0], aliases=[(m, a) for _, m, a, _ in regs], layout=None, requires_grad=p.requires_grad,
+                         inner=InnerSpec.of(p) if isinstance(p, DTensor) else None)
         per_unit[owners[0]].append(slot)
         originals[id(slot)] = p
     return per_unit, originals
@@ -256,24 +256,63 @@ def _describe(per_unit, originals, extra: List[str]) -> List[str]:
         lines.append(f"unit {unit_name or '<root>'}")
         for s in slots:
             p = originals[id(s)]
-            lines.append(f"  {s.fqn} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}")
+            placed = f" {s.inner.describe()}" if s.inner is not None else ""
+            lines.append(f"  {s.fqn} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}{placed}")
     return lines
 
 
-def _resolve_mesh(mesh: Optional[DeviceMesh], device_type: str, outer: OuterStrategy) -> DeviceMesh:
+def _local_shape(slot: ParamSlot, param: torch.Tensor) -> Tuple[int, ...]:
+    """The shape the engine lays out: this rank's tensor-parallel piece, or the whole parameter."""
+    return slot.inner.local_region()[0] if slot.inner is not None else tuple(param.shape)
+
+
+_MODEL_PARALLEL_DIMS = ("cp", "tp")
+
+
+def _resolve_mesh(mesh: Optional[DeviceMesh], device_type: str, outer: OuterStrategy,
+                  inner: Optional[DeviceMesh]) -> DeviceMesh:
+    """The data-parallel mesh to shard over: ``mesh`` itself, or the data-parallel part of a
+    world mesh (one with tp/cp dimensions, as fsdp8.make_mesh builds)."""
     world = dist.get_world_size()
+    if mesh is None and inner is not None:
+        mesh = inner._get_root_mesh()
+        if mesh is inner:
+            raise ValueError(
+                f"the model's tensor-parallel mesh {inner} has no data-parallel dimension beside it; pass "
+                "mesh=fsdp8.make_mesh(tp=N) (its dp_shard dimension may have size 1) to fully_shard"
+            )
     if mesh is None:
         if outer is OuterStrategy.OPTIM:
             raise ValueError("outer_strategy='optim' needs a 2-D (replicate, shard) mesh; pass mesh=fsdp8.make_mesh(dp_replicate=R)")
         return init_device_mesh(device_type, (world,))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if any(n in _MODEL_PARALLEL_DIMS for n in names):
+        from ..parallel.mesh import data_parallel_mesh
+
+        if "tp" in names and mesh["tp"].size() > 1 and inner is None:
+            raise ValueError(
+                f"the mesh has a tp dimension of size {mesh['tp'].size()} but no parameter of the model is a "
+                "tensor-parallel DTensor; apply fsdp8.tensor_parallel(model, mesh['tp']) before fully_shard, "
+                "or build the mesh without tp"
+            )
+        mesh = data_parallel_mesh(mesh)
     if mesh.ndim not in (1, 2):
         raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D {tuple(mesh.shape)}")
-    if mesh.size() != world:
+    shared = set(mesh.mesh_dim_names or ()) & set(inner.mesh_dim_names or ()) if inner is not None else set()
+    if shared:
         raise ValueError(
-            f"mesh {tuple(mesh.shape)} covers {mesh.size()} ranks but the world has {world}; "
-            "the data-parallel mesh must cover every rank (tensor parallelism is not supported yet)"
+            f"the data-parallel mesh {mesh} and the tensor-parallel mesh {inner} share dimensions {sorted(shared)}; "
+            "pass fully_shard the world mesh from fsdp8.make_mesh(...), or its data-parallel slice"
+        )
+    inner_size = inner.size() if inner is not None else 1
+    if mesh.size() * inner_size != world:
+        what = f" x the tensor-parallel mesh's {inner_size}" if inner is not None else ""
+        raise ValueError(
+            f"the data-parallel mesh {tuple(mesh.shape)} covers {mesh.size()} ranks{what}, but the world has {world}; "
+            "the data-parallel mesh (times the tensor-parallel one) must cover every rank: build both with "
+            "fsdp8.make_mesh(dp_replicate=..., dp_shard=..., tp=...)"
         )
     if mesh.ndim == 1 and outer is OuterStrategy.OPTIM:
         raise ValueError("outer_strategy='optim' needs a 2-D (replicate, shard) mesh; got a 1-D mesh")
@@ -311,7 +350,8 @@ def fully_shard(
         raise TypeError(f"precision must be fsdp8.Precision, got {type(precision).__name__}")
     init_distributed()
     device_type = mesh.device_type if isinstance(mesh, DeviceMesh) else default_device_type()
-    mesh = _resolve_mesh(mesh, device_type, outer)
+    inner_mesh = inner_mesh_of(module.named_parameters(), device_type)
+    mesh = _resolve_mesh(mesh, device_type, outer, inner_mesh)
     device = torch.device(device) if device is not None else _default_device(device_type)
     if device.type != device_type:
         raise ValueError(f"device {device} does not match the mesh's device type {device_type!r}")
@@ -326,6 +366,11 @@ def fully_shard(
         warn_skipped(skipped)
     recipe = _model_recipe(module, fp8)
     per_unit, originals = _collect_slots(module, unit_modules)
+    if inner_mesh is not None:
+        for slots in per_unit.values():
+            for s in slots:
+                if s.inner is None:  # a plain parameter beside TP ones: replicated over tp
+                    s.inner = InnerSpec.replicated(inner_mesh, originals[id(s)].shape)
     has_meta = any(p.is_meta for p in originals.values())
     header = [
         f"strategy={strategy.label} outer={outer.label} mesh={tuple(mesh.shape)}",
@@ -342,14 +387,14 @@ def fully_shard(
         _describe(per_unit, originals, header), "the sharded model's structure", dist.group.WORLD, device, rng_hint
     )
 
-    topology = Topology(mesh, strategy, outer)
+    topology = Topology(mesh, strategy, outer, inner_mesh)
     streams = comm.Streams(device)
     built: Dict[str, ShardedUnit] = {}
     for (name, unit_module) in [("", module)] + unit_modules:
         slots = sorted(per_unit[name], key=lambda s: not s.requires_grad)  # trainable first (stable)
         if not slots:
             continue
-        shapes = [tuple(originals[id(s)].shape) for s in slots]
+        shapes = [_local_shape(s, originals[id(s)]) for s in slots]
         layout = plan_unit(shapes, sum(s.requires_grad for s in slots), topology.plan.num_chunks)
         for s, p in zip(slots, layout.params):
             s.layout = p
@@ -377,7 +422,7 @@ def fully_shard(
         for m in module.modules():
             if isinstance(m, Float8Linear) and m.delayed_state(device) in states:
                 m.external_delayed_update = True  # folded in by the one all-reduce per step
-        engine.scales = ScaleAgreement(fp8_units, states, topology.dp_group)
+        engine.scales = ScaleAgreement(fp8_units, states, topology.model_group)
         schedule.before_forward.append(engine.scales.refresh)
 
     def preflight() -> None:

@@ -59,12 +59,17 @@ class ChunkPlan:
 
 
 class Topology:
-    """Process groups and DTensor placements for one ``fully_shard`` call."""
+    """Process groups and DTensor placements for one ``fully_shard`` call.
 
-    def __init__(self, mesh: DeviceMesh, strategy: Strategy, outer: OuterStrategy):
+    ``mesh`` is the data-parallel mesh; ``inner_mesh`` the tensor-parallel mesh the model's
+    DTensor parameters live on (None without TP), which the engine never gathers over."""
+
+    def __init__(self, mesh: DeviceMesh, strategy: Strategy, outer: OuterStrategy,
+                 inner_mesh: Optional[DeviceMesh] = None):
         self.mesh = mesh
         self.strategy = strategy
         self.outer = outer
+        self.inner_mesh = inner_mesh
         if mesh.ndim == 1:
             self.replicate_group = None
             self.shard_group = mesh.get_group(0)
@@ -78,6 +83,9 @@ class Topology:
             shard_size, shard_rank = mesh.size(1), mesh.get_local_rank(1)
             self.dp_mesh = _flatten(mesh)
         self.dp_group = self.dp_mesh.get_group(0)
+        # Every rank holding a piece of the model (data-parallel x tensor-parallel): FP8 scales
+        # and delayed amaxes are agreed over it, so a TP run scales as one process would.
+        self.model_group = self.dp_group if inner_mesh is None else _model_group(self.dp_mesh, inner_mesh)
         self.plan = ChunkPlan(
             replicate_size=replicate_size,
             shard_size=shard_size,
@@ -135,6 +143,11 @@ class Topology:
         return [("ar", self.dp_group)]
 
     @property
+    def inner_group(self) -> Optional[dist.ProcessGroup]:
+        """The tensor-parallel group (None without TP)."""
+        return None if self.inner_mesh is None else self.inner_mesh.get_group(0)
+
+    @property
     def grads_unsharded(self) -> bool:
         """ZeRO-0/1 keep full gradients per rank and reduce them once per synced backward."""
         return self.strategy in (Strategy.NO_SHARD, Strategy.OPTIM)
@@ -142,6 +155,10 @@ class Topology:
 
 def _flatten(mesh: DeviceMesh) -> DeviceMesh:
     """A 1-D mesh over all ranks of a 2-D mesh, in row-major (= group rank) order."""
+    if mesh.mesh_dim_names:
+        # A slice of a larger world mesh (TP beside it): torch flattens it through the root
+        # mesh, which every rank calls alike (a mesh of this rank's slice alone would not).
+        return mesh._flatten("_".join(mesh.mesh_dim_names))
     ranks = mesh.mesh.flatten().tolist()
     if ranks != sorted(ranks):
         raise ValueError(
@@ -150,3 +167,10 @@ def _flatten(mesh: DeviceMesh) -> DeviceMesh:
             "the process-group rank order"
         )
     return DeviceMesh(mesh.device_type, mesh.mesh.flatten())
+
+
+def _model_group(dp_mesh: DeviceMesh, inner_mesh: DeviceMesh) -> dist.ProcessGroup:
+    from .dtensor_params import concatenate
+
+    both = concatenate([dp_mesh, inner_mesh])
+    return both._flatten("_".join(both.mesh_dim_names)).get_group(0)

@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..config import Precision
 from . import comm
+from .dtensor_params import InnerSpec, combined_placement, contiguous_stride, partial_dims, to_placements
 from .layout import ParamLayout, UnitLayout
 from .pack import pack_rank_major
 from .topology import Topology
@@ -47,8 +49,9 @@ class ParamSlot:
     layout: ParamLayout
     requires_grad: bool
     main: Optional[nn.Parameter] = None  # DTensor over the main chunk
-    compute: Optional[nn.Parameter] = None  # plain alias into the unsharded buffer
+    compute: Optional[nn.Parameter] = None  # alias into the unsharded buffer (a DTensor under TP)
     spec: Optional[DTensorSpec] = None
+    inner: Optional[InnerSpec] = None  # placement on the tensor-parallel mesh (dtensor_params.py)
 
 
 @dataclass
@@ -69,14 +72,6 @@ def alias_storage(buffer: torch.Tensor, byte_offset: int, dtype: torch.dtype, sh
     alias = torch.empty(0, dtype=dtype, device=buffer.device)
     alias.set_(buffer.untyped_storage(), byte_offset // dtype.itemsize, torch.Size(shape))
     return alias
-
-
-def _contiguous_stride(shape) -> Tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= size
-    return tuple(reversed(stride))
 
 
 class ShardedUnit:
@@ -145,18 +140,32 @@ class ShardedUnit:
     def _plan_wire(self) -> Tuple[UnitLayout, torch.dtype]:
         return self.layout, self.compute_dtype
 
-    def _make_compute_param(self, slot: ParamSlot) -> nn.Parameter:
+    def _compute_local(self, slot: ParamSlot) -> torch.Tensor:
+        """What the module computes with, as a plain tensor over the unsharded buffer."""
         p = slot.layout
         offset = p.unsharded_offset * self.unsharded.element_size()
-        return nn.Parameter(alias_storage(self.unsharded, offset, self.compute_dtype, p.shape),
-                            requires_grad=slot.requires_grad)
+        return alias_storage(self.unsharded, offset, self.compute_dtype, p.shape)
+
+    def _make_compute_param(self, slot: ParamSlot) -> nn.Parameter:
+        local = self._compute_local(slot)
+        value = slot.inner.wrap(local) if slot.inner is not None and slot.inner.computes_as_dtensor else local
+        return nn.Parameter(value, requires_grad=slot.requires_grad)
+
+    @staticmethod
+    def compute_local(slot: ParamSlot) -> torch.Tensor:
+        """The plain tensor behind ``slot.compute`` (its local piece under TP)."""
+        c = slot.compute
+        return c._local_tensor if isinstance(c, DTensor) else c
 
     def _make_params(self) -> None:
-        mesh, placements = self.topology.main_placement()
+        dp_mesh, dp_placements = self.topology.main_placement()
         for slot in self.slots:
-            p = slot.layout
+            mesh, placements, shape = dp_mesh, dp_placements, slot.layout.shape
+            if slot.inner is not None:
+                mesh, placements = combined_placement(dp_mesh, dp_placements, slot.inner)
+                shape = slot.inner.shape
             local = self._chunk_view(self.main, slot)
-            meta = TensorMeta(torch.Size(p.shape), _contiguous_stride(p.shape), self.main_dtype)
+            meta = TensorMeta(torch.Size(shape), contiguous_stride(shape), self.main_dtype)
             slot.spec = DTensorSpec(mesh, placements, tensor_meta=meta)
             slot.main = nn.Parameter(
                 DTensor(local, slot.spec, requires_grad=False), requires_grad=slot.requires_grad
@@ -168,10 +177,14 @@ class ShardedUnit:
         return slot.main._local_tensor
 
     def load_full(self, slot: ParamSlot, full: torch.Tensor) -> None:
-        """Copy this rank's rows of a full (unsharded) tensor into the main chunk."""
+        """Copy this rank's part of a full (global, unsharded) tensor into the main chunk."""
+        self.load_local(slot, slot.inner.local_piece(full) if slot.inner is not None else full)
+
+    def load_local(self, slot: ParamSlot, local: torch.Tensor) -> None:
+        """Copy this rank's rows of its tensor-parallel piece (the full tensor without TP)."""
         start, stop = slot.layout.chunk_row_range(self.chunk_index)
         with torch.no_grad():
-            self.main_view(slot).copy_(full[start:stop])
+            self.main_view(slot).copy_(local[start:stop])
         self.mark_stale()
 
     # -- staleness -------------------------------------------------------------------------
@@ -312,12 +325,35 @@ class ShardedUnit:
         return any(s.compute.grad is not None for s in self.trainable_slots)
 
     def _take_unsharded_grads(self) -> List[torch.Tensor]:
-        grads = []
+        """The unsharded gradients as plain (tp-local) tensors, in trainable-slot order."""
+        grads, partial = [], []
         for slot in self.trainable_slots:
             g = slot.compute.grad
             slot.compute.grad = None
-            grads.append(torch.zeros(slot.layout.shape, dtype=self.compute_dtype, device=self.device) if g is None else g)
+            if g is None:
+                g = torch.zeros(slot.layout.shape, dtype=self.compute_dtype, device=self.device)
+            elif slot.inner is not None and isinstance(g, DTensor) and partial_dims(g) == tuple(range(slot.inner.mesh.ndim)) == (0,) \
+                    and slot.inner.is_replicated and g.placements[0].reduce_op == "sum":
+                partial.append(len(grads))
+                g = g._local_tensor
+            elif slot.inner is not None:
+                g = to_placements(g, slot.inner)
+            grads.append(g)
+        if partial:
+            self._sum_partials(grads, partial)
         return grads
+
+    def _sum_partials(self, grads: List[torch.Tensor], indices: List[int]) -> None:
+        """Sum the partial gradients of tp-replicated weights over tp, in one all-reduce.
+
+        Under sequence parallelism a norm weight sees only this rank's tokens, so its gradient
+        is a partial sum (torch marks it ``Partial``); every such gradient of the unit travels
+        in one flat buffer instead of one collective each."""
+        group = self.trainable_slots[indices[0]].inner.mesh.get_group(0)
+        flat = torch.cat([grads[i].reshape(-1) for i in indices])
+        comm.all_reduce(flat, group, dist.ReduceOp.SUM, f"{self.name}/tp partial grads")
+        for i, piece in zip(indices, torch.split(flat, [grads[i].numel() for i in indices])):
+            grads[i] = piece.view(grads[i].shape)
 
     def reduce_grads(self, sync: bool) -> Optional[PendingReduce]:
         """Pack, reduce and land this backward's gradients; returns what the reduction holds.

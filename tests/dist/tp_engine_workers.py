@@ -1,0 +1,180 @@
+"""Tensor parallelism inside the engine: functions run on every rank by tests/dist/test_tp_engine.py.
+
+The model is a small transformer-shaped stack placed with torch's own ParallelStyles
+(colwise up, rowwise down, vocab-sharded embedding and head; sequence parallel norms on
+request), so these tests check the engine's side of TP whatever plan placed the weights.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+import fsdp8
+
+from . import common
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Stack(nn.Module):
+    """Embedding, blocks, norm, head; the loss on replicated logits."""
+
+    def __init__(self, vocab: int, dim: int = 12, hidden: int = 20, layers: int = 2, tied: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([Block(dim, hidden) for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def place(model: Stack, tp_mesh, sequence_parallel: bool = False, tied: bool = False) -> Stack:
+    """torch's ParallelStyles: the Megatron layout, sequence-parallel norms on request."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    block_plan = {
+        "up": ColwiseParallel(input_layouts=seq),
+        "down": RowwiseParallel(output_layouts=seq),
+    }
+    if sequence_parallel:
+        block_plan["norm"] = SequenceParallel()
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, block_plan)
+    top = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+    }
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, top)
+    if tied:
+        # Each style distributes its own copy; both shard dim 0 of the same (vocab, dim) weight.
+        model.head.weight = model.embed.weight
+    return model
+
+
+def world_mesh(dp_replicate: int, dp_shard: int, tp: int):
+    device = common.device().type
+    if dp_replicate > 1:
+        return init_device_mesh(device, (dp_replicate, dp_shard, tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    return init_device_mesh(device, (dp_shard, tp), mesh_dim_names=("dp_shard", "tp"))
+
+
+def dp_of(mesh) -> Tuple[int, int]:
+    """(rank, size) of this rank among the data-parallel ranks (ranks of one tp group share a batch)."""
+    names = [n for n in mesh.mesh_dim_names if n != "tp"]
+    rank, size = 0, 1
+    for n in names:
+        rank = rank * mesh[n].size() + mesh[n].get_local_rank()
+        size *= mesh[n].size()
+    return rank, size
+
+
+def build(vocab: int, seed: int = 0, **kw) -> Stack:
+    torch.manual_seed(seed)
+    return Stack(vocab, **kw).to(common.device())
+
+
+def train(model, mesh, steps: int, batch_per_rank: int = 2, seq: int = 8, lr: float = 1e-3, clip: float = 1.0,
+          micro_batches: int = 1, vocab: int = 0):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    r, w = dp_of(mesh)
+    norms = []
+    for step in range(steps):
+        x, y = common.global_batch(step, batch_per_rank * w * micro_batches, seq, vocab)
+        x, y = common.rank_slice(x, r, w).to(common.device()), common.rank_slice(y, r, w).to(common.device())
+        for mb in range(micro_batches):
+            xs, ys = x.chunk(micro_batches)[mb], y.chunk(micro_batches)[mb]
+            ctx = model.no_sync() if mb < micro_batches - 1 else _null()
+            with ctx:
+                (model(xs, ys) / micro_batches).backward()
+        if clip:
+            norms.append(float(fsdp8.clip_grad_norm_(model, clip)))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def reference_train(model, steps: int, dp_size: int, batch_per_rank: int = 2, seq: int = 8, lr: float = 1e-3,
+                    clip: float = 1.0, micro_batches: int = 1, vocab: int = 0):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    norms = []
+    for step in range(steps):
+        x, y = common.global_batch(step, batch_per_rank * dp_size * micro_batches, seq, vocab)
+        model(x.to(common.device()), y.to(common.device())).backward()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def full_state(model) -> Dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in model.state_dict().items()}
+
+
+def errors(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    return {k: float((got[k].float() - v.float()).norm() / v.float().norm().clamp_min(1e-12)) for k, v in want.items()}
+
+
+def parity(strategy: str, mesh_shape=(2, 2), outer: str = "no_shard", sequence_parallel: bool = False,
+           steps: int = 4, micro_batches: int = 1, tied: bool = False, vocab: Optional[int] = None, meta: bool = False):
+    """Train TP x data-parallel and in one process from the same init and global batches."""
+    dp_replicate, dp_shard, tp = (1,) + tuple(mesh_shape) if len(mesh_shape) == 2 else tuple(mesh_shape)
+    mesh = world_mesh(dp_replicate, dp_shard, tp)
+    vocab = vocab or 4 * dist.get_world_size() + 1
+    reference = build(vocab, tied=tied)
+    if meta:
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = Stack(vocab, tied=tied)
+    else:
+        model = copy.deepcopy(reference)
+    place(model, mesh["tp"], sequence_parallel, tied)
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if dp_replicate > 1 else mesh["dp_shard"]
+    if meta:
+        torch.manual_seed(0)
+    sharded = fsdp8.fully_shard(model, mesh=dp_mesh, strategy=strategy, outer_strategy=outer)
+    init_err = errors(full_state(sharded), {k: v.detach().cpu() for k, v in reference.state_dict().items()})
+    norms = train(sharded, mesh, steps, micro_batches=micro_batches, vocab=vocab)
+    ref_norms = reference_train(reference, steps, dp_of(mesh)[1], micro_batches=micro_batches, vocab=vocab)
+    sd = sharded.state_dict()
+    placements = {k: [str(p) for p in v.placements] for k, v in sd.items() if isinstance(v, DTensor)}
+    tied_ok = (not tied) or sharded.head.weight is sharded.embed.weight
+    err = errors(full_state(sharded), {k: v.detach().cpu() for k, v in reference.state_dict().items()})
+    return {"errors": err, "init": init_err, "norms": norms, "ref_norms": ref_norms, "placements": placements,
+            "tied": tied_ok, "report": sharded.memory_report().persistent}
