@@ -15,6 +15,7 @@ holds identically, so every rank raises the same error before the first collecti
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Dict, List, Mapping, Optional, Tuple
@@ -153,23 +154,26 @@ def _divisors(n: int) -> Tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
-def _sharded_dims(module: nn.Module, style: ParallelStyle) -> List[Tuple[str, int, bool]]:
-    """``(what, size, is_vocab_dim)`` for each dim ``style`` splits over tp in ``module``."""
+def _sharded_dim(module: nn.Module, style: ParallelStyle) -> Optional[Tuple[str, int]]:
+    """``(what, size)`` of the dim ``style`` splits over tp in ``module``, if any."""
     if isinstance(module, nn.Linear):
         if isinstance(style, ColwiseParallel):
-            return [("out_features", module.out_features, True)]
+            return "out_features", module.out_features
         if isinstance(style, RowwiseParallel):
-            return [("in_features", module.in_features, False)]
+            return "in_features", module.in_features
     if isinstance(module, nn.Embedding):
         if isinstance(style, RowwiseParallel):
-            return [("num_embeddings", module.num_embeddings, True)]
+            return "num_embeddings", module.num_embeddings
         if isinstance(style, ColwiseParallel):
-            return [("embedding_dim", module.embedding_dim, False)]
-    return []
+            return "embedding_dim", module.embedding_dim
+    return None
 
 
 def check_shapes(modules: Mapping[str, nn.Module], plan: Plan, tp: int, family: Optional[FamilyPlan]) -> None:
-    """Raise one ValueError listing every head count and module dim that tp does not divide."""
+    """Raise one ValueError listing every head count and module dim that tp does not divide.
+
+    Vocabulary dims may be uneven (torch's vocab-sharded embedding, colwise head and
+    loss_parallel handle unequal chunks): an embedding's rows, and the family's head."""
     problems = []
     heads = [(name, count) for name, count, pattern in (family.heads if family else [])
              if any(fnmatchcase(fqn, pattern) and isinstance(style, ColwiseParallel) for fqn, style in plan.items())]
@@ -183,14 +187,17 @@ def check_shapes(modules: Mapping[str, nn.Module], plan: Plan, tp: int, family: 
                 )
     vocab = family.vocab_modules if family else ()
     for fqn, style in plan.items():
-        for what, size, vocab_dim in _sharded_dims(modules[fqn], style):
-            if size % tp == 0 or (vocab_dim and fqn in vocab):
-                continue
-            remedy = ("pad the vocabulary to a multiple of tp" if vocab_dim
-                      else f"use tp in {_divisors(size)}")
-            problems.append(
-                f"{fqn} ({type(style).__name__}) splits {what}={size} over tp={tp}, which does not divide it; {remedy}"
-            )
+        module = modules[fqn]
+        dim = _sharded_dim(module, style)
+        uneven_ok = fqn in vocab or (isinstance(module, nn.Embedding) and isinstance(style, RowwiseParallel))
+        if dim is None or dim[1] % tp == 0 or uneven_ok:
+            continue
+        # One line for all layers: the same module in every block fails the same way.
+        pattern = re.sub(r"[.]\d+[.]", ".*.", fqn)
+        problem = (f"{pattern} ({type(style).__name__}) splits {dim[0]}={dim[1]} "
+                   f"over tp={tp}, which does not divide it; use tp in {_divisors(dim[1])}")
+        if problem not in problems:
+            problems.append(problem)
     if problems:
         raise ValueError("tensor_parallel: " + "; ".join(problems))
 
@@ -227,7 +234,7 @@ def _tied_groups(modules: Mapping[str, nn.Module], plan: Plan) -> List[List[Tupl
             continue
         if len(set(placements.values())) > 1:
             described = ", ".join(
-                f"{fqn or '<root>'}.{name} as {placement or 'a plain tensor'}"
+                f"{fqn or '<root>'}.{name} as {repr(placement) if placement else 'a plain tensor'}"
                 for (fqn, name), placement in placements.items()
             )
             raise ValueError(

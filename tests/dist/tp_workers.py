@@ -13,10 +13,9 @@ from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel
 
-import fsdp8
 from fsdp8.parallel.mesh import make_mesh, tp_mesh
 from fsdp8.parallel.tp import tensor_parallel
 
@@ -132,3 +131,116 @@ def llama_parity(tp: int, sequence_parallel: bool = False, lp: bool = False, mod
 def hf_parity(tp: int, family: str = "llama", sequence_parallel: bool = False, lp: bool = False,
               model_kw: Optional[dict] = None):
     return compare_training(hf(family, **(model_kw or {})), _hf_loss, tp, sequence_parallel=sequence_parallel, lp=lp)
+
+
+
+def _hf_packed() -> nn.Module:
+    model = hf()
+    model.config.base_model_tp_plan = {**model.config.base_model_tp_plan,
+                                       "layers.*.self_attn.q_proj": "packed_colwise"}
+    return model
+
+
+# name -> (model builder, tensor_parallel keyword arguments)
+BAD_INPUTS = {
+    "kv_heads": (lambda: llama(n_kv_heads=1), {}),
+    "heads": (lambda: llama(dim=36, n_heads=3, n_kv_heads=3), {}),
+    "ffn": (lambda: llama(ffn_dim=49), {}),
+    "unknown_key": (llama, {"plan": {"layers.*.attn.wz": ColwiseParallel()}}),
+    "not_a_style": (llama, {"plan": {"head": "colwise"}}),
+    "no_plan": (lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)), {}),
+    "uneven_features": (lambda: nn.Sequential(nn.Linear(8, 15)), {"plan": {"0": ColwiseParallel()}}),
+    "tied_split": (lambda: llama(tie_embeddings=True), {"plan": {"head": None}}),
+    "hf_kv_heads": (lambda: hf(kv_heads=1), {}),
+    "hf_unsupported": (_hf_packed, {}),
+    "two_d_mesh": (llama, {}),
+}
+
+
+def bad_input(name: str):
+    """tensor_parallel on a bad input: (the error message or None, whether any parameter
+    became a DTensor, i.e. whether anything was distributed before the error)."""
+    build, kwargs = BAD_INPUTS[name]
+    model = build()
+    world = common.world()
+    mesh = make_mesh(dp_shard=1, tp=world)
+    mesh = mesh if name == "two_d_mesh" else tp_mesh(mesh)
+    try:
+        tensor_parallel(model, mesh, **kwargs)
+        message = None
+    except (ValueError, TypeError) as e:
+        message = str(e)
+    return message, any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def plan_overrides():
+    """User plans: ``None`` keeps the matched modules whole (the built-in Llama's feed-forward
+    here); a custom model's plan alone. Returns, for each, the worst relative error against
+    one process and the names of the parameters left plain tensors."""
+    tp = common.world()
+    model = llama()
+    errors, _ = compare_training(model, _llama_loss, tp, plan={"layers.*.ffn.*": None})
+    llama_plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.Linear(8, 4))
+    reference = copy.deepcopy(mlp)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    tensor_parallel(mlp, _tp_mesh(tp), plan={"0": ColwiseParallel(), "2": RowwiseParallel()})
+    mlp(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    mlp_errors = [_rel(p.grad, ref.grad) for p, ref in zip(mlp.parameters(), reference.parameters())]
+    mlp_plain = [name for name, p in mlp.named_parameters() if not isinstance(p, DTensor)]
+    return max(errors.values()), llama_plain, max(mlp_errors), mlp_plain
+
+
+def sequence_not_divisible():
+    """The error a sequence-parallel forward gives for a sequence length tp does not divide."""
+    model = tensor_parallel(llama(), _tp_mesh(common.world()), sequence_parallel=True)
+    x, y = common.global_batch(0, 2, 2 * common.world() + 1, 64)
+    try:
+        model(x, y)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def meta_model():
+    """tensor_parallel on a Llama built on the meta device: (head weight placements, the
+    local shard's shape, whether the tie survived, whether anything was allocated)."""
+    from fsdp8.models.llama import Llama
+
+    with torch.device("meta"):
+        model = Llama(llama(vocab=63, tie_embeddings=True).config)
+    tensor_parallel(model, _tp_mesh(common.world()), sequence_parallel=True, loss_parallel=True)
+    head = model.head.weight
+    allocated = any(not (p.to_local() if isinstance(p, DTensor) else p).is_meta for p in model.parameters())
+    return tuple(map(repr, head.placements)), tuple(head.to_local().shape), head is model.embed.weight, allocated
+
+
+MESH_CASES = [
+    {},
+    {"dp_replicate": 2},
+    {"tp": 2},
+    {"dp_replicate": 2, "tp": 2},
+    {"cp": 2, "tp": 2},
+    {"dp_replicate": 2, "cp": 2},
+    {"dp_shard": 1, "tp": -1},
+]
+
+
+def mesh_layouts():
+    """For each of MESH_CASES: the world mesh's names and shape, the data-parallel mesh's names
+    and ranks, the tp mesh's ranks, and the sizes the dp and tp groups report by all-reduce."""
+    import torch.distributed as dist
+
+    from fsdp8.parallel.mesh import data_parallel_mesh
+
+    out = []
+    for kwargs in MESH_CASES:
+        mesh = make_mesh(**kwargs)
+        dp, tp = data_parallel_mesh(mesh), tp_mesh(mesh)
+        one = torch.ones(())
+        group = dp.get_group(dp.ndim - 1)
+        dist.all_reduce(one, group=group)
+        out.append((mesh.mesh_dim_names, tuple(mesh.shape), dp.mesh_dim_names, dp.mesh.tolist(),
+                    None if tp is None else tp.mesh.tolist(), int(one)))
+    return out
