@@ -1,5 +1,6 @@
 """Unit tests for the reference Llama: shapes, init, GQA, tying, meta-device init, checkpointing."""
 
+import copy
 import dataclasses
 import math
 
@@ -232,3 +233,26 @@ def test_bf16_linear_on_cpu_is_a_bf16_gemm():
         step = exact.abs().clamp_min(1e-30) * 2.0**-7  # one bf16 step (8-bit significand) or less
         assert ((got.double() - exact).abs() <= step).all()
         assert not torch.equal(got.double(), exact)  # rounded: the bound is not vacuous
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_attention_computes_with_a_slice_of_heads(ranks):
+    """What a tensor-parallel rank holds: the wq/wk/wv rows of its heads (whole kv groups) and
+    wo's matching columns. Each slice must run, and the slices' outputs sum to the full one."""
+    torch.manual_seed(0)
+    config = small(n_heads=4, n_kv_heads=ranks if ranks == 4 else 2)
+    model = Llama(config)
+    full = model.layers[0].attn
+    x = torch.randn(2, 8, config.dim)
+    cos, sin = model.rotary(8, torch.float32)
+    q_rows, kv_rows = config.dim // ranks, config.n_kv_heads * config.head_dim // ranks
+    total = torch.zeros_like(x)
+    for r in range(ranks):
+        part = copy.deepcopy(full)
+        with torch.no_grad():
+            part.wq.weight = nn.Parameter(full.wq.weight[r * q_rows:(r + 1) * q_rows])
+            part.wk.weight = nn.Parameter(full.wk.weight[r * kv_rows:(r + 1) * kv_rows])
+            part.wv.weight = nn.Parameter(full.wv.weight[r * kv_rows:(r + 1) * kv_rows])
+            part.wo.weight = nn.Parameter(full.wo.weight[:, r * q_rows:(r + 1) * q_rows])
+            total += part(x, cos, sin)
+    torch.testing.assert_close(total, full(x, cos, sin), rtol=1e-5, atol=1e-6)
