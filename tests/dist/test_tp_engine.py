@@ -9,6 +9,7 @@ amplify over a few steps.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.harness import run_on_ranks
 from tests.dist import tp_engine_workers as workers
@@ -54,3 +55,34 @@ def test_tied_meta_init_no_sync():
     results = run_on_ranks(4, workers.parity, "optim_grads_params", (2, 2), "no_shard", False, 3, 3, True, None, True)
     _check(results)
     assert all(out["tied"] for out in results)
+
+
+def _equal(a, b, keys=None):
+    keys = keys or b.keys()
+    return [k for k in keys if not torch.equal(a[k], b[k])]
+
+
+def test_checkpoint_across_tp_layouts(tmp_path):
+    # (dp 2, tp 2) -> (dp 4, tp 1) -> (dp 1, tp 4) -> HSDP (2, 1, 2) -> one process with DCP alone.
+    # Weights and AdamW moments come back bit for bit at every hop, and training continues as
+    # one uninterrupted single-process run would (fp32 bound of test_parity.py).
+    hops = [(1, 2, 2), (1, 4, 1), (1, 1, 4), (2, 1, 2)]
+    path_in, saved = None, None
+    for i, layout in enumerate(hops):
+        path_out = str(tmp_path / f"hop{i}")
+        loaded, new_saved = run_on_ranks(4, workers.checkpoint_hop, path_in, path_out, layout, 18, 2, 0)[0]
+        if saved is not None:
+            assert set(loaded) == set(saved)
+            assert _equal(loaded, saved) == [], f"hop {i} {layout}"
+        path_in, saved = path_out, new_saved
+    plain = run_on_ranks(1, workers.load_plain, path_in)[0]
+    assert _equal(plain, saved, plain.keys()) == []
+    reference = run_on_ranks(1, workers.checkpoint_reference, 2 * len(hops))[0]
+    worst = max(float((saved[k] - v).norm() / v.norm().clamp_min(1e-12)) for k, v in reference.items())
+    assert worst <= FP32_TOL
+
+
+def test_fsdp2_tp_checkpoint_interop(tmp_path):
+    saved, into_fsdp8, into_fsdp2 = run_on_ranks(4, workers.fsdp2_tp_interop, str(tmp_path / "a"), str(tmp_path / "b"))[0]
+    assert set(into_fsdp8) == set(saved) and _equal(into_fsdp8, saved) == []
+    assert set(into_fsdp2) == set(saved) and _equal(into_fsdp2, saved) == []

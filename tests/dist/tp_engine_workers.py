@@ -144,7 +144,8 @@ def reference_train(model, steps: int, dp_size: int, batch_per_rank: int = 2, se
 
 
 def full_state(model) -> Dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in model.state_dict().items()}
+    # clone: a replicated DTensor's full_tensor() is its local tensor, which training updates in place
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def errors(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> Dict[str, float]:
@@ -178,3 +179,122 @@ def parity(strategy: str, mesh_shape=(2, 2), outer: str = "no_shard", sequence_p
     err = errors(full_state(sharded), {k: v.detach().cpu() for k, v in reference.state_dict().items()})
     return {"errors": err, "init": init_err, "norms": norms, "ref_norms": ref_norms, "placements": placements,
             "tied": tied_ok, "report": sharded.memory_report().persistent}
+
+
+# -- checkpoints across (dp_replicate, dp_shard, tp) ----------------------------------------------
+def _layout_model(mesh_shape, vocab: int, seed: int = 0, strategy: str = "optim_grads_params",
+                  sequence_parallel: bool = False):
+    """A Stack placed on (dp_replicate, dp_shard, tp) and sharded; tp 1 means no TP at all."""
+    dp_replicate, dp_shard, tp = mesh_shape
+    model = build(vocab, seed=seed)
+    if tp == 1:
+        mesh = fsdp8.make_mesh(dp_replicate=dp_replicate, dp_shard=dp_shard)
+        sharded = fsdp8.fully_shard(model, mesh=mesh, strategy=strategy)
+        return sharded, mesh
+    mesh = fsdp8.make_mesh(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
+    place(model, mesh["tp"], sequence_parallel)
+    return fsdp8.fully_shard(model, mesh=mesh, strategy=strategy), mesh
+
+
+def _snapshot(model, opt) -> Dict[str, torch.Tensor]:
+    out = {f"model/{k}": v for k, v in full_state(model).items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, state in opt.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                out[f"optim/{names[id(p)]}/{key}"] = (value.full_tensor() if isinstance(value, DTensor) else value).cpu().clone()
+    return out
+
+
+def checkpoint_hop(path_in: Optional[str], path_out: str, mesh_shape, vocab: int = 18, train_steps: int = 2,
+                   first_step: int = 0):
+    """Load ``path_in`` (if given) into a model of layout ``mesh_shape``, snapshot, train, save."""
+    # A later hop starts from another init: everything must come from the file.
+    model, mesh = _layout_model(tuple(mesh_shape), vocab, seed=1 if path_in is None else 100)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    loaded = None
+    if path_in is not None:
+        extra = fsdp8.load(path_in, model, opt)
+        first_step = int(extra["step"])
+        loaded = _snapshot(model, opt)
+    r, w = dp_of(mesh) if "tp" in (mesh.mesh_dim_names or ()) else (dist.get_rank(), dist.get_world_size())
+    for step in range(first_step, first_step + train_steps):
+        x, y = common.global_batch(step, 4, 8, vocab)
+        x, y = common.rank_slice(x, r, w).to(common.device()), common.rank_slice(y, r, w).to(common.device())
+        model(x, y).backward()
+        fsdp8.clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad()
+    saved = _snapshot(model, opt)
+    fsdp8.save(path_out, model, opt, extra={"step": first_step + train_steps})
+    return loaded, saved
+
+
+def checkpoint_reference(steps: int, vocab: int = 18):
+    """One process, the same data: what every layout's training must reproduce."""
+    model = build(vocab, seed=1)
+    reference_train(model, steps, 1, batch_per_rank=4, vocab=vocab)
+    return {f"model/{k}": v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def load_plain(path: str, vocab: int = 18):
+    """A TP checkpoint read into a plain model with torch.distributed.checkpoint alone."""
+    import torch.distributed.checkpoint as dcp
+
+    plain = build(vocab, seed=9)
+    state = {"model": plain.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    return {f"model/{k}": v.detach().cpu() for k, v in state["model"].items()}
+
+
+
+def _fsdp2_tp(vocab: int, seed: int, mesh_shape):
+    """The same Stack under torch FSDP2 + TP (the same styles), sharded over the dp dims."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    dp_replicate, dp_shard, tp = mesh_shape
+    mesh = fsdp8.make_mesh(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
+    model = place(build(vocab, seed=seed), mesh["tp"])
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if dp_replicate > 1 else mesh["dp_shard"]
+    for block in model.blocks:
+        torch_fully_shard(block, mesh=dp_mesh)
+    torch_fully_shard(model, mesh=dp_mesh)
+    return model, mesh
+
+
+def fsdp2_tp_interop(path_from_fsdp2: str, path_from_fsdp8: str, vocab: int = 18):
+    """torch FSDP2 + TP at (dp 2, tp 2) writes a checkpoint fsdp8 loads at (dp 1, tp 4), and
+    fsdp8's checkpoint loads back into FSDP2 + TP; weights and AdamW moments bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    theirs, mesh = _fsdp2_tp(vocab, 1, (1, 2, 2))
+    opt = torch.optim.AdamW(theirs.parameters(), lr=1e-3, weight_decay=0.1)
+    r, w = dp_of(mesh)
+    for step in range(2):
+        x, y = common.global_batch(step, 4, 8, vocab)
+        theirs(common.rank_slice(x, r, w).to(common.device()), common.rank_slice(y, r, w).to(common.device())).backward()
+        opt.step()
+        opt.zero_grad()
+    dcp.save({"model": get_model_state_dict(theirs), "optim": get_optimizer_state_dict(theirs, opt)},
+             checkpoint_id=path_from_fsdp2)
+    saved = _snapshot(theirs, opt)
+
+    ours, _ = _layout_model((1, 1, 4), vocab, seed=100)
+    our_opt = torch.optim.AdamW(ours.parameters(), lr=1e-3, weight_decay=0.1)
+    fsdp8.load(path_from_fsdp2, ours, our_opt)
+    into_fsdp8 = _snapshot(ours, our_opt)
+    fsdp8.save(path_from_fsdp8, ours, our_opt)
+
+    back, _ = _fsdp2_tp(vocab, 7, (1, 2, 2))
+    back_opt = torch.optim.AdamW(back.parameters(), lr=1e-3, weight_decay=0.1)
+    back(*(t.to(common.device()) for t in common.global_batch(0, 1, 8, vocab))).backward()  # creates AdamW state
+    back_opt.step()
+    back_opt.zero_grad()
+    state = {"model": get_model_state_dict(back), "optim": get_optimizer_state_dict(back, back_opt)}
+    dcp.load(state, checkpoint_id=path_from_fsdp8)
+    set_model_state_dict(back, state["model"])
+    set_optimizer_state_dict(back, back_opt, state["optim"])
+    into_fsdp2 = _snapshot(back, back_opt)
+    return saved, into_fsdp8, into_fsdp2
