@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 
@@ -77,6 +78,14 @@ def preset(name: str, **overrides) -> LlamaConfig:
 # happens in the reset_parameters() of the module that owns the parameter, and no parent
 # defines one: a parent re-initialising its children would draw twice, and a tied head
 # would overwrite the embedding it shares.
+
+
+def _in_loss_parallel() -> bool:
+    """Whether torch's loss_parallel() is active: it installs DTensor handlers for the
+    log-softmax it parallelises. A torch that keeps them elsewhere is given the benefit
+    of the doubt (its own error then names the mixed Tensor/DTensor call)."""
+    handlers = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", None)
+    return handlers is None or torch.ops.aten._log_softmax.default in handlers
 
 
 class Linear(nn.Linear):
@@ -262,6 +271,13 @@ class Llama(nn.Module):
         logits = self.head(self.norm(x))
         if targets is None:
             return logits
+        if isinstance(logits, DTensor) and logits.placements[-1].is_shard() and not _in_loss_parallel():
+            raise RuntimeError(
+                "the logits are vocabulary-sharded (tensor_parallel(..., loss_parallel=True)): compute the loss "
+                "and call backward() inside torch.distributed.tensor.parallel.loss_parallel()"
+            )
+        # Under loss_parallel() a vocabulary-sharded DTensor goes through torch's
+        # vocabulary-parallel cross-entropy: no rank gathers the full logits.
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def num_params(self, exclude_embedding: bool = False) -> int:

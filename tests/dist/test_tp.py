@@ -147,3 +147,8 @@ def test_mesh_layouts():
             assert dp_ranks == dp.tolist(), (kwargs, dp_ranks)
             assert dp_names[-1] == ("dp_shard_cp" if "cp" in names else "dp_shard")
             assert dp_group_size == dp.shape[-1]
+
+
+def test_loss_parallel_logits_need_the_context():
+    for message in run_on_ranks(2, tp_workers.loss_outside_loss_parallel):
+        assert message is not None and "inside torch.distributed.tensor.parallel.loss_parallel()" in message

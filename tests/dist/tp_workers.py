@@ -244,3 +244,14 @@ def mesh_layouts():
         out.append((mesh.mesh_dim_names, tuple(mesh.shape), dp.mesh_dim_names, dp.mesh.tolist(),
                     None if tp is None else tp.mesh.tolist(), int(one)))
     return out
+
+
+def loss_outside_loss_parallel():
+    """The built-in Llama's error for vocabulary-sharded logits without loss_parallel()."""
+    model = tensor_parallel(llama(), _tp_mesh(common.world()), loss_parallel=True)
+    x, y = common.global_batch(0, 2, 8, 64)
+    try:
+        model(x, y)
+    except RuntimeError as e:
+        return str(e)
+    return None
