@@ -54,8 +54,9 @@ class FamilyPlan:
     unsupported: Dict[str, str] = field(default_factory=dict)
 
 
-def llama_plan(sequence_parallel: bool = False, loss_parallel: bool = False) -> FamilyPlan:
-    """The built-in Llama's plan: the Megatron layout, as torchtitan's parallelize_llama.
+def llama_plan(config, sequence_parallel: bool = False, loss_parallel: bool = False) -> FamilyPlan:
+    """The built-in Llama's plan (``config``: its LlamaConfig): the Megatron layout, as
+    torchtitan's parallelize_llama.
 
     Attention and feed-forward are column- then row-parallel (one all-reduce each); the
     embedding is vocabulary-sharded; the head is column-parallel and, with loss parallel,
@@ -91,7 +92,8 @@ def llama_plan(sequence_parallel: bool = False, loss_parallel: bool = False) -> 
             ),
             "layers.*.ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
-    return FamilyPlan(styles, vocab_modules=("embed", "head"))
+    heads = [("n_heads", config.n_heads, "layers.*.attn.wq"), ("n_kv_heads", config.n_kv_heads, "layers.*.attn.wk")]
+    return FamilyPlan(styles, heads=heads, vocab_modules=("embed", "head"))
 
 
 def _family_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> Optional[FamilyPlan]:
@@ -99,10 +101,7 @@ def _family_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool)
     from .tp_hf import hf_plan
 
     if isinstance(model, Llama):
-        plan = llama_plan(sequence_parallel, loss_parallel)
-        c = model.config
-        plan.heads = [("n_heads", c.n_heads, "layers.*.attn.wq"), ("n_kv_heads", c.n_kv_heads, "layers.*.attn.wk")]
-        return plan
+        return llama_plan(model.config, sequence_parallel, loss_parallel)
     return hf_plan(model, sequence_parallel, loss_parallel)
 
 
@@ -136,11 +135,11 @@ def resolve_plan(names: List[str], automatic: Plan, user: Optional[Mapping[str, 
 
 
 def _check_unsupported(names: List[str], unsupported: Mapping[str, str], user: Mapping, model_name: str) -> None:
-    covered = [pattern for pattern in user]
+    """Raise if a module with a family style that has no torch equivalent is left to it."""
     left = {}
     for pattern, kind in unsupported.items():
         for name in names:
-            if fnmatchcase(name, pattern) and not any(fnmatchcase(name, p) for p in covered):
+            if fnmatchcase(name, pattern) and not any(fnmatchcase(name, p) for p in user):
                 left.setdefault(f"{pattern} ({kind!r})", name)
     if left:
         raise ValueError(
@@ -303,8 +302,9 @@ def tensor_parallel(
     family = _family_plan(model, sequence_parallel, loss_parallel)
     if family is None and plan is None:
         raise ValueError(
-            f"no automatic tensor-parallel plan for {type(model).__name__} (neither fsdp8's Llama nor a Hugging "
-            "Face model with config.base_model_tp_plan); pass plan={'module pattern': ParallelStyle, ...}"
+            f"no automatic tensor-parallel plan for {type(model).__name__} (there is one for fsdp8's Llama and for "
+            "Hugging Face models whose config.base_model_tp_plan names their modules); "
+            "pass plan={'module pattern': ParallelStyle, ...}"
         )
     modules = dict(model.named_modules())
     names = [name for name in modules if name]

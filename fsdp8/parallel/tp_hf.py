@@ -51,7 +51,15 @@ def _module_name(model: nn.Module, target: Optional[nn.Module]) -> Optional[str]
 
 
 def hf_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool):
-    """The FamilyPlan of a Hugging Face model with ``config.base_model_tp_plan``, else None."""
+    """The FamilyPlan of a Hugging Face model whose ``config.base_model_tp_plan`` names its
+    modules, else None.
+
+    Its keys are prefixed with the base model's name; the input embedding becomes
+    vocabulary-sharded and the output head column-parallel (vocabulary-sharded logits with
+    loss parallel). With sequence parallel, the residual stream's norms become
+    SequenceParallel and each column-parallel projection gathers the sequence itself (one
+    all-gather per projection: HF modules are called with positional or keyword hidden
+    states depending on the family, so no per-module input hook is assumed)."""
     from .tp import FamilyPlan
 
     config = getattr(model, "config", None)
@@ -61,8 +69,11 @@ def hf_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool):
     base_plan: Dict[str, str] = dict(getattr(text, "base_model_tp_plan", None) or {})
     if not base_plan:
         return None
+    names = [name for name, _ in model.named_modules()]
     base = _module_name(model, getattr(model, "base_model", model)) or ""
     prefix = f"{base}." if base else ""
+    if not any(fnmatchcase(name, prefix + key) for key in base_plan for name in names):
+        return None  # keys relative to another module (e.g. a multimodal model's language model)
     styles, unsupported, heads = {}, {}, []
     for key, kind in base_plan.items():
         pattern = prefix + key
@@ -78,7 +89,7 @@ def hf_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool):
         if count is not None and isinstance(style, ColwiseParallel):
             heads.append((field, count, pattern))
     if sequence_parallel:
-        styles.update(_sequence_parallel_styles(model, styles))
+        styles.update(_residual_norms(model, names, styles))
     seq = Shard(1) if sequence_parallel else None
     embed = _module_name(model, model.get_input_embeddings())
     head = _module_name(model, model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None)
@@ -94,16 +105,15 @@ def hf_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool):
     return FamilyPlan(styles, heads=heads, vocab_modules=tuple(vocab), unsupported=unsupported)
 
 
-def _sequence_parallel_styles(model: nn.Module, styles: Dict[str, ParallelStyle]) -> Dict[str, ParallelStyle]:
+def _residual_norms(model: nn.Module, names, styles: Dict[str, ParallelStyle]) -> Dict[str, ParallelStyle]:
     """SequenceParallel for the norms on the residual stream: every norm module (by class
     name, as HF names them: ``*RMSNorm``, ``*LayerNorm``) outside the modules that own a
     sharded projection (a q/k norm inside attention sees heads, not sequence shards)."""
-    sharded = [name for name in (n for n, _ in model.named_modules())
-               if any(fnmatchcase(name, pattern) for pattern in styles)]
+    sharded = [name for name in names if any(fnmatchcase(name, pattern) for pattern in styles)]
     owners = {name.rsplit(".", 1)[0] for name in sharded if "." in name}
     norms = {}
     for name, module in model.named_modules():
-        if "norm" not in type(module).__name__.lower() or not name:
+        if not name or "norm" not in type(module).__name__.lower():
             continue
         if any(name == owner or name.startswith(owner + ".") for owner in owners):
             continue
