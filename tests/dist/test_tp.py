@@ -39,8 +39,9 @@ def _check(results, tol, tp, sequence_parallel):
         (2, 2, True, False, {}),
         (2, 2, False, True, {}),
         (2, 2, True, True, {"tie_embeddings": True}),
-        (2, 2, False, True, {"vocab": 63, "tie_embeddings": True}),  # uneven vocabulary shards
-        (4, 4, True, True, {"n_kv_heads": 4, "vocab": 63, "tie_embeddings": True}),
+        (2, 2, False, True, {"vocab_size": 63, "tie_embeddings": True}),  # uneven vocabulary shards
+        (2, 2, True, True, {"checkpoint_activations": True}),
+        (4, 4, True, True, {"n_kv_heads": 4, "vocab_size": 63, "tie_embeddings": True}),
         (4, 4, False, False, {"n_kv_heads": 4}),
         (4, 2, True, True, {}),  # two TP groups, each fed the same batch
     ],

@@ -37,14 +37,13 @@ def _tp_mesh(tp: int):
     return tp_mesh(make_mesh(dp_shard=common.world() // tp, tp=tp))
 
 
-def llama(vocab: int = 64, tie_embeddings: bool = False, n_heads: int = 4, n_kv_heads: int = 2, dim: int = 32,
-          ffn_dim: int = 48, dtype: torch.dtype = torch.float32) -> nn.Module:
+def llama(dtype: torch.dtype = torch.float32, **overrides) -> nn.Module:
+    """A tiny built-in Llama (4 heads, 2 kv heads) with ``overrides`` of its config."""
     from fsdp8.models.llama import Llama, LlamaConfig
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                      ffn_dim=ffn_dim, max_seq_len=16, tie_embeddings=tie_embeddings)
-    return Llama(cfg).to(dtype)
+    fields = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
+    return Llama(LlamaConfig(**{**fields, **overrides})).to(dtype)
 
 
 def hf(family: str = "llama", vocab: int = 128, tie: bool = False, heads: int = 4, kv_heads: int = 2) -> nn.Module:
@@ -88,8 +87,7 @@ def compare_training(model: nn.Module, loss_fn: Callable, tp: int, steps: int = 
                                         with_kwargs=True)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=lr)
-    vocab = reference.get_input_embeddings().num_embeddings if hasattr(reference, "get_input_embeddings") \
-        else reference.config.vocab_size
+    vocab = reference.config.vocab_size  # the built-in Llama's and HF configs name it alike
     worst: Dict[str, float] = {}
 
     def note(key, err):
@@ -209,7 +207,7 @@ def meta_model():
     from fsdp8.models.llama import Llama
 
     with torch.device("meta"):
-        model = Llama(llama(vocab=63, tie_embeddings=True).config)
+        model = Llama(llama(vocab_size=63, tie_embeddings=True).config)
     tensor_parallel(model, _tp_mesh(common.world()), sequence_parallel=True, loss_parallel=True)
     head = model.head.weight
     allocated = any(not (p.to_local() if isinstance(p, DTensor) else p).is_meta for p in model.parameters())
