@@ -43,7 +43,7 @@ def llama(dtype: torch.dtype = torch.float32, **overrides) -> nn.Module:
 
     torch.manual_seed(0)
     fields = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
-    return Llama(LlamaConfig(**{**fields, **overrides})).to(dtype)
+    return Llama(LlamaConfig(**{**fields, **overrides})).to(common.device(), dtype)
 
 
 def hf(family: str = "llama", vocab: int = 128, tie: bool = False, heads: int = 4, kv_heads: int = 2) -> nn.Module:
@@ -57,7 +57,7 @@ def hf(family: str = "llama", vocab: int = 128, tie: bool = False, heads: int = 
                           num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=32,
                           tie_word_embeddings=tie, attn_implementation="sdpa")
     torch.manual_seed(0)
-    return model_class(config).float()
+    return model_class(config).to(common.device(), torch.float32)
 
 
 def _llama_loss(model, x, y):
@@ -94,7 +94,7 @@ def compare_training(model: nn.Module, loss_fn: Callable, tp: int, steps: int = 
         worst[key] = max(worst.get(key, 0.0), err)
 
     for step in range(steps):
-        x, y = common.global_batch(step, 4, 8, vocab)
+        x, y = (t.to(common.device()) for t in common.global_batch(step, 4, 8, vocab))
         with loss_parallel() if lp else contextlib.nullcontext():
             loss = loss_fn(model, x, y)
             loss.backward()
@@ -179,9 +179,9 @@ def plan_overrides():
     model = llama()
     errors, _ = compare_training(model, _llama_loss, tp, plan={"layers.*.ffn.*": None})
     llama_plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
-    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.Linear(8, 4))
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.Linear(8, 4)).to(common.device())
     reference = copy.deepcopy(mlp)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).to(common.device())
     tensor_parallel(mlp, _tp_mesh(tp), plan={"0": ColwiseParallel(), "2": RowwiseParallel()})
     mlp(x).square().sum().backward()
     reference(x).square().sum().backward()
@@ -193,7 +193,7 @@ def plan_overrides():
 def sequence_not_divisible():
     """The error a sequence-parallel forward gives for a sequence length tp does not divide."""
     model = tensor_parallel(llama(), _tp_mesh(common.world()), sequence_parallel=True)
-    x, y = common.global_batch(0, 2, 2 * common.world() + 1, 64)
+    x, y = (t.to(common.device()) for t in common.global_batch(0, 2, 2 * common.world() + 1, 64))
     try:
         model(x, y)
     except ValueError as e:
@@ -247,7 +247,7 @@ def mesh_layouts():
 def loss_outside_loss_parallel():
     """The built-in Llama's error for vocabulary-sharded logits without loss_parallel()."""
     model = tensor_parallel(llama(), _tp_mesh(common.world()), loss_parallel=True)
-    x, y = common.global_batch(0, 2, 8, 64)
+    x, y = (t.to(common.device()) for t in common.global_batch(0, 2, 8, 64))
     try:
         model(x, y)
     except RuntimeError as e:
