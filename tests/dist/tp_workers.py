@@ -206,8 +206,9 @@ def meta_model():
     local shard's shape, whether the tie survived, whether anything was allocated)."""
     from fsdp8.models.llama import Llama
 
+    config = llama(vocab_size=63, tie_embeddings=True).config
     with torch.device("meta"):
-        model = Llama(llama(vocab_size=63, tie_embeddings=True).config)
+        model = Llama(config)
     tensor_parallel(model, _tp_mesh(common.world()), sequence_parallel=True, loss_parallel=True)
     head = model.head.weight
     allocated = any(not (p.to_local() if isinstance(p, DTensor) else p).is_meta for p in model.parameters())
