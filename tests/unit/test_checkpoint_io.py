@@ -82,7 +82,7 @@ def test_metadata_is_never_unpickled_freely(tmp_path, monkeypatch):
         pickle.dump(_Evil(), f)
     monkeypatch.chdir(tmp_path)
     model, opt = _model()
-    with pytest.raises(CheckpointError, match="posix.system, which fsdp8 does not unpickle|os.system"):
+    with pytest.raises(CheckpointError, match="posix.system, which fsdp8 refuses to unpickle: the checkpoint may be malicious"):
         fsdp8.load(path, model, opt)
     assert not (tmp_path / "pwned-by-checkpoint").exists()
 
