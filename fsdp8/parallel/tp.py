@@ -23,7 +23,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -298,6 +298,12 @@ def tensor_parallel(
         raise ValueError(
             f"tp_mesh must be a 1-D DeviceMesh, got {tp_mesh!r}; take it from the world mesh with "
             "fsdp8.parallel.mesh.tp_mesh(fsdp8.make_mesh(tp=N))"
+        )
+    distributed = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    if distributed:
+        raise ValueError(
+            f"{type(model).__name__} already has DTensor parameters ({', '.join(distributed[:3])}, ...); apply "
+            "tensor_parallel once, to the plain model, before fully_shard"
         )
     family = _family_plan(model, sequence_parallel, loss_parallel)
     if family is None and plan is None:

@@ -152,23 +152,25 @@ BAD_INPUTS = {
     "hf_kv_heads": (lambda: hf(kv_heads=1), {}),
     "hf_unsupported": (_hf_packed, {}),
     "two_d_mesh": (llama, {}),
+    "twice": (lambda: tensor_parallel(llama(), _tp_mesh(common.world())), {}),
 }
 
 
 def bad_input(name: str):
-    """tensor_parallel on a bad input: (the error message or None, whether any parameter
-    became a DTensor, i.e. whether anything was distributed before the error)."""
+    """tensor_parallel on a bad input: (the error message or None, whether the call replaced
+    any parameter, i.e. distributed something before its error)."""
     build, kwargs = BAD_INPUTS[name]
     model = build()
     world = common.world()
     mesh = make_mesh(dp_shard=1, tp=world)
     mesh = mesh if name == "two_d_mesh" else tp_mesh(mesh)
+    before = [id(p) for p in model.parameters()]
     try:
         tensor_parallel(model, mesh, **kwargs)
         message = None
     except (ValueError, TypeError) as e:
         message = str(e)
-    return message, any(isinstance(p, DTensor) for p in model.parameters())
+    return message, [id(p) for p in model.parameters()] != before
 
 
 def plan_overrides():
