@@ -5,7 +5,9 @@ the rows it owns."""
 from __future__ import annotations
 
 import os
-from typing import Callable, Dict, List, Optional
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -13,6 +15,7 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from ..engine.state_dict import StateDictError, describe_mismatch
+from ..fp8.convert import Float8Conv1D
 from . import safetensors, store
 from .safe_io import SafeReader
 
@@ -64,50 +67,172 @@ def export(checkpoint: str, out: str, dtype: Optional[torch.dtype] = None) -> st
     return target
 
 
-def load_pretrained(model: nn.Module, path: str, key_map: Optional[Callable[[str], str]] = None,
-                    strict: bool = True) -> List[str]:
+KeyMap = Union[None, Mapping[str, str], Callable[[str], str]]
+
+
+@dataclass(eq=False)
+class _Target:
+    """A tensor load_pretrained fills, under every name the model knows it by (tied
+    parameters have several)."""
+
+    names: List[str]
+    tensor: torch.Tensor
+    transposed: bool = False  # a Float8Conv1D weight: stored (out, in), HF files hold (in, out)
+    unit: object = None  # the ShardedUnit and ParamSlot of a sharded parameter
+    slot: object = None
+    file_name: Optional[str] = None
+
+
+def load_pretrained(model: nn.Module, path: str, key_map: KeyMap = None, strict: bool = True) -> List[str]:
     """Fill ``model`` (sharded or not, e.g. just built on meta and sharded) from safetensors
-    at ``path`` (a file or a directory). ``key_map(fqn) -> name in the files``. A sharded
-    model's ranks read only their own rows. Returns the names that were not found (only
-    with ``strict=False``; strict lists missing and mis-shaped names in one error)."""
+    at ``path`` (a file or a directory, e.g. a Hugging Face checkpoint). A sharded model's
+    ranks read only their own rows.
+
+    Each tensor is looked up in the files under the name ``key_map`` gives (a dict
+    ``{model name: file name}`` or a callable ``model name -> file name``), when it gives
+    another one; else under its own name, and failing that under the names Hugging Face
+    checkpoints use for it: with the model's ``base_model_prefix`` added or removed (a
+    ``LlamaModel`` file into ``LlamaForCausalLM`` and back), ``embed_out`` for the head
+    (GPT-NeoX), and the renames of the model class's ``_checkpoint_conversion_mapping``.
+    Tied parameters load once, from any of their names. A Float8Conv1D weight (a converted
+    GPT-2 projection, stored (out, in)) is read transposed from files that hold HF's (in, out)
+    layout; files whose converted-Conv1D weights all have the (out, in) shape (an ``export``
+    of such a model) load as they are (a model whose converted weights are all square cannot
+    tell the two apart and takes HF's layout). A transposed weight is read whole by each rank.
+
+    Returns the names not found with ``strict=False``. Otherwise missing names, and always
+    mis-shaped ones, raise one error that lists them with the file keys nothing used."""
     files = safetensors.SafetensorsDir(path)
-    key_map = key_map or (lambda name: name)
     engine = getattr(model, "_fsdp8", None)
-    sharded = {slot.fqn: (unit, slot) for unit in engine.all_units for slot in unit.slots} if engine else {}
-    targets = dict(model.state_dict(keep_vars=True)) if engine is None else _sharded_targets(model, sharded)
-    missing, mis_shaped = [], []
-    for fqn, target in targets.items():
-        name = key_map(fqn)
-        if name not in files:
-            missing.append(fqn if name == fqn else f"{fqn} (as {name})")
-            continue
-        shape = files.file_of(name).shape(name)
-        if tuple(shape) != tuple(target.shape):
-            mis_shaped.append(f"{fqn}: file {tuple(shape)} vs model {tuple(target.shape)}")
+    targets = _sharded_targets(model, engine) if engine is not None else _plain_targets(model)
+    lookup = _name_lookup(model, files, key_map, targets)
+    missing = []
+    for target in targets:
+        target.file_name = lookup(target.names)
+        if target.file_name is None:
+            asked = _asked(key_map, target.names[0])
+            missing.append(target.names[0] if asked is None else f"{target.names[0]} (as {asked})")
+    found = [t for t in targets if t.file_name is not None]
+    hf_layout = all(_file_shape(files, t) == tuple(t.tensor.shape)[::-1] for t in found if t.transposed)
+    mis_shaped = []
+    for target in found:
+        flip = target.transposed and hf_layout
+        want = tuple(target.tensor.shape)[::-1] if flip else tuple(target.tensor.shape)
+        if _file_shape(files, target) != want:
+            note = " (a converted Conv1D, stored (out, in))" if target.transposed else ""
+            mis_shaped.append(f"{target.names[0]}: file {_file_shape(files, target)} vs model {want}{note}")
     if mis_shaped or (strict and missing):
-        raise StateDictError(f"safetensors at {path} do not match the model: {describe_mismatch(missing, [], mis_shaped)}")
+        used = {t.file_name for t in found}
+        unused = [n for n in files.names() if n not in used]
+        message = describe_mismatch(missing, [], mis_shaped)
+        if unused:
+            message += f"; unused file keys ({len(unused)}): {', '.join(unused)}"
+        if missing:
+            message += ("; pass key_map={model name: file name} or key_map=callable(model name) -> file name "
+                        "for names that differ")
+        raise StateDictError(f"safetensors at {path} do not match {type(model).__name__}: {message}")
     with torch.no_grad():
-        for fqn, target in targets.items():
-            name = key_map(fqn)
-            if name not in files:
-                continue
-            file = files.file_of(name)
-            if fqn in sharded:
-                unit, slot = sharded[fqn]
-                rows = slot.layout.chunk_row_range(unit.chunk_index)
-                unit.main_view(slot).copy_(file.read(name, rows))
-                unit.mark_stale()
+        for target in found:
+            file = files.file_of(target.file_name)
+            flip = target.transposed and hf_layout
+            if target.unit is None:
+                value = file.read(target.file_name)
+                target.tensor.copy_(value.t() if flip else value)
+            elif flip:
+                target.unit.load_full(target.slot, file.read(target.file_name).t())
             else:
-                target.copy_(file.read(name))
+                rows = target.slot.layout.chunk_row_range(target.unit.chunk_index)
+                target.unit.main_view(target.slot).copy_(file.read(target.file_name, rows))
+                target.unit.mark_stale()
     return missing
 
 
-def _sharded_targets(model: nn.Module, sharded) -> Dict[str, torch.Tensor]:
-    """Every FQN a sharded model loads: its parameters (once per distinct parameter, under the
-    name the engine knows it by) and its buffers."""
-    targets = {fqn: unit_slot[1].main for fqn, unit_slot in sharded.items()}
+def _file_shape(files, target: _Target) -> Tuple[int, ...]:
+    return tuple(files.file_of(target.file_name).shape(target.file_name))
+
+
+def _asked(key_map: KeyMap, name: str) -> Optional[str]:
+    """The file name ``key_map`` gives for ``name``, if it gives another one."""
+    if key_map is None:
+        return None
+    asked = key_map.get(name, name) if isinstance(key_map, Mapping) else key_map(name)
+    return None if asked == name else asked
+
+
+def _name_lookup(model: nn.Module, files, key_map: KeyMap, targets: List[_Target]):
+    """names -> the file name they load from, or None (see load_pretrained)."""
+    if key_map is not None and not isinstance(key_map, Mapping) and not callable(key_map):
+        raise TypeError(f"key_map must be a dict {{model name: file name}} or a callable, got {type(key_map).__name__}")
+    exact = {n for t in targets for n in t.names if n in files}
+    inferred: Dict[str, str] = {}
+    for file_name in files.names():
+        if file_name not in exact:
+            for name in _hf_names(model, file_name):
+                inferred.setdefault(name, file_name)
+
+    def lookup(names: List[str]) -> Optional[str]:
+        asked = [a for a in (_asked(key_map, n) for n in names) if a is not None]
+        if asked:
+            return next((a for a in asked if a in files), None)
+        return next((n for n in names if n in files), None) or next((inferred[n] for n in names if n in inferred), None)
+
+    return lookup
+
+
+def _hf_names(model: nn.Module, file_name: str) -> List[str]:
+    """What a Hugging Face checkpoint's ``file_name`` may be called in ``model``."""
+    name = file_name
+    for pattern, replacement in (getattr(model, "_checkpoint_conversion_mapping", None) or {}).items():
+        name, count = re.subn(pattern, replacement, name)
+        if count:
+            break  # the first matching rule wins, as in transformers
+    head = _output_embeddings_name(model)
+    if head is not None:
+        name = re.sub(r"^embed_out\.", f"{head}.", name)  # GPT-NeoX checkpoints name the head embed_out
+    names = [name]
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and isinstance(prefix, str):
+        if hasattr(model, prefix) and not name.startswith(prefix + "."):
+            names.append(f"{prefix}.{name}")  # a base model's file into a model with a head
+        elif not hasattr(model, prefix) and name.startswith(prefix + "."):
+            names.append(name[len(prefix) + 1:])  # a file of a model with a head into its base model
+    return names
+
+
+def _output_embeddings_name(model: nn.Module) -> Optional[str]:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+
+
+def _transposed_weights(model: nn.Module) -> set:
+    return {id(m.weight) for m in model.modules() if isinstance(m, Float8Conv1D)}
+
+
+def _plain_targets(model: nn.Module) -> List[_Target]:
+    by_tensor: Dict[int, _Target] = {}
+    transposed = _transposed_weights(model)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        target = by_tensor.get(id(tensor))
+        if target is None:
+            by_tensor[id(tensor)] = _Target([name], tensor, transposed=id(tensor) in transposed)
+        else:
+            target.names.append(name)
+    return list(by_tensor.values())
+
+
+def _sharded_targets(model: nn.Module, engine) -> List[_Target]:
+    """Every distinct parameter of a sharded model (loaded into its main rows) and its
+    persistent buffers."""
+    module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    targets = []
+    for unit in engine.all_units:
+        for slot in unit.slots:
+            names = [slot.fqn] + [f"{module_names[id(m)]}.{a}".lstrip(".") for m, a in slot.aliases]
+            transposed = any(isinstance(m, Float8Conv1D) and a == "weight" for m, a in slot.aliases)
+            targets.append(_Target(list(dict.fromkeys(names)), slot.main, transposed, unit, slot))
     persistent = set(model.state_dict().keys())
     for name, buf in model.named_buffers():
         if name in persistent:  # non-persistent buffers (e.g. rotary tables) are not weights
-            targets[name] = buf
+            targets.append(_Target([name], buf))
     return targets

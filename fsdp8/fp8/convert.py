@@ -1,10 +1,11 @@
-"""Putting FP8 into a model: swap nn.Linear for Float8Linear."""
+"""Putting FP8 into a model: swap nn.Linear (and Hugging Face's Conv1D) for Float8Linear."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -14,47 +15,153 @@ from .linear import Float8Linear
 from .recipes import Recipe
 from .tensor import Float8Tensor
 
-LinearFilter = Callable[[str, nn.Linear], bool]
+# filter(name, module) -> bool; the module is an nn.Linear or a transformers Conv1D.
+LinearFilter = Callable[[str, nn.Module], bool]
+
+# Why a layer stays in high precision, worded to follow "kept <count> ".
+_DIMS = "linear layer(s) in high precision, dimensions not multiples of 16 (FP8 GEMMs need them)"
+_NOT_LINEAR = ("layer(s) with a 2-D weight in high precision, neither nn.Linear nor transformers Conv1D (fsdp8 "
+               "cannot tell how they use the weight; make them nn.Linear to run them in FP8)")
+_OUTSIDE = ("projection layer(s) in high precision outside the units (fully_shard converts layers inside units "
+            "only; select such a layer as a unit through units= to convert it)")
 
 
-def fp8_friendly(name: str, linear: nn.Linear) -> bool:
+class KeptLayer(NamedTuple):
+    """A projection-like layer left in high precision, and why."""
+
+    name: str
+    detail: str  # "in x out", or the module's class
+    reason: str
+
+
+class Float8Conv1D(Float8Linear):
+    """A transformers ``Conv1D`` (``x @ W + b`` with ``W`` stored (in, out)) turned into a
+    Float8Linear. Its weight is stored transposed, (out, in): the layout the FP8 GEMMs and the
+    engine's 8-bit all-gather take (row shards of (out, in), scales along ``in``). So its state
+    dict and fsdp8 checkpoints hold (out, in) under HF's names; ``load_pretrained`` transposes
+    the (in, out) weights of Hugging Face files into it."""
+
+
+def _conv1d_class() -> Optional[type]:
+    """transformers' Conv1D if transformers is loaded (a model cannot hold one otherwise)."""
+    return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+
+
+def _features(module: nn.Module) -> Tuple[int, int]:
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.nx, module.nf  # Conv1D
+
+
+def _kind(module: nn.Module, conv1d: Optional[type]) -> Optional[str]:
+    """"linear" and "conv1d" can be converted; "other" is a projection-like layer fsdp8 does
+    not know (a 2-D weight outside nn.Linear, Conv1D and embeddings); None is anything else."""
+    if isinstance(module, Float8Linear):
+        return None
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if conv1d is not None and type(module) is conv1d:
+        return "conv1d"
+    weight = module._parameters.get("weight")
+    if (weight is not None and weight.dim() == 2 and weight.is_floating_point()
+            and not isinstance(module, (nn.Embedding, nn.EmbeddingBag))):
+        return "other"
+    return None
+
+
+def fp8_friendly(name: str, linear: nn.Module) -> bool:
     """FP8 GEMMs need both dimensions to be multiples of 16."""
-    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+    in_features, out_features = _features(linear)
+    return in_features % 16 == 0 and out_features % 16 == 0
 
 
 def convert_to_fp8(model: nn.Module, recipe: Recipe, filter: Optional[LinearFilter] = None,
                    prefix: str = "") -> List[str]:
-    """Turn every ``nn.Linear`` in ``model`` that ``filter(name, linear)`` accepts into a
-    Float8Linear, in place; returns the converted names. The default filter skips layers
-    whose dimensions are not multiples of 16 and says so once."""
-    converted, skipped = convert_linears(model, recipe, filter, prefix)
-    warn_skipped(skipped)
+    """Turn every ``nn.Linear`` and transformers ``Conv1D`` in ``model`` that
+    ``filter(name, module)`` accepts into a Float8Linear (a Conv1D into a Float8Conv1D), in
+    place; returns the converted names. One warning names the projection-like layers left in
+    high precision (by the default filter, which skips dimensions that are not multiples of
+    16, or because fsdp8 does not know the module), and another one says so when no layer of
+    ``model`` runs in FP8 at all."""
+    converted, kept = convert_linears(model, recipe, filter, prefix)
+    warn_skipped(kept, model)
+    return converted
+
+
+def convert_units_to_fp8(root: nn.Module, units: Sequence[Tuple[str, nn.Module]], recipe: Recipe,
+                         filter: Optional[LinearFilter] = None) -> List[str]:
+    """fully_shard's conversion: the layers inside ``units`` (name, module), as convert_to_fp8
+    does; the warning also names the projection-like layers outside all units."""
+    converted, kept, inside = [], [], set()
+    for name, unit in units:
+        done, left = convert_linears(unit, recipe, filter, prefix=f"{name}.")
+        converted += done
+        kept += left
+        inside.update(id(m) for m in unit.modules())
+    conv1d = _conv1d_class()
+    for name, module in root.named_modules():
+        kind = _kind(module, conv1d)
+        if id(module) not in inside and kind is not None:
+            detail = type(module).__name__ if kind == "other" else "x".join(map(str, _features(module)))
+            kept.append(KeptLayer(name, detail, _OUTSIDE))
+    warn_skipped(kept, root)
     return converted
 
 
 def convert_linears(model: nn.Module, recipe: Recipe, filter: Optional[LinearFilter] = None,
-                    prefix: str = "") -> Tuple[List[str], List[str]]:
-    """convert_to_fp8 without the warning: (converted names, skipped by the default filter)."""
+                    prefix: str = "") -> Tuple[List[str], List[KeptLayer]]:
+    """convert_to_fp8 without the warnings: (converted names, layers kept in high precision
+    other than those ``filter`` rejected)."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be an fsdp8 FP8 recipe (e.g. Float8CurrentScaling()), got {type(recipe).__name__}")
     accept = filter or fp8_friendly
-    converted, skipped = [], []
+    conv1d = _conv1d_class()
+    converted, kept = [], []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or isinstance(module, Float8Linear):
+        kind = _kind(module, conv1d)
+        if kind is None:
             continue
         full = f"{prefix}{name}" if name else prefix.rstrip(".")
-        if accept(full, module):
-            Float8Linear.convert(module, recipe)
+        if kind == "other":
+            kept.append(KeptLayer(full, type(module).__name__, _NOT_LINEAR))
+        elif accept(full, module):
+            if kind == "conv1d":
+                _convert_conv1d(module, recipe)
+            else:
+                Float8Linear.convert(module, recipe)
             converted.append(full)
         elif filter is None:
-            skipped.append(f"{full} ({module.in_features}x{module.out_features})")
-    return converted, skipped
+            kept.append(KeptLayer(full, "x".join(map(str, _features(module))), _DIMS))
+    return converted, kept
 
 
-def warn_skipped(skipped: List[str]) -> None:
-    if skipped:
-        warnings.warn(f"fsdp8: kept {len(skipped)} linear layer(s) in high precision, dimensions not multiples "
-                      f"of 16: {', '.join(skipped)}", stacklevel=3)
+def _convert_conv1d(conv: nn.Module, recipe: Recipe) -> Float8Conv1D:
+    """A Conv1D into a Float8Conv1D in place (same object and hooks; a new, transposed weight)."""
+    w = conv.weight
+    if w.is_meta:
+        transposed = torch.empty((conv.nf, conv.nx), dtype=w.dtype, device="meta")
+    else:
+        transposed = w.detach().t().contiguous()
+    conv.weight = nn.Parameter(transposed, requires_grad=w.requires_grad)
+    conv.in_features, conv.out_features = conv.nx, conv.nf
+    conv.__class__ = Float8Conv1D
+    return Float8Linear.convert(conv, recipe)
+
+
+def warn_skipped(kept: List[KeptLayer], model: Optional[nn.Module] = None) -> None:
+    """One warning for the layers kept in high precision (grouped by reason), and, given the
+    model, one when none of its layers runs in FP8."""
+    by_reason: Dict[str, List[str]] = {}
+    for layer in kept:
+        by_reason.setdefault(layer.reason, []).append(f"{layer.name} ({layer.detail})")
+    if by_reason:
+        parts = [f"kept {len(names)} {reason}: {', '.join(names)}"
+                 for reason, names in by_reason.items()]
+        warnings.warn("fsdp8: " + "; ".join(parts), stacklevel=3)
+    if model is not None and not any(isinstance(m, Float8Linear) for m in model.modules()):
+        warnings.warn(f"fsdp8: FP8 was requested but no layer of {type(model).__name__} runs in FP8, so every "
+                      "GEMM stays in high precision: no nn.Linear or transformers Conv1D was converted (there is "
+                      "none, the filter rejected them, or the warning above names them)", stacklevel=3)
 
 
 _INIT_RECIPE: List[Recipe] = []

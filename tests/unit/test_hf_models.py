@@ -1,0 +1,195 @@
+"""Hugging Face models in one process: GPT-2's Conv1D in FP8, the warnings when FP8 leaves
+layers out, and load_pretrained from HF save_pretrained directories (safetensors)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+transformers = pytest.importorskip("transformers")
+
+from transformers.pytorch_utils import Conv1D  # noqa: E402
+
+from fsdp8 import Float8CurrentScaling, convert_to_fp8, load_pretrained  # noqa: E402
+from fsdp8.checkpoint import safetensors  # noqa: E402
+from fsdp8.engine.state_dict import StateDictError  # noqa: E402
+from fsdp8.fp8.convert import Float8Conv1D, convert_units_to_fp8  # noqa: E402
+from fsdp8.fp8.linear import Float8Linear  # noqa: E402
+from tests.dist.hf_workers import hf_model  # noqa: E402
+
+
+def _caught(fn, *args, **kwargs):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn(*args, **kwargs)
+    return result, [str(w.message) for w in caught if "fsdp8" in str(w.message)]
+
+
+def _equal_states(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# -- Conv1D in FP8 ---------------------------------------------------------------------------------
+def test_gpt2_conv1d_becomes_a_float8_linear_of_the_transposed_weight():
+    model = hf_model("gpt2")
+    original = copy.deepcopy(model)
+    converted, messages = _caught(convert_to_fp8, model, Float8CurrentScaling())
+    projections = [f"transformer.h.{i}.{p}" for i in range(2) for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert converted == projections + ["lm_head"] and messages == []
+    conv = model.transformer.h[0].mlp.c_fc
+    source = original.transformer.h[0].mlp.c_fc
+    assert isinstance(conv, Float8Conv1D) and (conv.in_features, conv.out_features) == (64, 256)
+    assert torch.equal(conv.weight, source.weight.t())
+    # The same FP8 GEMMs as a Float8Linear holding W.T: identical output and gradients.
+    linear = nn.Linear(64, 256)
+    with torch.no_grad():
+        linear.weight.copy_(source.weight.t())
+        linear.bias.copy_(source.bias)
+    convert_to_fp8(linear, Float8CurrentScaling())
+    x = torch.randn(2, 8, 64)
+    dy = torch.randn(2, 8, 256)
+    conv(x).backward(dy)
+    out = linear(x)
+    out.backward(dy)
+    assert torch.equal(conv(x), out)
+    assert torch.equal(conv.weight.grad, linear.weight.grad) and torch.equal(conv.bias.grad, linear.bias.grad)
+
+
+class Router(nn.Module):
+    """A projection fsdp8 does not know: a 2-D weight used through F.linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 32))
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight)
+
+
+def test_warning_names_every_projection_left_in_high_precision():
+    model = nn.Sequential(nn.Linear(32, 64), Conv1D(10, 32), Router(), nn.Embedding(8, 32), nn.LayerNorm(32))
+    converted, messages = _caught(convert_to_fp8, model, Float8CurrentScaling())
+    assert converted == ["0"] and len(messages) == 1
+    assert "kept 1 linear layer(s) in high precision, dimensions not multiples of 16" in messages[0]
+    assert "1 (32x10)" in messages[0]  # Conv1D(nf=10, nx=32): 32 in, 10 out
+    assert "kept 1 layer(s) with a 2-D weight" in messages[0] and "2 (Router)" in messages[0]
+    assert "3 (" not in messages[0] and "4 (" not in messages[0]  # embeddings and norms are no projections
+
+
+class NoLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 32)
+        self.blocks = nn.ModuleList([nn.LayerNorm(32) for _ in range(2)])
+
+
+def test_no_layer_in_fp8_is_said_with_the_model_class():
+    converted, messages = _caught(convert_to_fp8, NoLinears(), Float8CurrentScaling())
+    assert converted == [] and len(messages) == 1
+    assert "no layer of NoLinears runs in FP8" in messages[0]
+    _, messages = _caught(convert_to_fp8, nn.Sequential(nn.Linear(32, 64)), Float8CurrentScaling(),
+                          filter=lambda name, module: False)
+    assert len(messages) == 1 and "no layer of Sequential runs in FP8" in messages[0]
+
+
+def test_fully_shard_conversion_names_layers_outside_the_units():
+    """convert_units_to_fp8 is what fully_shard(fp8=...) converts with: inside the units only."""
+    model = hf_model("gpt2")
+    units = [(f"transformer.h.{i}", block) for i, block in enumerate(model.transformer.h)]
+    converted, messages = _caught(convert_units_to_fp8, model, units, Float8CurrentScaling())
+    assert len(converted) == 8 and len(messages) == 1
+    assert "outside the units" in messages[0] and "lm_head (64x256)" in messages[0]
+    root = NoLinears()
+    root.head = nn.Linear(32, 16)
+    _, messages = _caught(convert_units_to_fp8, root, list(root.blocks.named_children()), Float8CurrentScaling())
+    assert len(messages) == 2 and "head (32x16)" in messages[0]
+    assert "no layer of NoLinears runs in FP8" in messages[1]
+
+
+# -- load_pretrained -------------------------------------------------------------------------------
+def _save(model: nn.Module, path) -> str:
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def _renamed(src: str, dst, rename) -> str:
+    """A copy of ``src``'s weights with every name passed through ``rename``."""
+    files = safetensors.SafetensorsDir(src)
+    dst.mkdir()
+    out = str(dst / "model.safetensors")
+    safetensors.write(out, {rename(n): files.file_of(n).read(n) for n in files.names()})
+    return out
+
+
+def test_gpt_neox_head_loads_from_embed_out(tmp_path):
+    path = _save(hf_model("gpt_neox"), tmp_path / "neox")
+    assert "embed_out.weight" in safetensors.SafetensorsDir(path)  # what HF writes for the head
+    fresh = hf_model("gpt_neox", seed=1)
+    assert load_pretrained(fresh, path) == []
+    assert _equal_states(fresh, hf_model("gpt_neox"))
+
+
+def test_base_model_prefix_is_added_or_removed(tmp_path):
+    base = transformers.GPT2Model(hf_model("gpt2").config)
+    path = _save(base, tmp_path / "gpt2-base")  # names without "transformer."
+    head = hf_model("gpt2", seed=1)
+    load_pretrained(head, path)
+    assert _equal_states(head.transformer, base) and torch.equal(head.lm_head.weight, base.wte.weight)
+    causal = hf_model("llama")
+    path = _save(causal, tmp_path / "llama")  # names with "model."; lm_head.weight is left unused
+    body = transformers.LlamaModel(causal.config)
+    load_pretrained(body, path)
+    assert _equal_states(body, causal.model)
+
+
+def test_key_map_as_dict_or_callable(tmp_path):
+    saved = hf_model("gpt2")
+    path = _save(saved, tmp_path / "gpt2")
+    blocks = _renamed(path, tmp_path / "blocks", lambda n: n.replace("transformer.h.", "blocks."))
+    fresh = hf_model("gpt2", seed=1)
+    load_pretrained(fresh, blocks, key_map=lambda n: n.replace("transformer.h.", "blocks."))
+    assert _equal_states(fresh, saved)
+    embed = _renamed(path, tmp_path / "embed", lambda n: "tok_embed" if n == "transformer.wte.weight" else n)
+    fresh = hf_model("gpt2", seed=1)
+    load_pretrained(fresh, embed, key_map={"transformer.wte.weight": "tok_embed"})  # the others as they are
+    assert _equal_states(fresh, saved)
+    with pytest.raises(TypeError, match="key_map must be a dict"):
+        load_pretrained(fresh, embed, key_map=["tok_embed"])
+
+
+def test_error_lists_missing_beside_unused_file_keys(tmp_path):
+    path = _save(hf_model("gpt2"), tmp_path / "gpt2")
+    typo = _renamed(path, tmp_path / "typo", lambda n: n.replace("ln_f.", "ln_final."))
+    with pytest.raises(StateDictError) as error:
+        load_pretrained(hf_model("gpt2", seed=1), typo)
+    message = str(error.value)
+    assert "missing keys (2): transformer.ln_f.weight, transformer.ln_f.bias" in message
+    assert "unused file keys (2): transformer.ln_final.bias, transformer.ln_final.weight" in message
+    assert "key_map=" in message
+    with pytest.raises(StateDictError, match=r"transformer.ln_f.weight \(as nowhere.weight\)"):
+        load_pretrained(hf_model("gpt2", seed=1), typo, key_map={"transformer.ln_f.weight": "nowhere.weight"})
+    missing = load_pretrained(hf_model("gpt2", seed=1), typo, strict=False)
+    assert missing == ["transformer.ln_f.weight", "transformer.ln_f.bias"]
+
+
+def test_fp8_gpt2_reads_hf_conv1d_weights_transposed(tmp_path):
+    saved = hf_model("gpt2")
+    path = _save(saved, tmp_path / "gpt2")
+    fresh = hf_model("gpt2", seed=1)
+    convert_to_fp8(fresh, Float8CurrentScaling())
+    load_pretrained(fresh, path)
+    transposed = {f"{n}.weight" for n, m in fresh.named_modules() if isinstance(m, Float8Conv1D)}
+    assert len(transposed) == 8
+    for name, want in saved.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], want.t() if name in transposed else want), name
+    # Files holding the converted (out, in) layout (an fsdp8 export of such a model) load as they are.
+    exported = str(tmp_path / "fsdp8.safetensors")
+    safetensors.write(exported, {k: v for k, v in fresh.state_dict().items() if k != "lm_head.weight"})
+    again = hf_model("gpt2", seed=2)
+    convert_to_fp8(again, Float8CurrentScaling())
+    load_pretrained(again, exported)
+    assert _equal_states(again, fresh)
+    assert isinstance(again.lm_head, Float8Linear)
