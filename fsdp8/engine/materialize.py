@@ -152,6 +152,7 @@ def _init_hf_module(module: nn.Module, name: str, reset, chain, fresh: List[str]
     for t in allocated.values():
         if t.is_floating_point():
             t.fill_(float("nan"))  # marks what no initializer fills
+    versions = {a: t._version for a, t in allocated.items()}  # integer buffers: written in place or not
     if reset is not None:
         reset()
     for m, owner in chain:
@@ -160,15 +161,19 @@ def _init_hf_module(module: nn.Module, name: str, reset, chain, fresh: List[str]
     unfilled = []
     for a, t in allocated.items():
         now = module._buffers.get(a, t)  # a buffer may have been replaced; the engine loads the allocated params
-        if t.is_floating_point() and bool(torch.isnan(now).any()):
-            unfilled.append(f"{name}.{a}" if name else a)
+        unset = bool(torch.isnan(now).any()) if t.is_floating_point() else now is t and t._version == versions[a]
+        if unset:
+            unfilled.append(a)
     if unfilled:
-        what = f"{type(module).__name__}.reset_parameters()" if reset is not None else \
-            f"{type(module).__name__} (which has no reset_parameters())"
+        cls = type(module).__name__
+        what = f"{cls}.reset_parameters()" if reset is not None else f"{cls} (which has no reset_parameters())"
+        fix = f"give {cls} a reset_parameters() that fills them, or build the model on a real device"
+        if all(a in module._buffers for a in unfilled):  # e.g. masks and constants made in __init__
+            fix = ("build the model with its buffers on a real device (accelerate.init_empty_weights() puts only "
+                   "parameters on meta)")
         raise ValueError(
-            f"{', '.join(unfilled)}: left unset on the meta device: neither {what} nor "
-            f"{type(chain[0][1]).__name__}._init_weights() fills it; give {type(module).__name__} a "
-            "reset_parameters() that does, or build the model on a real device"
+            f"{', '.join(f'{name}.{a}' if name else a for a in unfilled)}: left unset by meta-device init: neither "
+            f"{what} nor {type(chain[0][1]).__name__}._init_weights() fills them; {fix}"
         )
 
 

@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
+import fsdp8  # noqa: E402
 from fsdp8 import Float8CurrentScaling, convert_to_fp8, load_pretrained  # noqa: E402
 from fsdp8.checkpoint import safetensors  # noqa: E402
 from fsdp8.engine.state_dict import StateDictError  # noqa: E402
@@ -107,6 +108,73 @@ def test_fully_shard_conversion_names_layers_outside_the_units():
     _, messages = _caught(convert_units_to_fp8, root, list(root.blocks.named_children()), Float8CurrentScaling())
     assert len(messages) == 2 and "head (32x16)" in messages[0]
     assert "no layer of NoLinears runs in FP8" in messages[1]
+
+
+# -- meta-device init (tests/dist/test_hf.py builds GPT-2, Llama and Qwen2 on meta) -----------------
+def _rope(config, device):
+    return 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float, device=device) / 8)), 1.0
+
+
+class LegacyRotary(nn.Module):
+    """A rotary module as transformers 4.4x-4.5x writes them: ``rope_init_fn(config, device)``,
+    ``original_inv_freq`` an attribute, and no rule in ``_init_weights`` that fills it."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.rope_init_fn = _rope
+        self.register_buffer("inv_freq", self.rope_init_fn(config, None)[0], persistent=False)
+        self.original_inv_freq = self.inv_freq
+
+
+class Gain(nn.Module):
+    """Neither reset_parameters() nor a rule in HF's _init_weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(4))
+
+
+class Masked(nn.Module):
+    """A constant made in __init__ (GPT-2's causal mask in transformers 4.x)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mask", torch.ones(4, dtype=torch.bool), persistent=False)
+
+
+class TinyConfig(transformers.PretrainedConfig):
+    model_type = "fsdp8-tiny"
+
+
+class Tiny(transformers.PreTrainedModel):
+    config_class = TinyConfig
+
+    def __init__(self, config, extra=None):
+        super().__init__(config)
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+        self.rotary = LegacyRotary(config)
+        if extra is not None:
+            self.extra = extra()
+        self.post_init()
+
+
+def test_meta_init_recomputes_legacy_rotary_tables():
+    with torch.device("meta"):
+        model = Tiny(TinyConfig())
+    model = fsdp8.fully_shard(model)
+    assert torch.equal(model.rotary.inv_freq, _rope(None, None)[0])
+    assert model.rotary.original_inv_freq is model.rotary.inv_freq
+
+
+@pytest.mark.parametrize("extra,fix", [(Gain, "give Gain a reset_parameters()"),
+                                       (Masked, "build the model with its buffers on a real device")])
+def test_meta_init_names_what_nothing_fills(extra, fix):
+    with torch.device("meta"):
+        model = Tiny(TinyConfig(), extra)
+    with pytest.raises(ValueError, match="left unset by meta-device init: neither") as error:
+        fsdp8.fully_shard(model)
+    assert str(error.value).startswith("extra.gain" if extra is Gain else "extra.mask") and fix in str(error.value)
 
 
 # -- load_pretrained -------------------------------------------------------------------------------
