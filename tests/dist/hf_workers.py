@@ -144,3 +144,28 @@ def load_pretrained_sharded(kind: str, path: str, fp8: bool):
             logits_err = float((sharded(input_ids=tokens.to(common.device())).logits.cpu()
                                 - saved(input_ids=tokens).logits).abs().max())
     return state_err, logits_err, sorted(whole), sorted(transposed)
+
+
+def fp8_gpt2_checkpoint_roundtrip(hf_path: str, ckpt: str, exported: str):
+    """An FP8 GPT-2 filled from HF files, saved with fsdp8.save, loaded into a fresh one with
+    fsdp8.load, exported and read back by load_pretrained (the (out, in) layout as it is):
+    the largest difference of each copy from the first model."""
+    from fsdp8.checkpoint import export
+
+    def fresh(seed):
+        return fsdp8.fully_shard(hf_model("gpt2", seed=seed, meta=True), fp8=fsdp8.Float8CurrentScaling())
+
+    first = fresh(1)
+    fsdp8.load_pretrained(first, hf_path)
+    fsdp8.save(ckpt, first)
+    loaded = fresh(2)
+    fsdp8.load(ckpt, loaded)
+    if common.rank() == 0:
+        export(ckpt, exported)
+    torch.distributed.barrier()
+    reread = fresh(3)
+    fsdp8.load_pretrained(reread, exported)
+    want = {k: _full(v) for k, v in first.state_dict().items()}
+    converted = sum(type(m).__name__ == "Float8Conv1D" for m in first.modules())
+    return converted, [max(float((_full(v) - want[k]).abs().max()) for k, v in m.state_dict().items())
+                       for m in (loaded, reread)]

@@ -73,3 +73,10 @@ def test_load_pretrained_transposes_hf_conv1d_into_fp8_gpt2(saved):
         assert len(transposed) == 8
         assert state_err == 0.0
         assert whole == transposed  # a transposed weight is read whole; everything else by rows
+
+
+def test_fp8_gpt2_checkpoint_and_export_round_trip(saved, tmp_path):
+    """fsdp8 checkpoints and exports of a converted GPT-2 hold the (out, in) layout."""
+    converted, errors = run_on_ranks(2, hf_workers.fp8_gpt2_checkpoint_roundtrip, saved["gpt2"],
+                                     str(tmp_path / "ckpt"), str(tmp_path / "export"))[0]
+    assert converted == 8 and errors == [0.0, 0.0]
