@@ -164,10 +164,11 @@ def _name_lookup(model: nn.Module, files, key_map: KeyMap, targets: List[_Target
     if key_map is not None and not isinstance(key_map, Mapping) and not callable(key_map):
         raise TypeError(f"key_map must be a dict {{model name: file name}} or a callable, got {type(key_map).__name__}")
     exact = {n for t in targets for n in t.names if n in files}
+    hf_names = _hf_names(model)
     inferred: Dict[str, str] = {}
     for file_name in files.names():
         if file_name not in exact:
-            for name in _hf_names(model, file_name):
+            for name in hf_names(file_name):
                 inferred.setdefault(name, file_name)
 
     def lookup(names: List[str]) -> Optional[str]:
@@ -179,30 +180,31 @@ def _name_lookup(model: nn.Module, files, key_map: KeyMap, targets: List[_Target
     return lookup
 
 
-def _hf_names(model: nn.Module, file_name: str) -> List[str]:
-    """What a Hugging Face checkpoint's ``file_name`` may be called in ``model``."""
-    name = file_name
-    for pattern, replacement in (getattr(model, "_checkpoint_conversion_mapping", None) or {}).items():
-        name, count = re.subn(pattern, replacement, name)
-        if count:
-            break  # the first matching rule wins, as in transformers
-    head = _output_embeddings_name(model)
-    if head is not None:
-        name = re.sub(r"^embed_out\.", f"{head}.", name)  # GPT-NeoX checkpoints name the head embed_out
-    names = [name]
+def _hf_names(model: nn.Module) -> Callable[[str], List[str]]:
+    """file name -> what a Hugging Face checkpoint's tensor of that name may be called in ``model``."""
+    renames = getattr(model, "_checkpoint_conversion_mapping", None) or {}
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    head_name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
     prefix = getattr(model, "base_model_prefix", "")
-    if prefix and isinstance(prefix, str):
-        if hasattr(model, prefix) and not name.startswith(prefix + "."):
-            names.append(f"{prefix}.{name}")  # a base model's file into a model with a head
-        elif not hasattr(model, prefix) and name.startswith(prefix + "."):
-            names.append(name[len(prefix) + 1:])  # a file of a model with a head into its base model
+    prefix = prefix if isinstance(prefix, str) else ""
+    has_base = bool(prefix) and isinstance(getattr(model, prefix, None), nn.Module)
+
+    def names(file_name: str) -> List[str]:
+        name = file_name
+        for pattern, replacement in renames.items():
+            name, count = re.subn(pattern, replacement, name)
+            if count:
+                break  # the first matching rule wins, as in transformers
+        if head_name is not None:
+            name = re.sub(r"^embed_out\.", f"{head_name}.", name)  # GPT-NeoX checkpoints name the head embed_out
+        if has_base and not name.startswith(prefix + "."):
+            return [name, f"{prefix}.{name}"]  # a base model's file into a model with a head
+        if prefix and not has_base and name.startswith(prefix + "."):
+            return [name, name[len(prefix) + 1:]]  # a file of a model with a head into its base model
+        return [name]
+
     return names
-
-
-def _output_embeddings_name(model: nn.Module) -> Optional[str]:
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    return next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
 
 
 def _transposed_weights(model: nn.Module) -> set:

@@ -38,7 +38,8 @@ def test_gpt2_conv1d_becomes_a_float8_linear_of_the_transposed_weight():
     model = hf_model("gpt2")
     original = copy.deepcopy(model)
     converted, messages = _caught(convert_to_fp8, model, Float8CurrentScaling())
-    projections = [f"transformer.h.{i}.{p}" for i in range(2) for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    projections = [f"transformer.h.{i}.{p}" for i in range(2)
+                   for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
     assert converted == projections + ["lm_head"] and messages == []
     conv = model.transformer.h[0].mlp.c_fc
     source = original.transformer.h[0].mlp.c_fc
@@ -211,6 +212,27 @@ def test_base_model_prefix_is_added_or_removed(tmp_path):
     body = transformers.LlamaModel(causal.config)
     load_pretrained(body, path)
     assert _equal_states(body, causal.model)
+
+
+class Renamed(nn.Module):
+    """A model whose class maps old checkpoint names onto its own (transformers 4.x)."""
+
+    _checkpoint_conversion_mapping = {r"^encoder\.": "body.", r"^proj\.": "head."}
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+
+def test_class_checkpoint_conversion_mapping(tmp_path):
+    old = Renamed()
+    path = str(tmp_path / "old.safetensors")
+    safetensors.write(path, {k.replace("body.", "encoder.").replace("head.", "proj."): v
+                             for k, v in old.state_dict().items()})
+    fresh = Renamed()
+    load_pretrained(fresh, path)
+    assert _equal_states(fresh, old)
 
 
 def test_key_map_as_dict_or_callable(tmp_path):
