@@ -98,7 +98,8 @@ def load_pretrained(model: nn.Module, path: str, key_map: KeyMap = None, strict:
     GPT-2 projection, stored (out, in)) is read transposed from files that hold HF's (in, out)
     layout; files whose converted-Conv1D weights all have the (out, in) shape (an ``export``
     of such a model) load as they are (a model whose converted weights are all square cannot
-    tell the two apart and takes HF's layout). A transposed weight is read whole by each rank.
+    tell the two apart and takes HF's layout). Transposed weights and tensor-parallel
+    parameters are read whole by each rank.
 
     Returns the names not found with ``strict=False``. Otherwise missing names, and always
     mis-shaped ones, raise one error that lists them with the file keys nothing used."""
@@ -135,11 +136,15 @@ def load_pretrained(model: nn.Module, path: str, key_map: KeyMap = None, strict:
         for target in found:
             file = files.file_of(target.file_name)
             flip = target.transposed and hf_layout
-            if target.unit is None:
+            if target.unit is None or flip or getattr(target.slot, "inner", None) is not None:
+                # Whole: a transposed weight's rows are the file's columns, and a tensor-parallel
+                # piece's rows are not its rows in the file (load_full cuts the piece out).
                 value = file.read(target.file_name)
-                target.tensor.copy_(value.t() if flip else value)
-            elif flip:
-                target.unit.load_full(target.slot, file.read(target.file_name).t())
+                value = value.t() if flip else value
+                if target.unit is None:
+                    target.tensor.copy_(value)
+                else:
+                    target.unit.load_full(target.slot, value)
             else:
                 rows = target.slot.layout.chunk_row_range(target.unit.chunk_index)
                 target.unit.main_view(target.slot).copy_(file.read(target.file_name, rows))

@@ -169,3 +169,23 @@ def fp8_gpt2_checkpoint_roundtrip(hf_path: str, ckpt: str, exported: str):
     converted = sum(type(m).__name__ == "Float8Conv1D" for m in first.modules())
     return converted, [max(float((_full(v) - want[k]).abs().max()) for k, v in m.state_dict().items())
                        for m in (loaded, reread)]
+
+
+def load_pretrained_tensor_parallel(path: str):
+    """load_pretrained into a dp2 x tp2 model (torch ParallelStyles placed the weights, as in
+    tests/dist/tp_engine_workers.py): the largest difference from the weights in the file."""
+    from fsdp8.checkpoint import safetensors
+
+    from . import tp_engine_workers as tp
+
+    mesh = tp.world_mesh(1, 2, 2)
+    source = tp.build(vocab=9, seed=0)
+    if common.rank() == 0:
+        safetensors.write(path, {k: v.detach() for k, v in source.state_dict().items()})
+    torch.distributed.barrier()
+    model = tp.build(vocab=9, seed=1)
+    tp.place(model, mesh["tp"])
+    sharded = fsdp8.fully_shard(model, mesh=mesh["dp_shard"])
+    fsdp8.load_pretrained(sharded, path)
+    got = tp.full_state(sharded)
+    return max(float((got[k].cpu() - v).abs().max()) for k, v in source.state_dict().items())

@@ -80,3 +80,9 @@ def test_fp8_gpt2_checkpoint_and_export_round_trip(saved, tmp_path):
     converted, errors = run_on_ranks(2, hf_workers.fp8_gpt2_checkpoint_roundtrip, saved["gpt2"],
                                      str(tmp_path / "ckpt"), str(tmp_path / "export"))[0]
     assert converted == 8 and errors == [0.0, 0.0]
+
+
+def test_load_pretrained_under_tensor_parallelism(tmp_path):
+    """A tensor-parallel piece's rows are not its rows in the file: it is read whole."""
+    errors = run_on_ranks(4, hf_workers.load_pretrained_tensor_parallel, str(tmp_path / "w.safetensors"))
+    assert errors == [0.0] * 4
