@@ -58,8 +58,8 @@ def _full(value: torch.Tensor) -> torch.Tensor:
     return (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().cpu()
 
 
-def _bf16_fp8(recipe=None):
-    return dict(precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), fp8=recipe)
+def _bf16_compute(fp8=None):
+    return dict(precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), fp8=fp8)
 
 
 def gpt2_fp8_parity(steps: int = 4):
@@ -67,15 +67,15 @@ def gpt2_fp8_parity(steps: int = 4):
     recipe in one process (convert_to_fp8 on the plain blocks), step by step from equal
     weights as tests/dist/test_fp8_engine.py does; and the first loss next to a bf16 run's."""
     recipe = fsdp8.Float8CurrentScaling()
-    model = CausalLM(hf_model("gpt2"))
+    model = CausalLM(hf_model("gpt2")).to(common.device())
     bf16 = copy.deepcopy(model)
     reference = copy.deepcopy(model)
     for block in reference.hf.transformer.h:
         fsdp8.convert_to_fp8(block, recipe)
-    sharded = fsdp8.fully_shard(model, **_bf16_fp8(recipe))
-    bf16 = fsdp8.fully_shard(bf16, **_bf16_fp8())
+    sharded = fsdp8.fully_shard(model, **_bf16_compute(recipe))
+    bf16 = fsdp8.fully_shard(bf16, **_bf16_compute())
     converted = sorted(n for n, m in sharded.named_modules() if type(m).__name__ == "Float8Conv1D")
-    x, y = common.global_batch(0, 4, 8, VOCAB)
+    x, y = (t.to(common.device()) for t in common.global_batch(0, 4, 8, VOCAB))
     with torch.no_grad():
         losses = float(sharded(x, y)), float(bf16(x, y))
     errors = common.lockstep_errors(sharded, reference, steps, torch.bfloat16)
