@@ -132,10 +132,9 @@ def load_pretrained_sharded(kind: str, path: str, fp8: bool):
         st.SafetensorsFile.read = original
     saved = hf_model(kind)
     transposed = {f"{n}.weight" for n, m in sharded.named_modules() if type(m).__name__ == "Float8Conv1D"}
-    state_err = 0.0
+    state_err, files = 0.0, saved.state_dict()
     for name, value in sharded.state_dict().items():
-        want = saved.state_dict()[name]
-        want = want.t() if name in transposed else want
+        want = files[name].t() if name in transposed else files[name]
         state_err = max(state_err, float((_full(value) - want).abs().max()))
     logits_err = None
     if not fp8:
@@ -188,4 +187,4 @@ def load_pretrained_tensor_parallel(path: str):
     sharded = fsdp8.fully_shard(model, mesh=mesh["dp_shard"])
     fsdp8.load_pretrained(sharded, path)
     got = tp.full_state(sharded)
-    return max(float((got[k].cpu() - v).abs().max()) for k, v in source.state_dict().items())
+    return max(float((got[k].cpu() - v.cpu()).abs().max()) for k, v in source.state_dict().items())
