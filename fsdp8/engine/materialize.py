@@ -115,8 +115,9 @@ def module_initializer(root: nn.Module) -> Callable[[nn.Module], Optional[Initia
     non-persistent buffers (rotary ``inv_freq``) on the real device. The values follow the
     model's own scheme and are the same on every rank and at every world size, but they are not
     those of a model built on CPU with the same seed: HF draws the constructors' inits and then
-    ``_init_weights`` over the whole model, another order of random draws. Floating-point tensors
-    that nothing filled are an error, not garbage."""
+    ``_init_weights`` over the whole model, another order of random draws. A tensor nothing
+    filled (NaN left in a floating-point one, no write to an integer one) is an error naming
+    it, not garbage."""
     pretrained = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
     names = {id(m): n for n, m in root.named_modules()}
     parent: Dict[int, nn.Module] = {}
