@@ -73,6 +73,23 @@ class Float8Unit(ShardedUnit):
             Granularity.MX_1x32: (rows, math.ceil(cols / 32)),
         }[self.granularity]
 
+    def _block_grid(self, slot: ParamSlot) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+        """(grid shape, offset of this rank's blocks in it) of a 128x128-scaled weight's amaxes.
+
+        A tensor-parallel piece is one part of a larger weight whose blocks the other tp ranks
+        hold: its block amaxes sit in the whole weight's grid, so the max all-reduce over
+        dp x tp reduces each block with its own rows only (the engine converts only pieces
+        that are whole blocks, fp8/tp.py)."""
+        rows, cols = slot.layout.shape
+        if slot.inner is None or slot.inner.is_replicated:
+            return (math.ceil(rows / 128), math.ceil(cols / 128)), (0, 0)
+        (_, _), (row0, col0) = slot.inner.local_region()
+        full_rows, full_cols = slot.inner.shape
+        if row0 % 128 or col0 % 128:
+            raise ValueError(f"{slot.fqn}: its tensor-parallel piece starts at ({row0}, {col0}), inside a 128x128 "
+                             "scaling block; use a tensor-parallel degree that keeps pieces whole blocks")
+        return (math.ceil(full_rows / 128), math.ceil(full_cols / 128)), (row0 // 128, col0 // 128)
+
     def _allocate_scales(self) -> None:
         """Every FP8 weight's scale and scale_inv as views of two flat buffers, in slot order,
         so that new scales land with one indexed copy per unit. Each view starts on a 16-byte
@@ -84,16 +101,27 @@ class Float8Unit(ShardedUnit):
         self._scale_flat = torch.ones(total, dtype=torch.float32, device=self.device)
         self._scale_inv_flat = torch.ones(total, dtype=torch.float32, device=self.device)
         self._scale_ranges: Dict[int, Tuple[int, int]] = {}
-        positions, amax_start = [], 0
+        positions, picks, amax_start = [], [], 0
         for slot, size, start in zip(fp8, sizes, starts):
             shape = self._scale_shape(slot)
             self._scale[id(slot)] = self._scale_flat[start : start + size].view(shape)
             self._scale_inv[id(slot)] = self._scale_inv_flat[start : start + size].view(shape)
-            self._scale_ranges[id(slot)] = (amax_start, amax_start + size)
+            amax_size = size
+            pick = torch.arange(amax_start, amax_start + size)
+            if self.granularity is Granularity.BLOCK_128x128:
+                (grid_rows, grid_cols), (r0, c0) = self._block_grid(slot)
+                amax_size = grid_rows * grid_cols
+                grid = torch.arange(amax_size).view(grid_rows, grid_cols)
+                pick = amax_start + grid[r0 : r0 + shape[0], c0 : c0 + shape[1]].flatten()
+            self._scale_ranges[id(slot)] = (amax_start, amax_start + amax_size)
             positions.append(torch.arange(start, start + size))
-            amax_start += size
-        # Where each entry of local_amaxes() lands in the (padded) flat buffers.
+            picks.append(pick)
+            amax_start += amax_size
+        # Where each of this rank's scales sits in local_amaxes() layout, and where it lands
+        # in the (padded) flat buffers.
         self._scale_positions = torch.cat(positions).to(self.device) if fp8 else None
+        self._scale_picks = torch.cat(picks).to(self.device) if fp8 else None
+        self._picks_all = fp8 and amax_start == sum(sizes)  # no tp pieces: the amaxes are the scales
 
     def scale_of(self, slot: ParamSlot) -> torch.Tensor:
         if not self._scale:
@@ -158,7 +186,13 @@ class Float8Unit(ShardedUnit):
             grids = []
             for slot in slots:
                 start, _ = slot.layout.chunk_row_range(self.chunk_index)
-                grids.append(partial_block_amax(self.main_view(slot), start, slot.layout.rows).flatten())
+                grid = partial_block_amax(self.main_view(slot), start, slot.layout.rows)
+                shape, (r0, c0) = self._block_grid(slot)
+                if shape != tuple(grid.shape):
+                    whole = grid.new_zeros(shape)
+                    whole[r0 : r0 + grid.shape[0], c0 : c0 + grid.shape[1]] = grid
+                    grid = whole
+                grids.append(grid.flatten())
             local = torch.cat(grids)
         return local.to(self.compute_dtype).float()
 
@@ -166,6 +200,8 @@ class Float8Unit(ShardedUnit):
         """Take this unit's slice of the agreed scales (``local_amaxes`` layout)."""
         if scale.numel():
             self.scale_of(self.amax_slots()[0])  # allocates the flat buffers
+            if not self._picks_all:  # tp pieces: this rank's blocks of the whole weights' grids
+                scale, scale_inv = scale[self._scale_picks], scale_inv[self._scale_picks]
             self._scale_flat.index_copy_(0, self._scale_positions, scale)
             self._scale_inv_flat.index_copy_(0, self._scale_positions, scale_inv)
         self._scales_agreed()

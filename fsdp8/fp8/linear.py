@@ -3,13 +3,16 @@ the device has no native FP8 GEMM for the recipe (the quantization is identical)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
-from .formats import Granularity, scale_inv_to_e8m0
-from .kernels import Quantized, cast_transpose, quantize, quantize_1x128_both_ways
+from .formats import Granularity, amax_to_scale, scale_inv_to_e8m0
+from .kernels import Quantized, amax, cast_transpose, quantize, quantize_1x128_both_ways
 from .recipes import G, W, X, DelayedState, Recipe, update_delayed_states
 from .tensor import Float8Tensor, transpose_of
 
@@ -58,9 +61,17 @@ def fp8_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, recipe: Recipe, f
         raise ValueError(f"fp8_mm takes row-major (contiguous) operands, got strides {a.data.stride()} and "
                          f"{b.data.stride()}")
     if not _native_ok(a, b, recipe):
-        # Emulation: exact dequantization, then one matmul (bf16 for MX: power-of-two scales
-        # keep the dequantized values exact in bf16; fp32 otherwise).
-        dtype = torch.bfloat16 if (a.data.is_cuda and a.granularity is Granularity.MX_1x32) else torch.float32
+        # Emulation: exact dequantization, then one matmul (bf16 for MX on CUDA: power-of-two
+        # scales keep the dequantized values exact in bf16; fp32 elsewhere on CUDA). On CPUs
+        # the matmul runs in fp64, where each product of two dequantized FP8 values (4 and 24
+        # significant bits times 4 and 24) is nearly exact, so the fp32 result no longer
+        # depends on the order of the sum: a compiled graph, a tensor-parallel split of the
+        # reduction or another BLAS kernel produce the same bytes, and tests can compare them
+        # without a rounding difference flipping an FP8 byte downstream.
+        if a.data.is_cuda:
+            dtype = torch.bfloat16 if a.granularity is Granularity.MX_1x32 else torch.float32
+        else:
+            dtype = torch.float64
         return (a.dequantize(dtype) @ b.dequantize(dtype).t()).to(out_dtype)
     mat_b = b.data.t()  # column-major (K, N) view of the row-major (N, K) operand
     if a.granularity is Granularity.TENSOR:
@@ -81,12 +92,42 @@ def _e8m0(scale_inv: torch.Tensor) -> torch.Tensor:
     return scale_inv_to_e8m0(scale_inv).view(torch.float8_e8m0fnu)
 
 
+# -- tensor parallelism -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorParallelGemm:
+    """Where a Float8Linear's operands are tensor-parallel shards (fp8/tp.py decides).
+
+    Per-tensor scales of a shard are agreed over ``group`` (a max all-reduce of its amax), so
+    each rank quantizes its piece exactly as one process would quantize the whole tensor.
+    With ``gather_dim`` the input arrives sequence-sharded: it is quantized, its FP8 bytes
+    are all-gathered along that dim, and the input gradient is reduce-scattered back."""
+
+    group: object
+    x_sharded: bool = False  # rowwise: the input's last (reduction) dim is split over tp
+    w_sharded: bool = True
+    dy_sharded: bool = False  # colwise: the output's last dim is split over tp
+    gather_dim: Optional[int] = None
+
+    def amax_group(self, sharded: bool):
+        return self.group if sharded else None
+
+
+def _group_scale(t: torch.Tensor, fp8_dtype, group) -> torch.Tensor:
+    """The per-tensor scale of the whole tensor of which ``t`` is this rank's piece."""
+    t_amax = amax(t)
+    dist.all_reduce(t_amax, op=dist.ReduceOp.MAX, group=group)
+    return amax_to_scale(t_amax, fp8_dtype)
+
+
 # -- quantizing the three operands ---------------------------------------------------------------
-def _quantize_both_ways(t: torch.Tensor, granularity: Granularity, fp8_dtype, state: Optional[DelayedState], row: int):
-    """``t`` quantized along its rows and its transpose quantized along *its* rows."""
+def _quantize_both_ways(t: torch.Tensor, granularity: Granularity, fp8_dtype, state: Optional[DelayedState], row: int,
+                        group=None):
+    """``t`` quantized along its rows and its transpose quantized along *its* rows (a
+    per-tensor scale agreed over ``group`` when ``t`` is a tensor-parallel shard)."""
     if granularity is Granularity.TENSOR:
         # Delayed: the scale comes from the history and t's amax out of the same pass.
-        q, q_t, t_amax, inv = cast_transpose(t, fp8_dtype, None if state is None else state.scale[row])
+        scale = state.scale[row] if state is not None else (_group_scale(t, fp8_dtype, group) if group else None)
+        q, q_t, t_amax, inv = cast_transpose(t, fp8_dtype, scale)
         if state is not None:
             state.record(row, t_amax)
         return Quantized(q, inv, granularity), Quantized(q_t, inv, granularity)
@@ -95,11 +136,11 @@ def _quantize_both_ways(t: torch.Tensor, granularity: Granularity, fp8_dtype, st
     return quantize(t, fp8_dtype, granularity), quantize(t.t(), fp8_dtype, granularity)
 
 
-def _quantized_input(x: torch.Tensor, x2d: torch.Tensor, recipe: Recipe, state: Optional[DelayedState]):
+def _quantized_input(x: torch.Tensor, x2d: torch.Tensor, recipe: Recipe, state: Optional[DelayedState], group=None):
     """The input in both FP8 layouts. Linears fed the same tensor (q/k/v projections, gate and
     up) share one quantization unless delayed scaling gives each its own scale."""
-    if state is not None:
-        return _quantize_both_ways(x2d, recipe.x_granularity, recipe.fwd_dtype, state, X)
+    if state is not None or group is not None:
+        return _quantize_both_ways(x2d, recipe.x_granularity, recipe.fwd_dtype, state, X, group)
     key = (x._version, recipe.x_granularity, recipe.fwd_dtype)
     cached = getattr(x, "_fsdp8_fp8_input", None)
     if cached is not None and cached[0] == key:
@@ -109,7 +150,7 @@ def _quantized_input(x: torch.Tensor, x2d: torch.Tensor, recipe: Recipe, state: 
     return qx, qx_t
 
 
-def _weight_operands(weight, recipe: Recipe, state: Optional[DelayedState], dtype):
+def _weight_operands(weight, recipe: Recipe, state: Optional[DelayedState], dtype, group=None):
     """The weight (N, K) quantized along K and, when it comes for free, its transpose (K, N);
     an engine-gathered FP8 weight is used as is (its transpose is made once per gather)."""
     if isinstance(weight, Float8Tensor):
@@ -117,7 +158,7 @@ def _weight_operands(weight, recipe: Recipe, state: Optional[DelayedState], dtyp
         return Quantized(weight._data, weight._scale_inv, recipe.w_granularity), None
     w = weight.detach().to(dtype)
     if recipe.w_granularity is Granularity.TENSOR:
-        return _quantize_both_ways(w, Granularity.TENSOR, recipe.fwd_dtype, state, W)
+        return _quantize_both_ways(w, Granularity.TENSOR, recipe.fwd_dtype, state, W, group)
     return quantize(w, recipe.fwd_dtype, recipe.w_granularity), None
 
 
@@ -134,31 +175,39 @@ class _Float8LinearFn(torch.autograd.Function):
     delayed-scaling state, so torch.compile can trace it when ``state`` is None."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: Recipe, state: Optional[DelayedState], qx_data=None, qx_scale_inv=None):
+    def forward(ctx, x, weight, bias, recipe: Recipe, state: Optional[DelayedState], qx_data=None, qx_scale_inv=None,
+                tp: Optional[TensorParallelGemm] = None):
         x2d = x.reshape(-1, x.shape[-1])
         compute_dtype = x.dtype
-        qw, qw_t = _weight_operands(weight, recipe, state, compute_dtype)
-        if qx_data is not None:
+        x_shape = x.shape
+        qw, qw_t = _weight_operands(weight, recipe, state, compute_dtype, tp.amax_group(tp.w_sharded) if tp else None)
+        if tp is not None and tp.gather_dim is not None:
+            (qx, qx_t), x_shape = _gathered_input(x, recipe, state, tp), _gathered_shape(x.shape, tp)
+            saved_x = None
+        elif qx_data is not None:
             # Compiled graphs (see Float8Linear.forward): quantized by the caller; backward
             # quantizes the input's transpose again from the input itself.
             qx, qx_t, saved_x = Quantized(qx_data, qx_scale_inv, recipe.x_granularity), None, x
         else:
             # Eager: saved for backward are FP8 only (the input's transpose and the weight).
-            (qx, qx_t), saved_x = _quantized_input(x, x2d, recipe, state), None
+            group = tp.amax_group(tp.x_sharded) if tp else None
+            (qx, qx_t), saved_x = _quantized_input(x, x2d, recipe, state, group), None
         out = fp8_mm(qx, qw, compute_dtype, recipe, fast_accum=True)
         if bias is not None:
             out = out + bias.to(compute_dtype)
         ctx.qx_t, ctx.x, ctx.qw, ctx.qw_t, ctx.weight = qx_t, saved_x, qw, qw_t, weight
-        ctx.recipe, ctx.state = recipe, state
-        ctx.has_bias, ctx.x_shape, ctx.compute_dtype = bias is not None, x.shape, compute_dtype
+        ctx.recipe, ctx.state, ctx.tp = recipe, state, tp
+        ctx.has_bias, ctx.x_shape, ctx.compute_dtype = bias is not None, x_shape, compute_dtype
         ctx.weight_dtype = weight.dtype
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out.view(*x_shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         recipe = ctx.recipe
         dy2d = dy.reshape(-1, dy.shape[-1]).to(ctx.compute_dtype)
-        qdy, qdy_t = _quantize_both_ways(dy2d, recipe.g_granularity, recipe.bwd_dtype, ctx.state, G)
+        tp = ctx.tp
+        qdy, qdy_t = _quantize_both_ways(dy2d, recipe.g_granularity, recipe.bwd_dtype, ctx.state, G,
+                                         tp.amax_group(tp.dy_sharded) if tp else None)
         qw_t = ctx.qw_t if ctx.qw_t is not None else _weight_transposed(ctx.weight, ctx.qw)
         qx_t = ctx.qx_t
         if qx_t is None:  # the same bytes and scales as quantizing both ways in forward
@@ -168,7 +217,54 @@ class _Float8LinearFn(torch.autograd.Function):
         dw = fp8_mm(qdy_t, qx_t, ctx.compute_dtype, recipe)
         dbias = dy2d.sum(0) if ctx.has_bias else None
         ctx.qx_t = ctx.x = ctx.qw = ctx.qw_t = ctx.weight = None
-        return dx.view(ctx.x_shape), dw.to(ctx.weight_dtype), dbias, None, None, None, None
+        dx = dx.view(ctx.x_shape)
+        if tp is not None and tp.gather_dim is not None:
+            dx = _reduce_scatter_sum(dx, tp.gather_dim, tp.group)
+        return dx, dw.to(ctx.weight_dtype), dbias, None, None, None, None, None
+
+
+def _gathered_shape(shape, tp: TensorParallelGemm):
+    full = list(shape)
+    full[tp.gather_dim] *= dist.get_world_size(tp.group)
+    return torch.Size(full)
+
+
+def _gathered_input(x: torch.Tensor, recipe: Recipe, state: Optional[DelayedState], tp: TensorParallelGemm):
+    """Sequence parallel: quantize this rank's tokens with the whole input's scale, then
+    all-gather the FP8 bytes along the sequence (half the bytes of a bf16 gather). The
+    transpose for the weight-gradient GEMM is a transposed copy of the gathered bytes, exact
+    for a per-tensor scale, so no high-precision copy of the whole input ever exists."""
+    from ..engine import comm
+
+    x2d = x.detach().reshape(-1, x.shape[-1])
+    if state is not None:
+        scale = state.scale[X]
+        state.record(X, amax(x2d))  # this rank's amax; the engine's step all-reduce takes the max
+    else:
+        scale = _group_scale(x2d, recipe.fwd_dtype, tp.group)
+    q = quantize(x2d, recipe.fwd_dtype, Granularity.TENSOR, scale)
+    ranks = dist.get_world_size(tp.group)
+    local = q.data.view(torch.uint8).view(x.shape)
+    gathered = torch.empty((ranks,) + tuple(x.shape), dtype=torch.uint8, device=x.device)
+    comm.all_gather(gathered, local, tp.group, "fp8 sequence-parallel input")
+    full = gathered.movedim(0, tp.gather_dim).reshape(_gathered_shape(x.shape, tp)).reshape(-1, x.shape[-1])
+    qx = Quantized(full.view(recipe.fwd_dtype), q.scale_inv, Granularity.TENSOR)
+    return qx, qx.t().contiguous()
+
+
+def _reduce_scatter_sum(dx: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The input gradient's partial sums over tp, summed and cut back to this rank's tokens."""
+    from ..engine import comm
+
+    ranks = dist.get_world_size(group)
+    shape = list(dx.shape)
+    shape[dim : dim + 1] = [ranks, shape[dim] // ranks]
+    pieces = dx.reshape(shape).movedim(dim, 0).contiguous()
+    if ranks == 1:
+        return pieces[0]
+    out = torch.empty(pieces.shape[1:], dtype=dx.dtype, device=dx.device)
+    comm._reduce_scatter_fn()(out, pieces, op=dist.ReduceOp.SUM, group=group)
+    return out
 
 
 _FLOAT8_CLASSES: dict = {}
@@ -223,6 +319,10 @@ class Float8Linear(nn.Linear):
         return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, DTensor):
+            from .tp import tensor_parallel_forward
+
+            return tensor_parallel_forward(self, x)
         if not self.recipe.traceable:
             return self._forward_opaque(x)
         if not torch.compiler.is_compiling():

@@ -86,3 +86,29 @@ def test_fsdp2_tp_checkpoint_interop(tmp_path):
     saved, into_fsdp8, into_fsdp2 = run_on_ranks(4, workers.fsdp2_tp_interop, str(tmp_path / "a"), str(tmp_path / "b"))[0]
     assert set(into_fsdp8) == set(saved) and _equal(into_fsdp8, saved) == []
     assert set(into_fsdp2) == set(saved) and _equal(into_fsdp2, saved) == []
+
+
+# FP8 with TP against the same recipe in one process, fp32 compute, in lockstep. With the
+# per-tensor scales of sharded operands agreed over tp (and blocks kept whole on each rank),
+# every FP8 byte and scale equals the single process's; what differs is the fp32 order of
+# the GEMM reductions split over tp and of the gradient sums, as in test_fp8_engine.py,
+# hence its 1e-5 bound.
+FP8_TOL = 1e-5
+
+
+@pytest.mark.parametrize("recipe,sp,dims", [
+    ("fp8-current", False, (32, 64)),
+    ("fp8-current", True, (32, 64)),
+    ("fp8-block", False, (256, 256)),
+])
+def test_fp8_tp_parity(recipe, sp, dims):
+    for worst, converted in run_on_ranks(4, workers.fp8_parity, recipe, (1, 2, 2), sp, 3, *dims):
+        assert converted == ["blocks.0.down", "blocks.0.up", "blocks.1.down", "blocks.1.up"]
+        assert max(worst.values()) <= FP8_TOL, {k: v for k, v in worst.items() if v > FP8_TOL}
+
+
+@pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-current"])
+def test_fp8_tp_equals_data_parallel(recipe):
+    # Delayed scaling's histories (module buffers, compared too) take the tp-reduced amaxes.
+    for worst in run_on_ranks(2, workers.fp8_tp_vs_data_parallel, recipe):
+        assert max(worst.values()) <= FP8_TOL, {k: v for k, v in worst.items() if v > FP8_TOL}

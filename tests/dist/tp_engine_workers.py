@@ -298,3 +298,84 @@ def fsdp2_tp_interop(path_from_fsdp2: str, path_from_fsdp8: str, vocab: int = 18
     set_optimizer_state_dict(back, back_opt, state["optim"])
     into_fsdp2 = _snapshot(back, back_opt)
     return saved, into_fsdp8, into_fsdp2
+
+
+# -- FP8 under TP --------------------------------------------------------------------------------
+def _fp8_reference_step(reference, step: int, dp_size: int, vocab: int, opt, batch_per_rank: int = 2):
+    """One step of the same FP8 recipe in one process: a forward per data-parallel slice (as
+    each dp rank quantizes its own activations), gradients averaged."""
+    x, y = common.global_batch(step, batch_per_rank * dp_size, 8, vocab)
+    for r in range(dp_size):
+        (reference(common.rank_slice(x, r, dp_size).to(common.device()),
+                   common.rank_slice(y, r, dp_size).to(common.device())) / dp_size).backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+
+
+def fp8_parity(recipe_name: str, mesh_shape=(1, 2, 2), sequence_parallel: bool = False, steps: int = 3,
+               dim: int = 32, hidden: int = 64, strategy: str = "optim_grads_params"):
+    """FP8 training with TP against the same recipe in one process, in lockstep: before each
+    step the reference takes the engine's weights (see common.lockstep_errors for why)."""
+    from fsdp8.fp8.convert import convert_to_fp8
+    from fsdp8.fp8.recipes import recipe_from_name
+
+    recipe = recipe_from_name(recipe_name)
+    vocab = 32
+    dp_replicate, dp_shard, tp = mesh_shape
+    mesh = fsdp8.make_mesh(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
+    model = build(vocab, dim=dim, hidden=hidden)
+    reference = copy.deepcopy(model)
+    for block in reference.blocks:
+        convert_to_fp8(block, recipe)
+    place(model, mesh["tp"], sequence_parallel)
+    sharded = fsdp8.fully_shard(model, mesh=mesh, strategy=strategy, fp8=recipe)
+    converted = sorted(n for n, m in sharded.named_modules() if isinstance(m, fsdp8.Float8Linear))
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1)
+    r, w = dp_of(mesh)
+    worst: Dict[str, float] = {}
+    for step in range(steps):
+        with torch.no_grad():
+            state = full_state(sharded)
+            for name, p in reference.named_parameters():
+                p.copy_(state[name])
+        x, y = common.global_batch(step, 2 * w, 8, vocab)
+        sharded(common.rank_slice(x, r, w).to(common.device()), common.rank_slice(y, r, w).to(common.device())).backward()
+        fsdp8.clip_grad_norm_(sharded, 1.0)
+        opt.step()
+        opt.zero_grad()
+        _fp8_reference_step(reference, step, w, vocab, ref_opt)
+        for name, err in errors(full_state(sharded), {k: v.detach().cpu() for k, v in reference.state_dict().items()}).items():
+            worst[name] = max(worst.get(name, 0.0), err)
+    return worst, converted
+
+
+def fp8_tp_vs_data_parallel(recipe_name: str, steps: int = 4, sequence_parallel: bool = True):
+    """FP8 with tp over all ranks against the same recipe without TP on the same ranks (every
+    rank fed the whole batch, so both equal one process), in lockstep: before each step the
+    data-parallel run takes the TP run's weights and scaling state (delayed histories)."""
+    from fsdp8.fp8.recipes import recipe_from_name
+
+    recipe = recipe_from_name(recipe_name)
+    vocab = 32
+    world = dist.get_world_size()
+    tp_run = place(build(vocab, dim=32, hidden=64), fsdp8.make_mesh(dp_shard=1, tp=world)["tp"], sequence_parallel)
+    tp_run = fsdp8.fully_shard(tp_run, mesh=fsdp8.make_mesh(dp_shard=1, tp=world), fp8=recipe)
+    dp_run = fsdp8.fully_shard(build(vocab, dim=32, hidden=64), fp8=recipe)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in (tp_run, dp_run)]
+    worst: Dict[str, float] = {}
+    for step in range(steps):
+        dp_run.load_state_dict(full_state(tp_run))
+        x, y = common.global_batch(step, 4, 8, vocab)
+        for model, opt in zip((tp_run, dp_run), opts):
+            model(x.to(common.device()), y.to(common.device())).backward()
+            fsdp8.clip_grad_norm_(model, 1.0)
+            opt.step()
+            opt.zero_grad()
+        for name, err in errors(full_state(tp_run), full_state(dp_run)).items():
+            # Pending amaxes are each rank's own until the next step's all-reduce folds them
+            # into the history (compared), so a tp piece's differ from a whole tensor's.
+            if not name.endswith("fp8_amax_pending"):
+                worst[name] = max(worst.get(name, 0.0), err)
+    return worst

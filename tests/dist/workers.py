@@ -652,8 +652,10 @@ def delayed_group_reduce(with_group=True, steps=3):
 def fp8_compiled_blocks(recipe_name, steps=3):
     """The engine's FP8 training with each block compiled against the same model in eager
     mode. Traceable recipes compile whole (fullgraph: a graph break fails); the others run
-    as opaque calls inside the compiled blocks. Compute is fp32 so that the compiler's
-    fusion does not change roundings ahead of the quantizers."""
+    as opaque calls inside the compiled blocks. Compute is fp64 (with the CPU emulation's
+    fp64 GEMMs): the compiler rounds fused elementwise ops differently from eager by an ulp,
+    and in fp32 such an ulp near an FP8 rounding boundary flips a byte downstream (seen on
+    an AVX-512 Xeon: 1e-3 after three steps); in fp64 that chance is about 2^-49 per value."""
     import torch._dynamo
     import torch._inductor.config
 
@@ -666,7 +668,7 @@ def fp8_compiled_blocks(recipe_name, steps=3):
     for compiled in (False, True):
         model = common.build_fp8_llama()
         sharded = fsdp8.fully_shard(model, strategy="optim_grads_params", fp8=recipe,
-                                    precision=fsdp8.Precision(param_dtype=torch.float32, reduce_dtype=torch.float32))
+                                    precision=fsdp8.Precision(param_dtype=torch.float64, reduce_dtype=torch.float64))
         if compiled:
             torch._dynamo.reset()
             for block in sharded.modules():
