@@ -17,7 +17,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..config import OuterStrategy, Precision, Strategy
 from ..parallel.mesh import default_device_type, init_distributed
 from . import comm
-from ..fp8.convert import convert_linears, is_fp8_primary, warn_skipped
+from ..fp8.convert import convert_units_to_fp8, is_fp8_primary
+from ..fp8.tp import tp_aware_filter, warn_tp_kept
 from ..fp8.linear import Float8Linear
 from ..fp8.recipes import Recipe
 from .check import check_same_everywhere
@@ -360,10 +361,11 @@ def fully_shard(
     if fp8 is not None:
         if not isinstance(fp8, Recipe):
             raise TypeError(f"fp8 must be an fsdp8 FP8 recipe (e.g. fsdp8.Float8CurrentScaling()), got {fp8!r}")
-        skipped = []
-        for name, unit_module in unit_modules:
-            skipped += convert_linears(unit_module, fp8, fp8_filter, prefix=f"{name}.")[1]
-        warn_skipped(skipped)
+        tp_kept = []
+        if inner_mesh is not None:
+            fp8_filter, tp_kept = tp_aware_filter(fp8_filter, fp8)
+        convert_units_to_fp8(module, unit_modules, fp8, fp8_filter)
+        warn_tp_kept(tp_kept)
     recipe = _model_recipe(module, fp8)
     per_unit, originals = _collect_slots(module, unit_modules)
     if inner_mesh is not None:

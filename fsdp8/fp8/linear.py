@@ -244,10 +244,10 @@ def _gathered_input(x: torch.Tensor, recipe: Recipe, state: Optional[DelayedStat
         scale = _group_scale(x2d, recipe.fwd_dtype, tp.group)
     q = quantize(x2d, recipe.fwd_dtype, Granularity.TENSOR, scale)
     ranks = dist.get_world_size(tp.group)
-    local = q.data.view(torch.uint8).view(x.shape)
-    gathered = torch.empty((ranks,) + tuple(x.shape), dtype=torch.uint8, device=x.device)
+    local = q.data.view(torch.uint8).reshape(-1)
+    gathered = torch.empty(ranks * local.numel(), dtype=torch.uint8, device=x.device)
     comm.all_gather(gathered, local, tp.group, "fp8 sequence-parallel input")
-    full = gathered.movedim(0, tp.gather_dim).reshape(_gathered_shape(x.shape, tp)).reshape(-1, x.shape[-1])
+    full = gathered.view((ranks,) + tuple(x.shape)).movedim(0, tp.gather_dim).reshape(_gathered_shape(x.shape, tp)).reshape(-1, x.shape[-1])
     qx = Quantized(full.view(recipe.fwd_dtype), q.scale_inv, Granularity.TENSOR)
     return qx, qx.t().contiguous()
 
@@ -262,9 +262,9 @@ def _reduce_scatter_sum(dx: torch.Tensor, dim: int, group) -> torch.Tensor:
     pieces = dx.reshape(shape).movedim(dim, 0).contiguous()
     if ranks == 1:
         return pieces[0]
-    out = torch.empty(pieces.shape[1:], dtype=dx.dtype, device=dx.device)
-    comm._reduce_scatter_fn()(out, pieces, op=dist.ReduceOp.SUM, group=group)
-    return out
+    out = torch.empty(pieces[0].numel(), dtype=dx.dtype, device=dx.device)
+    comm._reduce_scatter_fn()(out, pieces.view(-1), op=dist.ReduceOp.SUM, group=group)
+    return out.view(pieces.shape[1:])
 
 
 _FLOAT8_CLASSES: dict = {}

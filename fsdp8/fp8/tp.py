@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 from .formats import Granularity
 from .linear import Float8Linear, TensorParallelGemm, _Float8LinearFn
@@ -111,3 +112,50 @@ def tensor_parallel_forward(module: Float8Linear, x) -> DTensor:
     tp = TensorParallelGemm(group, w_sharded=False)
     out = _Float8LinearFn.apply(x.to_local(), w_local, b_local, module.recipe, state, None, None, tp)
     return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+
+
+def tp_aware_filter(user_filter, recipe: Recipe):
+    """The conversion filter for a model with tensor-parallel layers: a layer whose pieces
+    cannot run ``recipe`` as one process would (``tp_fp8_ok``) stays in high precision, and
+    the returned list collects it with the reason (``warn_tp_kept``); other layers go to
+    ``user_filter`` (default: dimensions that are multiples of 16)."""
+    from .convert import fp8_friendly
+
+    kept = []
+
+    def accept(name: str, module: nn.Module) -> bool:
+        if isinstance(getattr(module, "weight", None), DTensor):
+            reason = tp_fp8_ok(module, recipe)
+            if reason is not None:
+                kept.append(f"{name}: {reason}")
+                return False
+        return (user_filter or fp8_friendly)(name, module)
+
+    return accept, kept
+
+
+def warn_tp_kept(kept) -> None:
+    if kept:
+        import warnings
+
+        warnings.warn(f"fsdp8: kept {len(kept)} tensor-parallel layer(s) in high precision: {'; '.join(kept)}",
+                      stacklevel=3)
+
+
+class Float8ColwiseParallel(ColwiseParallel):
+    """torch's ColwiseParallel, except that an FP8 layer with per-tensor scaling receives a
+    sequence-sharded input as it is and gathers it itself as FP8 bytes (half a bf16
+    gather). Other modules, and block-scaled layers, get the high-precision gather. The
+    choice is made at each forward, so the style can be applied before fully_shard(fp8=...)
+    converts the layer, as torchao's Float8ColwiseParallel cannot."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        placement = input_layouts[0] if input_layouts else None
+        x = inputs[0]
+        gathers_itself = (isinstance(mod, Float8Linear) and mod.recipe.x_granularity is Granularity.TENSOR
+                          and isinstance(placement, Shard) and placement.dim != -1
+                          and placement.dim != x.ndim - 1)
+        if gathers_itself:
+            return x if isinstance(x, DTensor) else DTensor.from_local(x, device_mesh, input_layouts, run_check=False)
+        return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)

@@ -21,6 +21,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from ..fp8.tp import Float8ColwiseParallel
+
 # Projections whose output features are attention heads, and the config field counting them.
 _HEAD_PROJECTIONS = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}
 
@@ -32,7 +34,8 @@ def _style(kind: str, sequence_parallel: bool) -> Optional[ParallelStyle]:
     # reduce-scatter back into it.
     seq = Shard(1) if sequence_parallel else None
     if kind in ("colwise", "local_colwise"):  # local_*: 4.5x's same sharding without DTensor params
-        return ColwiseParallel(input_layouts=seq)
+        # An FP8 projection (fully_shard(fp8=...)) gathers the sequence itself, in 8 bits.
+        return Float8ColwiseParallel(input_layouts=seq)
     if kind in ("rowwise", "local_rowwise"):
         return RowwiseParallel(output_layouts=seq, use_local_output=not sequence_parallel)
     if kind in ("colwise_rep", "colwise_gather_output"):

@@ -112,3 +112,19 @@ def test_fp8_tp_equals_data_parallel(recipe):
     # Delayed scaling's histories (module buffers, compared too) take the tp-reduced amaxes.
     for worst in run_on_ranks(2, workers.fp8_tp_vs_data_parallel, recipe):
         assert max(worst.values()) <= FP8_TOL, {k: v for k, v in worst.items() if v > FP8_TOL}
+
+
+def test_fp8_sequence_parallel_gathers_fp8_bytes():
+    # Each colwise FP8 layer (two blocks' up) gathers its sequence-sharded input as 1-byte
+    # values; with bf16 compute the same gathers move 2 bytes per value through DTensor.
+    # (The head stays bf16: vocab 32 over tp 2 is a 16-row piece, FP8-friendly, but it is
+    # outside the units, which fully_shard does not convert.)
+    tokens_per_rank, dim = 2 * 8 // 2, 32
+    fp8 = run_on_ranks(2, workers.fp8_sequence_parallel_bytes, "fp8-current")[0]
+    fp8_inputs = [g for g in fp8 if g[0] == "fp8 input"]
+    assert fp8_inputs == [("fp8 input", "torch.uint8", tokens_per_rank * dim)] * 2, fp8
+    bf16 = run_on_ranks(2, workers.fp8_sequence_parallel_bytes, "bf16")[0]
+    # Without FP8 the same inputs travel through DTensor's gathers in the compute dtype (fp32 here).
+    hp_inputs = [g for g in bf16 if g == ("dtensor", "torch.float32", tokens_per_rank * dim * 4)]
+    fp8_hp_inputs = [g for g in fp8 if g == ("dtensor", "torch.float32", tokens_per_rank * dim * 4)]
+    assert len(fp8_hp_inputs) == len(hp_inputs) - 2, (fp8, bf16)

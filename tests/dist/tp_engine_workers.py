@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 import fsdp8
+from fsdp8.fp8.tp import Float8ColwiseParallel
 
 from . import common
 
@@ -58,8 +59,9 @@ class Stack(nn.Module):
 def place(model: Stack, tp_mesh, sequence_parallel: bool = False, tied: bool = False) -> Stack:
     """torch's ParallelStyles: the Megatron layout, sequence-parallel norms on request."""
     seq = Shard(1) if sequence_parallel else Replicate()
+    # Float8ColwiseParallel is ColwiseParallel unless the layer becomes FP8 (fully_shard(fp8=...)).
     block_plan = {
-        "up": ColwiseParallel(input_layouts=seq),
+        "up": Float8ColwiseParallel(input_layouts=seq),
         "down": RowwiseParallel(output_layouts=seq),
     }
     if sequence_parallel:
@@ -68,7 +70,7 @@ def place(model: Stack, tp_mesh, sequence_parallel: bool = False, tied: bool = F
         parallelize_module(block, tp_mesh, block_plan)
     top = {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+        "head": Float8ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
     }
     if sequence_parallel:
         top["norm"] = SequenceParallel()
@@ -379,3 +381,41 @@ def fp8_tp_vs_data_parallel(recipe_name: str, steps: int = 4, sequence_parallel:
             if not name.endswith("fp8_amax_pending"):
                 worst[name] = max(worst.get(name, 0.0), err)
     return worst
+
+
+def fp8_sequence_parallel_bytes(recipe_name: str = "fp8-current", vocab: int = 32, batch: int = 2, seq: int = 8,
+                                dim: int = 32, hidden: int = 64):
+    """What travels over tp in one training step under sequence parallelism: every all-gather
+    (fsdp8's and DTensor's) by dtype and bytes, and the FP8 layers' input gathers by label."""
+    import torch.distributed._functional_collectives as funcol
+    from fsdp8.engine import comm
+    name = "all_gather_single" if hasattr(funcol, "all_gather_single") else "all_gather_tensor"
+    from fsdp8.fp8.recipes import recipe_from_name
+
+    recipe = recipe_from_name(recipe_name) if recipe_name != "bf16" else None
+    world = dist.get_world_size()
+    mesh = fsdp8.make_mesh(dp_shard=1, tp=world)
+    model = place(build(vocab, dim=dim, hidden=hidden), mesh["tp"], sequence_parallel=True)
+    model = fsdp8.fully_shard(model, mesh=mesh, fp8=recipe)
+    x, y = common.global_batch(0, batch, seq, vocab)
+    model(x.to(common.device()), y.to(common.device())).backward()  # records the order; gathers settle
+    gathers = []
+    original_funcol, original_comm = getattr(funcol, name), comm.all_gather
+
+    def counted_funcol(tensor, gather_dim, group, *a, **k):
+        gathers.append(("dtensor", str(tensor.dtype), tensor.numel() * tensor.element_size()))
+        return original_funcol(tensor, gather_dim, group, *a, **k)
+
+    def counted_comm(out, inp, group, label):
+        if "sequence-parallel" in label:
+            gathers.append(("fp8 input", str(inp.dtype), inp.numel() * inp.element_size()))
+        return original_comm(out, inp, group, label)
+
+    setattr(funcol, name, counted_funcol)
+    comm.all_gather = counted_comm
+    try:
+        model(x.to(common.device()), y.to(common.device())).backward()
+    finally:
+        setattr(funcol, name, original_funcol)
+        comm.all_gather = original_comm
+    return gathers
