@@ -5,12 +5,14 @@ from .engine.grads import NonFiniteGradError, check_finite, clip_grad_norm_, non
 from .engine.model import MemoryReport, ShardedModel, fully_shard
 from .engine.check import DesyncError
 from .engine.state_dict import StateDictError
-from .parallel.mesh import init_distributed, make_mesh
+from .parallel.mesh import data_parallel_mesh, init_distributed, make_mesh, tp_mesh
+from .parallel.tp import tensor_parallel
 from .fp8.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from .fp8.linear import Float8Linear
 from .fp8.tensor import Float8Tensor
 from .fp8.convert import convert_to_fp8, fp8_init
 from .fp8.fsdp2 import precompute_fp8_scales, prepare_fp8_modules_for_fsdp, use_fp8_all_gather
+from .fp8.tp import Float8ColwiseParallel
 from . import checkpoint, data, fp8
 from .checkpoint import latest, load, load_pretrained, save, wait_for_saves
 
@@ -23,6 +25,7 @@ __all__ = [
     "DelayedScaling",
     "Float8BlockScaling",
     "Float8CurrentScaling",
+    "Float8ColwiseParallel",
     "Float8Linear",
     "Float8Tensor",
     "MXFP8BlockScaling",
@@ -45,5 +48,8 @@ __all__ = [
     "fully_shard",
     "init_distributed",
     "make_mesh",
+    "data_parallel_mesh",
+    "tp_mesh",
+    "tensor_parallel",
 ]
 __version__ = "0.1.0"

@@ -128,3 +128,16 @@ def test_fp8_sequence_parallel_gathers_fp8_bytes():
     hp_inputs = [g for g in bf16 if g == ("dtensor", "torch.float32", tokens_per_rank * dim * 4)]
     fp8_hp_inputs = [g for g in fp8 if g == ("dtensor", "torch.float32", tokens_per_rank * dim * 4)]
     assert len(fp8_hp_inputs) == len(hp_inputs) - 2, (fp8, bf16)
+
+
+def test_memory_report_per_rank():
+    for got, expected in run_on_ranks(4, workers.memory_per_rank):
+        assert got == expected
+
+
+def test_bad_tp_inputs_raise_on_every_rank():
+    for messages in run_on_ranks(4, workers.bad_tp_inputs):
+        covers, unplaced, two_meshes = messages
+        assert "x the tensor-parallel mesh's 2, but the world has 4" in covers
+        assert "no parameter of the model is a tensor-parallel DTensor" in unplaced
+        assert "are DTensors on different meshes" in two_meshes

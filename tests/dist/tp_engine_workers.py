@@ -419,3 +419,48 @@ def fp8_sequence_parallel_bytes(recipe_name: str = "fp8-current", vocab: int = 3
         setattr(funcol, name, original_funcol)
         comm.all_gather = original_comm
     return gathers
+
+
+# -- memory and bad input --------------------------------------------------------------------------
+def memory_per_rank(vocab: int = 20):
+    """memory_report() at dp 2 x tp 2 against the unsharded model's sizes: tp-sharded weights
+    are split four ways, tp-replicated ones (norms, rowwise biases) two ways."""
+    mesh = fsdp8.make_mesh(dp_shard=2, tp=2)
+    model = place(build(vocab), mesh["tp"])
+    split = {n: not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements)
+             for n, p in model.named_parameters()}
+    numel = {n: p.numel() for n, p in model.named_parameters()}
+    sharded = fsdp8.fully_shard(model, mesh=mesh)
+    expected = sum(numel[n] // (2 if replicated else 4) for n, replicated in split.items()) * 4
+    return sharded.memory_report().main_weights, expected
+
+
+def bad_tp_inputs():
+    """Mistakes in combining TP with fully_shard; each must raise on every rank before a hang."""
+    messages = []
+    mesh = fsdp8.make_mesh(dp_shard=2, tp=2)
+
+    def attempt(fn):
+        try:
+            fn()
+        except (ValueError, TypeError) as e:
+            messages.append(str(e))
+        else:
+            messages.append(None)
+
+    # A data-parallel mesh that, with tp, does not cover the world.
+    world_dp = fsdp8.make_mesh()
+    attempt(lambda: fsdp8.fully_shard(place(build(18), mesh["tp"]), mesh=world_dp))
+    # A world mesh with tp > 1 but a model nobody placed.
+    attempt(lambda: fsdp8.fully_shard(build(18), mesh=mesh))
+    # Parameters on two different tp meshes.
+    other = init_device_mesh(common.device().type, (2, 2), mesh_dim_names=("dp_x", "tp_x"))
+
+    def two_meshes():
+        model = build(18)
+        parallelize_module(model.blocks[0], mesh["tp"], {"up": ColwiseParallel()})
+        parallelize_module(model.blocks[1], other["tp_x"], {"up": ColwiseParallel()})
+        fsdp8.fully_shard(model, mesh=mesh)
+
+    attempt(two_meshes)
+    return messages

@@ -93,7 +93,7 @@ def test_load_state_dict_assign_refused():
 
 
 def test_make_mesh_errors():
-    with pytest.raises(ValueError, match="dp_replicate \\* dp_shard = 2 \\* 1 = 2, but the world has 1"):
+    with pytest.raises(ValueError, match="dp_replicate 2 x dp_shard 1 x cp 1 x tp 1 = 2, but the world has 1 ranks"):
         fsdp8.make_mesh(dp_replicate=2, dp_shard=1)
-    with pytest.raises(NotImplementedError, match="tensor parallel"):
+    with pytest.raises(ValueError, match="the given sizes multiply to 2, which does not divide the world of 1"):
         fsdp8.make_mesh(tp=2)
