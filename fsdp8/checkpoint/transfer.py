@@ -136,9 +136,19 @@ def load_pretrained(model: nn.Module, path: str, key_map: KeyMap = None, strict:
         for target in found:
             file = files.file_of(target.file_name)
             flip = target.transposed and hf_layout
-            if target.unit is None or flip or getattr(target.slot, "inner", None) is not None:
-                # Whole: a transposed weight's rows are the file's columns, and a tensor-parallel
-                # piece's rows are not its rows in the file (load_full cuts the piece out).
+            inner = getattr(target.slot, "inner", None)
+            if target.unit is not None and not flip and inner is not None:
+                # A tensor-parallel piece: this rank's rows of it are rows of the file at the
+                # piece's offset; its columns (a dim-1 split) are cut from those rows.
+                (_, *piece_cols), (row0, *col0) = inner.local_region()
+                start, stop = target.slot.layout.chunk_row_range(target.unit.chunk_index)
+                value = file.read(target.file_name, (row0 + start, row0 + stop))
+                for dim, (offset, size) in enumerate(zip(col0, piece_cols), start=1):
+                    value = value.narrow(dim, offset, size)
+                target.unit.main_view(target.slot).copy_(value)
+                target.unit.mark_stale()
+            elif target.unit is None or flip:
+                # Whole: a transposed weight's rows are the file's columns.
                 value = file.read(target.file_name)
                 value = value.t() if flip else value
                 if target.unit is None:

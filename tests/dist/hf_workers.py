@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -185,6 +187,26 @@ def load_pretrained_tensor_parallel(path: str):
     model = tp.build(vocab=9, seed=1)
     tp.place(model, mesh["tp"])
     sharded = fsdp8.fully_shard(model, mesh=mesh["dp_shard"])
-    fsdp8.load_pretrained(sharded, path)
+    read = []
+    original = safetensors.SafetensorsFile.read
+
+    def counting(self, name, rows=None):
+        value = original(self, name, rows)
+        read.append(value.numel())
+        return value
+
+    safetensors.SafetensorsFile.read = counting
+    try:
+        fsdp8.load_pretrained(sharded, path)
+    finally:
+        safetensors.SafetensorsFile.read = original
+    # What this rank needs: its dp rows of its tp piece, whole rows of the file (a dim-1
+    # piece's columns are cut from them).
+    needed = 0
+    for unit in sharded._fsdp8.all_units:
+        for slot in unit.slots:
+            start, stop = slot.layout.chunk_row_range(unit.chunk_index)
+            needed += (stop - start) * (math.prod(slot.inner.shape[1:]) if slot.inner else slot.layout.row_numel)
     got = tp.full_state(sharded)
-    return max(float((got[k].cpu() - v.cpu()).abs().max()) for k, v in source.state_dict().items())
+    error = max(float((got[k].cpu() - v.cpu()).abs().max()) for k, v in source.state_dict().items())
+    return error, sum(read), needed, sum(v.numel() for v in source.state_dict().values())
