@@ -26,7 +26,7 @@ opt = torch.optim.AdamW(model.parameters(), lr=3e-3)  # parameters are sharded f
 data = fsdp8.data.ByteCorpus()
 for step in range(20):
     x, y = data.batch(step, rank, world, batch_per_rank=4, seq_len=64)
-    with model.no_sync():  # gradient accumulation: the first micro-batch skips communication
+    with model.no_sync():  # accumulate gradients; ZeRO-3 still reduce-scatters (its gradients are sharded)
         model(x[:2].to(device), y[:2].to(device)).div(2).backward()
     loss = model(x[2:].to(device), y[2:].to(device)).div(2)
     loss.backward()

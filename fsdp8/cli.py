@@ -1,79 +1,226 @@
-"""The ``fsdp8`` command line: ``fsdp8 train`` (the main job) and ``fsdp8 export``."""
+"""The ``fsdp8`` command line: ``fsdp8 train`` (the main job) and ``fsdp8 export``.
+
+Everything that can be checked before a worker starts is checked here, in the launching
+process, and reported in one line: flags, the checkpoint to resume, the output directory.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import sys
-from dataclasses import fields
-from typing import List, Optional
+from dataclasses import fields, replace
+from typing import Collection, List, Optional
 
+from . import __version__
+from .checkpoint.store import CheckpointError, complete_checkpoints, extra_path, problems
 from .config import STRATEGY_NAMES
-from .launch import launch
+from .launch import launch, resolve_nproc, under_torchrun
 from .models.llama import PRESETS
-from .train import PRECISIONS, TrainConfig, train
+from .train import PRECISIONS, TrainConfig, find_checkpoint, run_dir_of, train
+
+# What a run writes into --out; an earlier run's are never overwritten unasked.
+OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "loss.png")
+# Settings a resumed run takes from its checkpoint unless they are given again.
+PER_INVOCATION = {"out", "resume", "overwrite", "stop_at"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line, no usage block: the message says what was wrong and how to fix it."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _train_parser(sub) -> None:
+    d = TrainConfig()
     p = sub.add_parser("train", help="train the built-in Llama on the built-in corpus",
                        description="Train the built-in Llama on the built-in corpus: all local GPUs, or "
-                                   "2 gloo worker processes on a CPU-only machine. Works under torchrun too.")
-    defaults = TrainConfig()
-    p.add_argument("--steps", type=int, default=defaults.steps)
-    p.add_argument("--preset", choices=sorted(PRESETS), default=defaults.preset)
-    p.add_argument("--strategy", choices=STRATEGY_NAMES, default=defaults.strategy)
-    p.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
-                   help="compute dtype; auto = bf16 on GPUs, fp32 on CPUs; fp8-* = bf16 with FP8 GEMMs and "
-                        "8-bit weight all-gathers in the blocks (main weights stay fp32)")
-    p.add_argument("--nproc", type=int, default=None, help="worker processes (default: all GPUs, or 2 on CPU)")
-    p.add_argument("--out", default=defaults.out, help="directory for metrics.jsonl, loss.png, summary.json")
-    p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per rank per step")
-    p.add_argument("--seq-len", type=int, default=defaults.seq_len)
-    p.add_argument("--micro-batches", type=int, default=defaults.micro_batches)
-    p.add_argument("--lr", type=float, default=defaults.lr)
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--log-every", type=int, default=defaults.log_every)
-    p.add_argument("--eval-every", type=int, default=defaults.eval_every)
-    p.add_argument("--save-every", type=int, default=defaults.save_every,
-                   help="checkpoint every N steps under OUT/checkpoints (0: never)")
-    p.add_argument("--keep-last", type=int, default=defaults.keep_last, help="checkpoints to keep")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under OUT/checkpoints")
-    p.add_argument("--stop-at", type=int, default=defaults.stop_at,
-                   help="stop after this step with a checkpoint, as if interrupted (0: run to --steps)")
-    p.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+                                   "2 gloo worker processes on a CPU-only machine. Works under torchrun too. "
+                                   "SIGINT or SIGTERM stops after the current step with the outputs written "
+                                   "(and a checkpoint with --save-every); a second one stops at once.",
+                       argument_default=argparse.SUPPRESS)  # only the flags given: a resume fills in the rest
+
+    def flag(name: str, help: str, **kwargs) -> None:
+        default = getattr(d, name[2:].replace("-", "_"))
+        p.add_argument(name, help=f"{help} (default: {default})", **kwargs)
+
+    flag("--steps", "optimizer steps of the run", type=int)
+    flag("--preset", "size of the built-in Llama", choices=sorted(PRESETS))
+    flag("--strategy", "what is sharded: no_shard (DDP), optim (ZeRO-1), optim_grads (ZeRO-2), "
+                       "optim_grads_params (ZeRO-3)", choices=STRATEGY_NAMES)
+    flag("--precision", "compute dtype; auto = bf16 on GPUs, fp32 on CPUs; fp8-* = bf16 with FP8 GEMMs and "
+                        "8-bit weight all-gathers in the blocks (main weights stay fp32)", choices=PRECISIONS)
+    p.add_argument("--nproc", type=int, help="worker processes (default: all GPUs, or 2 on CPU; under torchrun, "
+                                             "torchrun's)")
+    flag("--out", "directory for metrics.jsonl, loss.png, summary.json and checkpoints/")
+    flag("--batch-size", "sequences per rank per step", type=int)
+    flag("--seq-len", "tokens per sequence, at most the preset's positions ("
+                      + ", ".join(f"{name}: {c.max_seq_len}" for name, c in PRESETS.items()) + ")", type=int)
+    flag("--micro-batches", "gradient-accumulation micro-batches per step (they split --batch-size)", type=int)
+    flag("--lr", "peak learning rate: linear warm-up, then cosine decay to a tenth over the run", type=float)
+    flag("--seed", "seed of the initial weights and of the batches", type=int)
+    flag("--log-every", "steps per metrics record and progress update", type=int)
+    flag("--eval-every", "steps between validation losses", type=int)
+    flag("--save-every", "checkpoint every N steps, and when stopped by a signal, under OUT/checkpoints "
+                         "(0: never)", type=int)
+    flag("--keep-last", "checkpoints of this run to keep", type=int)
+    p.add_argument("--resume", nargs="?", const=None, metavar="DIR",
+                   help="continue a run from its latest checkpoint; DIR is a run directory, its checkpoints/ "
+                        "folder or one checkpoint (default: --out). Settings not given again, --steps and "
+                        "--save-every included, and the LR schedule come from the checkpoint; the outputs go "
+                        "to the run's directory unless --out is given, and cover the whole run")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an --out that holds an earlier run, deleting its "
+                        f"{', '.join(OUTPUTS)} first (default: refuse to start there)")
+    flag("--stop-at", "stop after this step with a checkpoint, as if interrupted (0: run to --steps)", type=int)
+    p.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in a background thread (default: training waits for each)")
 
 
 def _export_parser(sub) -> None:
     p = sub.add_parser("export", help="write a checkpoint's model weights as safetensors",
                        description="Read an fsdp8 (or any DCP) checkpoint in this one process and write its "
                                    "model weights, in full, to OUT/model.safetensors.")
-    p.add_argument("checkpoint")
-    p.add_argument("out")
+    p.add_argument("checkpoint", help="a checkpoint, or a run directory or checkpoints/ folder: its latest one")
+    p.add_argument("out", help="directory to write model.safetensors into")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="cast floating weights (default: as saved, fp32 main weights)")
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="fsdp8", description="Sharded data-parallel training with FP8.")
+def _saved_extra(checkpoint: str) -> dict:
+    """Rank 0's extra values of an fsdp8 checkpoint: its step and the run's settings."""
+    path = extra_path(checkpoint, 0)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _earlier_run(out: str) -> List[str]:
+    """The outputs of an earlier run in ``out``, described."""
+    found = []
+    for name in OUTPUTS:
+        path = os.path.join(out, name)
+        if name == "checkpoints" and os.path.isdir(path) and os.listdir(path):
+            done = complete_checkpoints(path)
+            found.append(f"checkpoints/ up to {os.path.basename(done[-1])}" if done else "checkpoints/")
+        elif name != "checkpoints" and os.path.exists(path):
+            found.append(name)
+    return found
+
+
+def _resume(cfg: TrainConfig, given: Collection[str]) -> TrainConfig:
+    try:
+        checkpoint = find_checkpoint(cfg.resume)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--resume: {e}") from None
+    wrong = problems(checkpoint, foreign_ok=True)
+    if wrong:
+        raise ValueError(f"--resume: cannot continue from {checkpoint}: {'; '.join(wrong)}")
+    extra = _saved_extra(checkpoint)
+    saved = extra.get("config", {})
+    if "preset" in saved and "preset" in given and saved["preset"] != cfg.preset:
+        raise ValueError(f"--resume: {checkpoint} holds the {saved['preset']!r} preset, not {cfg.preset!r}; "
+                         f"drop --preset or pass --preset {saved['preset']}")
+    remembered = {k: v for k, v in saved.items()
+                  if k in {f.name for f in fields(TrainConfig)} - PER_INVOCATION - set(given)}
+    run_dir = run_dir_of(checkpoint)
+    if "out" not in given and run_dir is not None:
+        remembered["out"] = run_dir
+    cfg = replace(cfg, resume=checkpoint, **remembered)
+    step = extra.get("step", 0)
+    if cfg.steps <= step:
+        raise ValueError(f"--resume: {checkpoint} is at step {step} already; pass --steps above {step} to go on")
+    return cfg
+
+
+def plan_run(cfg: TrainConfig, given: Collection[str]) -> TrainConfig:
+    """The run ``fsdp8 train`` will make: ``cfg`` with the checkpoint to resume resolved and
+    the settings it remembers filled in (``given`` names the flags on the command line).
+    Raises ValueError or FileNotFoundError, saying what to do, for what cannot work."""
+    if cfg.resume:
+        cfg = _resume(cfg, given)
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise ValueError(f"--out {cfg.out} is a file; give a directory (it is created if missing)")
+    try:
+        os.makedirs(cfg.out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {cfg.out}: cannot create it ({e.strerror}); give a directory you can write to")
+    run_dir = run_dir_of(cfg.resume) if cfg.resume else None
+    continuing = run_dir is not None and os.path.samefile(run_dir, cfg.out)
+    earlier = _earlier_run(cfg.out)
+    if earlier and not continuing and not cfg.overwrite:
+        raise ValueError(f"--out {cfg.out} holds an earlier run ({', '.join(earlier)}); pass --resume to continue "
+                         "it, --overwrite to delete it and start afresh, or another --out")
+    return cfg
+
+
+def clear_earlier_run(out: str) -> Optional[str]:
+    """Delete an earlier run's outputs from ``out`` (for --overwrite); the line that says so."""
+    earlier = _earlier_run(out)
+    if not earlier:
+        return None
+    for name in OUTPUTS:
+        path = os.path.join(out, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+    return f"--overwrite: deleted the earlier run in {out} ({', '.join(earlier)})"
+
+
+def _fail(command: str, message: str):
+    print(f"fsdp8 {command}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    given = {k for k in vars(args) if k not in ("command", "nproc")}
+    settings = {k: v for k, v in vars(args).items() if k in given}
+    if "resume" in given:
+        settings["resume"] = args.resume or settings.get("out", TrainConfig.out)
+    try:
+        cfg = plan_run(TrainConfig(**settings), given)
+        nproc = None if under_torchrun() else resolve_nproc(getattr(args, "nproc", None))
+    except (ValueError, FileNotFoundError) as e:
+        _fail("train", str(e))
+    if cfg.overwrite and int(os.environ.get("RANK", "0")) == 0:
+        cleared = clear_earlier_run(cfg.out)
+        if cleared:
+            print(cleared, file=sys.stderr)
+    return launch(train, (cfg,), nproc=nproc)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint import export
+
+    try:
+        checkpoint = find_checkpoint(args.checkpoint)
+        target = export(checkpoint, args.out, getattr(torch, args.dtype) if args.dtype else None)
+    except (FileNotFoundError, CheckpointError) as e:
+        _fail("export", str(e))
+    print(f"wrote {target} from {checkpoint}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import torch
+
+    parser = _Parser(prog="fsdp8", description="Sharded data-parallel training with FP8.")
+    parser.add_argument("--version", action="version", version=f"fsdp8 {__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _export_parser(sub)
-    args = parser.parse_args(argv)
-    if args.command == "export":
-        import torch
+    return parser
 
-        from .checkpoint import export
 
-        target = export(args.checkpoint, args.out, getattr(torch, args.dtype) if args.dtype else None)
-        print(f"wrote {target}", file=sys.stderr)
-        return 0
-    if args.command == "train":
-        names = {f.name for f in fields(TrainConfig)}
-        try:
-            cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
-        except ValueError as e:
-            parser.error(str(e))
-        launch(train, (cfg,), nproc=args.nproc)
-    return 0
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return _run_export(args) if args.command == "export" else _run_train(args)
 
 
 if __name__ == "__main__":

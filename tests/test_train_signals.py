@@ -1,0 +1,60 @@
+"""SIGINT to `fsdp8 train`'s launcher by PID, as schedulers, `timeout -s INT` and wrapper
+scripts send it: the run stops after the current step, all ranks together, writes its
+outputs and a checkpoint, prints one line and leaves no process behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.test_train_launch import _alive, _all_gone
+
+
+def _children(pid):
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().split(")")[-1].split()[1]) == pid:
+                    found.append(int(entry))
+        except FileNotFoundError:  # exited meanwhile
+            continue
+    return found
+
+
+def test_sigint_to_the_launcher_stops_the_run_cleanly(tmp_path):
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp8.cli", "train", "--steps", "100000", "--batch-size", "2",
+                             "--seq-len", "16", "--log-every", "1", "--save-every", "1000", "--out", str(out)],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    workers = []
+    try:
+        before = []
+        for line in proc.stderr:
+            before.append(line)
+            if line.startswith("step ") and "/100000" in line:
+                break
+        assert proc.poll() is None, "".join(before)
+        workers += _children(proc.pid)
+        assert len(workers) >= 2  # two ranks (and multiprocessing's resource tracker)
+        sent = time.time()
+        proc.send_signal(signal.SIGINT)
+        after = proc.communicate(timeout=60)[1]
+        assert proc.returncode == 128 + signal.SIGINT and time.time() - sent < 20, after
+        assert "Traceback" not in after and "KeyboardInterrupt" not in after
+        summary = json.loads((out / "summary.json").read_text())
+        step = summary["steps_done"]
+        assert summary["stopped_by"] == "SIGINT" and step < 100000
+        lines = [line for line in after.splitlines() if not line.startswith("step ")]  # progress lines
+        assert len(lines) == 2 and lines[0] == f"saved checkpoint {out / 'checkpoints' / f'step-{step:06d}'}", after
+        assert lines[1].startswith(f"stopped by SIGINT after step {step} of 100000: loss "), after
+        assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+        assert os.listdir(out / "checkpoints") == [f"step-{step:06d}"]  # --save-every: one at the stop
+        assert _all_gone(workers)
+    finally:  # on a failure, leave nothing running
+        for pid in [proc.pid, *workers]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
