@@ -23,11 +23,31 @@ nothing, so the same engine code runs in CI.
 
 A group of one rank never issues a collective: the data is copied locally, so a single
 process pays no communication cost at all.
+
+[Note: gloo at exit]
+A gloo collective runs on a worker thread of its group, which drops its reference to the
+work a moment after the caller's ``wait()`` has returned. The work holds the caller's
+tensors, and releasing a tensor that Python also refers to takes the GIL. A thread that
+asks for the GIL once interpreter shutdown has begun is ended on the spot (pthread_exit),
+and unwinding it through the work's destructor calls std::terminate: "terminate called
+without an active exception", SIGABRT, after correct results (core dump: gloo ``runLoop ->
+~AsyncAllreduceWork -> decref_pyobject -> take_gil -> pthread_exit``, main thread in
+``Py_FinalizeEx``). ``destroy_process_group()`` prevents this by freeing the group, which
+joins its workers, but only when nothing else holds the group: a ``DeviceMesh`` holds its
+process groups and every DTensor (main weights, optimizer state, state dicts) holds its
+mesh, so once a model is sharded, the default group outlives the user's
+``destroy_process_group()`` until the interpreter tears down (torch's own FSDP2 aborts the
+same way). No public call joins the workers of a group that is still referenced, so
+``guard_gloo_exit`` has the main thread give up the GIL for a moment at exit, while the
+interpreter is still intact: a worker waiting for it finishes the release and goes idle,
+and idle workers are harmless at shutdown.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import time
 from typing import Optional
 
 import torch
@@ -104,6 +124,18 @@ class CollectiveError(RuntimeError):
 
 # The training iteration (counted by the schedule at each root forward), for error messages.
 iteration = [0]
+
+# A worker needs microseconds of CPU to finish; 0.1 s covers its scheduling on a loaded host.
+_GLOO_EXIT_GRACE_S = 0.1
+_exit_guarded = [False]
+
+
+def guard_gloo_exit() -> None:
+    """Let gloo workers finish releasing their last work before the interpreter shuts
+    down (see [Note: gloo at exit]); registered once per process."""
+    if not _exit_guarded[0]:
+        _exit_guarded[0] = True
+        atexit.register(time.sleep, _GLOO_EXIT_GRACE_S)
 
 
 @contextlib.contextmanager

@@ -20,13 +20,22 @@ def _free_port() -> int:
 
 
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) -> None:
-    """Start the default process group once; later calls do nothing.
+    """Start the default process group once; later calls start nothing.
 
     Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); without
     it, starts a group of one process. Uses NCCL with this process's local GPU when CUDA
-    is available, gloo otherwise (``backend`` overrides)."""
-    if dist.is_initialized():
-        return
+    is available, gloo otherwise (``backend`` overrides). Every call, also on a group the
+    user started (fully_shard calls this), arms fsdp8's exit guard for gloo groups
+    (comm.py [Note: gloo at exit])."""
+    from ..engine.comm import guard_gloo_exit
+
+    if not dist.is_initialized():
+        _start_default_group(backend, timeout_s)
+    if "gloo" in str(dist.get_backend()):
+        guard_gloo_exit()
+
+
+def _start_default_group(backend: Optional[str], timeout_s: float) -> None:
     env = os.environ
     if "RANK" not in env or "WORLD_SIZE" not in env:
         # A group of one on a fresh port (a MASTER_PORT inherited from a parent is in use).
