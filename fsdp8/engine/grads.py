@@ -50,7 +50,8 @@ def clip_grad_norm_(
     grads = [g for g in grads if g.numel() > 0]
     if grads:
         norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
-        local = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+        # Offloaded gradients are on the host; the collective runs on the compute device.
+        local = (norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()).to(device)
     else:
         local = torch.zeros((), dtype=torch.float32, device=device)
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
@@ -63,7 +64,7 @@ def clip_grad_norm_(
     clipped = [g for g in clipped if g.numel() > 0]
     if clipped:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(clipped, coef)
+        torch._foreach_mul_(clipped, coef.to(clipped[0].device))
     return total
 
 
@@ -76,7 +77,9 @@ def nonfinite_grads(model: nn.Module) -> Dict[str, List[int]]:
     grads = [dict(model.named_parameters())[n].grad for n in names]
     if not names:
         return {}
-    flags = torch.stack([~torch.isfinite(_local(g)).all() for g in grads]).to(torch.uint8)
+    engine = getattr(model, "_fsdp8", None)
+    device = engine.all_units[0].device if engine is not None and engine.all_units else _local(grads[0]).device
+    flags = torch.stack([~torch.isfinite(_local(g)).all() for g in grads]).to(device=device, dtype=torch.uint8)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:
         gathered = torch.empty(world * len(names), dtype=torch.uint8, device=flags.device)

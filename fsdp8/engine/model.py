@@ -46,10 +46,18 @@ class MemoryReport:
     compute_copies: int  # compute-dtype copies kept between steps
     grad_accumulation: int  # ZeRO-0/1 unsharded gradient accumulators
     largest_unsharded_unit: int  # transient: the biggest unit gathered for compute (ZeRO-3)
+    offloaded: bool = False  # main weights and gradients (and so optimizer state) in host memory
 
     @property
     def persistent(self) -> int:
-        return self.main_weights + self.grads + self.compute_copies + self.grad_accumulation
+        """Device bytes kept between steps (host bytes when nothing is offloaded: the same memory)."""
+        on_device = self.compute_copies + self.grad_accumulation
+        return on_device if self.offloaded else on_device + self.main_weights + self.grads
+
+    @property
+    def host(self) -> int:
+        """Host bytes of offloaded main weights and gradients (0 without offload)."""
+        return self.main_weights + self.grads if self.offloaded else 0
 
     def __str__(self) -> str:
         mib = lambda b: f"{b / 2**20:10.2f} MiB"  # noqa: E731
@@ -58,9 +66,11 @@ class MemoryReport:
             ("gradients", self.grads),
             ("compute copies", self.compute_copies),
             ("grad accumulation", self.grad_accumulation),
-            ("persistent total", self.persistent),
+            ("persistent on device" if self.offloaded else "persistent total", self.persistent),
             ("largest unsharded unit", self.largest_unsharded_unit),
         ]
+        if self.offloaded:
+            rows.insert(4, ("offloaded to host", self.host))
         return f"fsdp8 memory per rank ({self.strategy})\n" + "\n".join(f"  {k:<24}{mib(v)}" for k, v in rows)
 
 
@@ -146,6 +156,7 @@ class ShardedModel(nn.Module):
             compute_copies=sum(u.persistent_compute_bytes() for u in units),
             grad_accumulation=acc,
             largest_unsharded_unit=largest,
+            offloaded=any(u.offload for u in units),
         )
 
     @contextlib.contextmanager
@@ -332,6 +343,7 @@ def fully_shard(
     fp8: Optional[Recipe] = None,
     fp8_filter: Optional[Callable[[str, nn.Linear], bool]] = None,
     check_finite: bool = False,
+    offload: Optional[str] = None,
 ) -> ShardedModel:
     """Shard ``module`` in place over the data-parallel ranks and return it as a ShardedModel.
 
@@ -339,13 +351,21 @@ def fully_shard(
     ``fp8_filter`` accepts; by default those with dimensions divisible by 16) and their
     weights are all-gathered as FP8 bytes. ``check_finite=True`` checks every gradient after
     each synced backward and raises NonFiniteGradError naming parameters and ranks (one
-    all-gather and a host synchronization per step)."""
+    all-gather and a host synchronization per step). ``offload="optim"`` keeps main weights,
+    their gradients and so the optimizer state in (pinned) host memory: the optimizer steps
+    on the CPU, and the GPU holds only compute copies and activations."""
     if isinstance(module, ShardedModel):
         raise RuntimeError(f"{type(module).__name__} is already sharded by fsdp8.fully_shard; wrap a model only once")
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
     strategy = Strategy.parse(strategy)
     outer = OuterStrategy.parse(outer_strategy)
+    if offload not in (None, "optim"):
+        raise ValueError(f"offload={offload!r}: use None or 'optim' (main weights, gradients and optimizer "
+                         "state in host memory)")
+    if offload is not None and (fp8 is not None or any(isinstance(m, Float8Linear) for m in module.modules())):
+        raise NotImplementedError("offload='optim' with FP8 layers is not supported yet: FP8 weights are quantized "
+                                  "from the main weights on the GPU; train FP8 without offload")
     precision = precision if precision is not None else Precision()
     if not isinstance(precision, Precision):
         raise TypeError(f"precision must be fsdp8.Precision, got {type(precision).__name__}")
@@ -405,10 +425,11 @@ def fully_shard(
         if fp8_slots:
             delayed = {id(s): _fp8_weight_owner(s).delayed_state(device) for s in fp8_slots if recipe.delayed}
             primary = any(is_fp8_primary(originals[id(s)]) for s in fp8_slots)
-            built[name] = Float8Unit(*args, reshard_after_forward=reshard_after_forward and name != "",
+            built[name] = Float8Unit(*args, reshard_after_forward=reshard_after_forward and name != "", offload=False,
                                      recipe=recipe, fp8_slots=fp8_slots, delayed=delayed, primary=primary)
         else:
-            built[name] = ShardedUnit(*args, reshard_after_forward=reshard_after_forward and name != "")
+            built[name] = ShardedUnit(*args, reshard_after_forward=reshard_after_forward and name != "",
+                                      offload=offload is not None)
     slot_unit = {id(s): u for u in built.values() for s in u.slots}
     materialize_and_load(module, built, originals, slot_unit, device)
     for unit in built.values():
@@ -437,6 +458,10 @@ def fully_shard(
             )
 
     schedule._preflight = preflight
+    if offload is not None and device.type == "cuda":
+        # Gradients are copied to the host asynchronously; the optimizer (on the CPU) and
+        # clip_grad_norm_ read them right after backward: wait for the copies once per step.
+        schedule.after_backward.insert(0, torch.cuda.current_stream(device).synchronize)
     if check_finite:
         schedule.after_backward.append(lambda: check_finite_grads(module) if schedule.sync_grads else None)
     schedule.install()

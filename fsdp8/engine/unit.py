@@ -88,6 +88,7 @@ class ShardedUnit:
         device: torch.device,
         streams: comm.Streams,
         reshard_after_forward: bool,
+        offload: bool = False,
     ):
         self.name = name or "<root>"
         self.module = module
@@ -96,6 +97,10 @@ class ShardedUnit:
         self.topology = topology
         self.precision = precision
         self.device = device
+        # CPU offload: main weights and their gradients live in (pinned) host memory, where
+        # the optimizer steps; gathers copy the chunk in, reductions copy the result out.
+        self.offload = offload
+        self.host = torch.device("cpu") if offload else device
         self.streams = streams
         self.compute_dtype = precision.compute_dtype
         self.reduce_dtype = precision.grad_reduce_dtype
@@ -108,9 +113,9 @@ class ShardedUnit:
         # What travels in all-gathers and what modules compute with: the compute dtype in the
         # main layout here; FP8 units (fp8_unit.py) send bytes in a layout of their own.
         self.wire_layout, self.wire_dtype = self._plan_wire()
-        self.aliased = layout.num_chunks == 1 and self.wire_dtype == self.main_dtype
+        self.aliased = layout.num_chunks == 1 and self.wire_dtype == self.main_dtype and not offload
 
-        self.main = torch.zeros(layout.chunk_numel, dtype=self.main_dtype, device=device)
+        self.main = self._host_buffer(layout.chunk_numel, zero=True)
         if self.aliased:
             self.unsharded = self.main
         else:
@@ -137,6 +142,13 @@ class ShardedUnit:
             self.unsharded.untyped_storage().resize_(0)
 
     # -- construction --------------------------------------------------------------------
+    def _host_buffer(self, numel: int, zero: bool = False) -> torch.Tensor:
+        """A main-dtype buffer where main weights and their gradients live (pinned when
+        offloaded next to a GPU, so copies to and from it run asynchronously)."""
+        pin = self.offload and torch.cuda.is_available()
+        make = torch.zeros if zero else torch.empty
+        return make(numel, dtype=self.main_dtype, device=self.host, pin_memory=pin)
+
     def _plan_wire(self) -> Tuple[UnitLayout, torch.dtype]:
         return self.layout, self.compute_dtype
 
@@ -254,11 +266,11 @@ class ShardedUnit:
 
     def _pack(self, dest: torch.Tensor) -> None:
         """Write this rank's chunk, as it travels, into ``dest`` (on the gather stream)."""
-        dest.copy_(self.main)
+        dest.copy_(self.main, non_blocking=self.offload)
 
     def _ready_chunk(self) -> Optional[torch.Tensor]:
         """This rank's chunk if it already exists in wire form (then it is sent as is)."""
-        return self.main if self.wire_dtype == self.main_dtype else None
+        return self.main if self.wire_dtype == self.main_dtype and not self.offload else None
 
     def _after_gather(self) -> None:
         """Work on the gathered parameters before compute may use them (on the gather stream)."""
@@ -412,7 +424,8 @@ class ShardedUnit:
         where they land: every group has one rank, and a fresh fp32 buffer awaits them (which
         the last reduce-scatter would write anyway, see ``_allocate_step_outputs``)."""
         return (landing is not None and landing[0] == "fresh" and self.reduce_dtype == self.main_dtype
-                and any(op == "rs" for op, _ in steps) and all(comm.group_size(g) == 1 for _, g in steps))
+                and not self.offload and any(op == "rs" for op, _ in steps)
+                and all(comm.group_size(g) == 1 for _, g in steps))
 
     def _pack_grads(self, grads: List[torch.Tensor], out: torch.Tensor) -> None:
         pack_rank_major(grads, [slot.layout for slot in self.trainable_slots], out)
@@ -422,7 +435,8 @@ class ShardedUnit:
         the fresh main-grad buffer itself, saving a copy."""
         outs: List[Optional[torch.Tensor]] = []
         last_rs = max((i for i, (op, _) in enumerate(steps) if op == "rs"), default=None)
-        direct = landing is not None and landing[0] == "fresh" and self.reduce_dtype == self.main_dtype
+        direct = (landing is not None and landing[0] == "fresh" and self.reduce_dtype == self.main_dtype
+                  and not self.offload)
         for i, (op, group) in enumerate(steps):
             if op != "rs":
                 outs.append(None)
@@ -458,16 +472,19 @@ class ShardedUnit:
         )
         if ours:
             return ("add", buffer)
-        buffer = torch.empty(self.layout.trainable_numel, dtype=self.main_dtype, device=self.device)
+        buffer = self._host_buffer(self.layout.trainable_numel)
         return ("fresh" if all(g is None for g in current) else "merge", buffer)
 
     def _land(self, result: torch.Tensor, landing) -> None:
         kind, buffer = landing
         if kind == "add":
-            buffer.add_(result)
+            # Offloaded: the host adds, so it needs the values now (accumulation without no_sync).
+            buffer.add_(result.to(buffer.device) if self.offload else result)
             return
         if result.data_ptr() != buffer.data_ptr():
-            buffer.copy_(result)
+            # A fresh host buffer is read only after the end of backward, which waits for the
+            # copy; a merge adds on the host at once.
+            buffer.copy_(result, non_blocking=self.offload and kind == "fresh")
         if kind == "merge":  # some grads exist already (e.g. assigned by the user): add them
             for slot in self.trainable_slots:
                 g = slot.main.grad

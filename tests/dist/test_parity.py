@@ -108,3 +108,18 @@ def test_frozen_parameters(strategy):
         assert frozen_grads == []
         assert trainable < total  # frozen parameters sit after the trainable prefix
         assert grad_bytes == trainable * 4
+
+
+@pytest.mark.parametrize("strategy,mesh,outer,micro", [
+    ("optim_grads_params", None, "no_shard", 1),
+    ("optim", None, "no_shard", 3),
+    ("optim_grads", (2, 1), "no_shard", 1),
+    ("optim_grads_params", (2, 1), "optim", 3),
+])
+def test_offload_equals_no_offload(strategy, mesh, outer, micro):
+    # The same training without offload is checked against one process above.
+    for differ, offloaded, host_bytes, device_bytes, plain_main_and_grads, placed, grads_on_host in run_on_ranks(
+            2, workers.offload_parity, strategy, mesh, outer, micro):
+        assert differ == []
+        assert offloaded and placed and grads_on_host
+        assert host_bytes == plain_main_and_grads > 0  # main weights and grads moved to the host

@@ -767,3 +767,26 @@ def reduce_allocations(strategy):
         loss.backward()
     biggest = sum(u.layout.trainable_numel == largest for u in sharded._fsdp8.all_units)
     return seen.sizes, largest, biggest
+
+
+# -- CPU offload -----------------------------------------------------------------------------------
+def offload_parity(strategy, mesh_shape=None, outer="no_shard", micro_batches=1):
+    """offload="optim" moves data, not arithmetic: the offloaded run equals the same run
+    without offload bit for bit (on CPU the host buffers are where the device ones would
+    be, but every copy in and out of them still runs), and so the reference as closely."""
+    runs = []
+    for offload in ("optim", None):
+        model = common.build("llama")
+        sharded = fsdp8.fully_shard(model, mesh=_mesh(mesh_shape), strategy=strategy, outer_strategy=outer,
+                                    offload=offload)
+        common.train_sharded(sharded, 5, micro_batches=micro_batches)
+        runs.append(sharded)
+    offloaded, plain = runs
+    report = offloaded.memory_report()
+    units = offloaded._fsdp8.all_units
+    placed = all(u.offload and u.main.device.type == "cpu" and not u.aliased for u in units)
+    grads_on_host = all(p.grad is None or p.grad._local_tensor.device.type == "cpu" for p in offloaded.parameters())
+    differ = [k for k, v in offloaded.state_dict().items() if not torch.equal(v.full_tensor(), plain.state_dict()[k].full_tensor())]
+    plain_report = plain.memory_report()
+    return (differ, report.offloaded, report.host, report.persistent, plain_report.main_weights + plain_report.grads,
+            placed, grads_on_host)
