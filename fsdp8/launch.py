@@ -88,6 +88,7 @@ def stop_on_signals() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        _StopRequest.signum, _StopRequest.direct = None, 0  # served: a later run in this process starts afresh
 
 
 def under_torchrun() -> bool:

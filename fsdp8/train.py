@@ -201,8 +201,11 @@ class _RunLog:
             self.val[record["step"]] = record["val_loss"]
         if record.get("skipped"):
             self.skipped.append(record["step"])
-            self.progress.note(f"step {record['step']}: gradient norm is {record['grad_norm']} (NaN/Inf in a "
+            self.note(f"step {record['step']}: gradient norm is {record['grad_norm']} (NaN/Inf in a "
                                "gradient); step skipped, weights unchanged")
+
+    def note(self, text: str) -> None:
+        self.progress.note(text)
 
     def finish(self, summary: dict, stopped_by: int) -> Optional[dict]:
         """summary.json (``summary`` plus the losses), loss.png and one line."""
@@ -335,8 +338,8 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
             path = os.path.join(ckpt_dir, f"step-{step + 1:06d}")
             save(path, model, opt, extra, keep_last=cfg.keep_last, async_save=cfg.async_save)
             if log:
-                log.progress.note(f"saving checkpoint {path} in the background" if cfg.async_save
-                                  else f"saved checkpoint {path}")
+                log.note(f"saving checkpoint {path} in the background" if cfg.async_save
+                         else f"saved checkpoint {path}")
         if stopped_by:
             break
     wait_for_saves()

@@ -55,8 +55,10 @@ def test_resume_is_bit_for_bit(runs):
     assert set(a) == set(b) and any(k.startswith("optim.state") for k in a)
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, different[:5]  # weights and optimizer state, bit for bit
-    loss = lambda run: [(r["step"], r["loss"], r["lr"]) for r in _metrics(run) if "loss" in r and r["step"] <= 10]  # noqa: E731
-    assert loss(tmp / "straight") == loss(tmp / "resumed")  # the LR schedule kept its 10 steps
+    def losses(run):
+        return [(r["step"], r["loss"], r["lr"]) for r in _metrics(run) if "loss" in r and r["step"] <= 10]
+
+    assert losses(tmp / "straight") == losses(tmp / "resumed")  # the LR schedule kept its 10 steps
 
 
 def test_a_resumed_run_covers_the_whole_run(runs):

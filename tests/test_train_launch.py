@@ -74,7 +74,8 @@ def test_a_failing_worker_is_reported_once_and_the_others_are_stopped(tmp_path, 
     assert status == 1 and time.time() - start < 120  # rank 0 would sleep 300 s
     assert err.count("Traceback") == 1 and "ValueError: rank 1 cannot go on" in err
     assert [line for line in err.splitlines() if line.startswith("fsdp8")] == [
-        "fsdp8: rank 1 failed: ValueError: rank 1 cannot go on (its traceback is above); the other workers were stopped"]
+        "fsdp8: rank 1 failed: ValueError: rank 1 cannot go on (its traceback is above); "
+        "the other workers were stopped"]
     assert _all_gone(_pids(tmp_path, 2), timeout=0)
 
 
