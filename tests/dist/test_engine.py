@@ -124,7 +124,7 @@ def test_structure_desync_raises_on_every_rank():
 
 def test_mesh_must_cover_world():
     for message in run_on_ranks(2, workers.bad_mesh):
-        assert message is not None and "covers 1 ranks but the world has 2" in message
+        assert message is not None and "covers 1 ranks, but the world has 2" in message
 
 
 # -- state dict --------------------------------------------------------------------------------
