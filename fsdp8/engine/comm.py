@@ -48,11 +48,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
+
+from . import watchdog
 
 
 class _NoStream:
@@ -138,11 +140,22 @@ def guard_gloo_exit() -> None:
         atexit.register(time.sleep, _GLOO_EXIT_GRACE_S)
 
 
+_HANG_ADVICE = (
+    "Every rank must run the same forward and backward passes of a sharded model: under ZeRO-3 each "
+    "forward gathers its parameters from all ranks, so a forward on some ranks only (e.g. "
+    "`if rank == 0: model.generate(...)`) waits for the others forever; run it on every rank (inside "
+    "torch.no_grad() where no backward follows). A rank that is only slow (compiling, saving) can be "
+    f"given longer with {watchdog.TIMEOUT_ENV}=<seconds> (0 turns this check off)."
+)
+
+
 @contextlib.contextmanager
 def _collective(kind: str, label: str):
     with record_function(f"fsdp8::{kind}[{label}]"):
         try:
             yield
+        except watchdog.Stalled as e:
+            raise CollectiveError(f"{kind} for {label} at iteration {iteration[0]} {e}. {_HANG_ADVICE}") from None
         except RuntimeError as e:
             raise CollectiveError(
                 f"{kind} for {label} failed at iteration {iteration[0]}: {e}. A rank that stopped "
@@ -150,13 +163,23 @@ def _collective(kind: str, label: str):
             ) from e
 
 
+def _run(kind: str, label: str, group, on_cuda: bool, collective: Callable[[bool], object]) -> None:
+    """Issue ``collective(async_op)``. On CUDA the host does not wait for it; on gloo it is
+    waited for under the hang deadline (watchdog.py [Note: finding the missing ranks])."""
+    with _collective(kind, label):
+        if on_cuda:
+            collective(False)
+        else:
+            watchdog.wait(collective(True), group, f"{kind} for {label} at iteration {iteration[0]}")
+
+
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, label: str) -> None:
     """Gather ``inp`` from every rank of ``group`` into ``out`` (rank-major)."""
     if group_size(group) == 1:
         out.copy_(inp.view(out.shape))
         return
-    with _collective("all_gather", label):
-        _all_gather_fn()(out, inp, group=group)
+    _run("all_gather", label, group, out.is_cuda,
+         lambda async_op: _all_gather_fn()(out, inp, group=group, async_op=async_op))
 
 
 def reduce_scatter_avg(out: torch.Tensor, inp: torch.Tensor, group, label: str) -> None:
@@ -166,12 +189,11 @@ def reduce_scatter_avg(out: torch.Tensor, inp: torch.Tensor, group, label: str) 
         if out.data_ptr() != inp.data_ptr():  # in place when the caller packed into ``out``
             out.copy_(inp.view(out.shape))
         return
-    with _collective("reduce_scatter", label):
-        if _supports_avg(out):
-            _reduce_scatter_fn()(out, inp, op=dist.ReduceOp.AVG, group=group)
-        else:
-            _reduce_scatter_fn()(out, inp, op=dist.ReduceOp.SUM, group=group)
-            out.div_(n)
+    op = dist.ReduceOp.AVG if _supports_avg(out) else dist.ReduceOp.SUM
+    _run("reduce_scatter", label, group, out.is_cuda,
+         lambda async_op: _reduce_scatter_fn()(out, inp, op=op, group=group, async_op=async_op))
+    if not _supports_avg(out):
+        out.div_(n)
 
 
 def all_reduce_avg(tensor: torch.Tensor, group, label: str) -> None:
@@ -179,17 +201,16 @@ def all_reduce_avg(tensor: torch.Tensor, group, label: str) -> None:
     n = group_size(group)
     if n == 1:
         return
-    with _collective("all_reduce", label):
-        if _supports_avg(tensor):
-            dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
-        else:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-            tensor.div_(n)
+    op = dist.ReduceOp.AVG if _supports_avg(tensor) else dist.ReduceOp.SUM
+    _run("all_reduce", label, group, tensor.is_cuda,
+         lambda async_op: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+    if not _supports_avg(tensor):
+        tensor.div_(n)
 
 
 def all_reduce(tensor: torch.Tensor, group, op, label: str) -> None:
     """All-reduce ``tensor`` in place with ``op`` (used for norms and checks)."""
     if group_size(group) == 1:
         return
-    with _collective("all_reduce", label):
-        dist.all_reduce(tensor, op=op, group=group)
+    _run("all_reduce", label, group, tensor.is_cuda,
+         lambda async_op: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))

@@ -1,0 +1,37 @@
+"""A forward on some ranks only fails fast, naming the ranks that never joined its collective."""
+
+import re
+import time
+
+import pytest
+
+from tests.harness import BACKEND, RankFailure, run_on_ranks
+from tests.dist import hang_workers as hw
+
+DEADLINE_S = 3
+
+
+@pytest.mark.parametrize("world,forwarding", [(2, 1), (4, 2)])
+def test_forward_on_some_ranks_names_the_missing_ones(world, forwarding):
+    if BACKEND == "nccl":
+        pytest.skip("NCCL collectives are not waited for on the host; NCCL's own watchdog ends them")
+    start = time.time()
+    with pytest.raises(RankFailure) as failure:
+        run_on_ranks(world, hw.forward_on_some_ranks, DEADLINE_S, forwarding, timeout=60)
+    elapsed = time.time() - start
+    message = str(failure.value)
+    # Every waiting rank gets the full picture, not only the first one (a monitored barrier's rank 0).
+    assert re.search(rf"failed on rank [0-{forwarding - 1}] of {world}", message), message
+    missing = ", ".join(str(r) for r in range(forwarding, world))
+    assert re.search(rf"all_gather for <root> at iteration \d+ has waited {DEADLINE_S} s: "
+                     rf"rank\(s\) {missing} did not join it \(", message), message
+    for rank in range(forwarding):
+        assert re.search(rf"rank {rank} waits in all_gather for <root> at iteration \d+", message), message
+    assert "under ZeRO-3 each forward gathers its parameters from all ranks" in message, message
+    assert elapsed < 30, f"the error took {elapsed:.0f} s (deadline {DEADLINE_S} s, the pool's group timeout 90 s)"
+    assert run_on_ranks(world, hw.rank_sum) == [world * (world - 1) / 2] * world  # a fresh pool replaced the stuck one
+
+
+def test_slow_collective_with_every_rank_waiting_goes_on():
+    for elapsed in run_on_ranks(2, hw.slow_collective_everyone_waiting, 1.0, 2.0):
+        assert elapsed >= 2.0
