@@ -25,14 +25,13 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) ->
     Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); without
     it, starts a group of one process. Uses NCCL with this process's local GPU when CUDA
     is available, gloo otherwise (``backend`` overrides). Every call, also on a group the
-    user started (fully_shard calls this), arms fsdp8's exit guard for gloo groups
-    (comm.py [Note: gloo at exit])."""
+    user started (fully_shard and save call this), arms fsdp8's exit guard for gloo groups
+    (comm.py [Note: gloo at exit]), on NCCL runs too: checkpoints use a gloo side group."""
     from ..engine.comm import guard_gloo_exit
 
     if not dist.is_initialized():
         _start_default_group(backend, timeout_s)
-    if "gloo" in str(dist.get_backend()):
-        guard_gloo_exit()
+    guard_gloo_exit()
 
 
 def _start_default_group(backend: Optional[str], timeout_s: float) -> None:
