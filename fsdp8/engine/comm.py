@@ -18,8 +18,9 @@ No ``record_stream`` is needed and memory is returned deterministically. Releasi
 side-stream temporaries at once is what keeps a prefetched unit from costing more than its
 unsharded parameters.
 
-On CPU (gloo) every collective is synchronous and the streams are stand-ins that do
-nothing, so the same engine code runs in CI.
+On CPU (gloo) every collective is synchronous (waited for under the hang deadline of
+watchdog.py) and the streams are stand-ins that do nothing, so the same engine code runs
+in CI.
 
 A group of one rank never issues a collective: the data is copied locally, so a single
 process pays no communication cost at all.
