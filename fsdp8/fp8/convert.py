@@ -76,16 +76,18 @@ def fp8_friendly(name: str, linear: nn.Module) -> bool:
 
 
 def convert_to_fp8(model: nn.Module, recipe: Recipe, filter: Optional[LinearFilter] = None,
-                   prefix: str = "") -> List[str]:
+                   prefix: str = "") -> nn.Module:
     """Turn every ``nn.Linear`` and transformers ``Conv1D`` in ``model`` that
     ``filter(name, module)`` accepts into a Float8Linear (a Conv1D into a Float8Conv1D), in
-    place; returns the converted names. One warning names the projection-like layers left in
+    place, and return ``model`` (as torchao's ``convert_to_float8_training`` and
+    ``fully_shard`` do; the converted layers are its Float8Linear modules). ``prefix`` is put
+    before the names ``filter`` sees. One warning names the projection-like layers left in
     high precision (by the default filter, which skips dimensions that are not multiples of
     16, or because fsdp8 does not know the module), and another one says so when no layer of
     ``model`` runs in FP8 at all."""
-    converted, kept = convert_linears(model, recipe, filter, prefix)
+    _, kept = convert_linears(model, recipe, filter, prefix)
     warn_skipped(kept, model)
-    return converted
+    return model
 
 
 def convert_units_to_fp8(root: nn.Module, units: Sequence[Tuple[str, nn.Module]], recipe: Recipe,

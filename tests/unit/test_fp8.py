@@ -322,13 +322,15 @@ def test_convert_to_fp8_filters_and_keeps_parameters():
     weight = model[0].weight
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        converted = convert_to_fp8(model, Float8CurrentScaling())
-    assert converted == ["0"]
+        assert convert_to_fp8(model, Float8CurrentScaling()) is model
+    assert [n for n, m in model.named_modules() if isinstance(m, Float8Linear)] == ["0"]
     assert len(caught) == 1 and "2 linear layer(s)" in str(caught[0].message) and "2 (64x10)" in str(caught[0].message)
     assert isinstance(model[0], Float8Linear) and model[0].weight is weight
     assert not isinstance(model[2], Float8Linear)
-    converted = convert_to_fp8(nn.Sequential(nn.Linear(32, 64)), Float8CurrentScaling(), filter=lambda n, m: False)
-    assert converted == []
+    untouched = convert_to_fp8(nn.Sequential(nn.Linear(32, 64)), Float8CurrentScaling(), filter=lambda n, m: False)
+    assert not any(isinstance(m, Float8Linear) for m in untouched.modules())
+    lone = nn.Linear(32, 64)
+    assert convert_to_fp8(lone, Float8CurrentScaling()) is lone and isinstance(lone, Float8Linear)
     with pytest.raises(TypeError, match="recipe must be an fsdp8 FP8 recipe"):
         convert_to_fp8(model, "current")
 
