@@ -44,6 +44,13 @@ def _style(kind: str, sequence_parallel: bool) -> Optional[ParallelStyle]:
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=not sequence_parallel)
     if kind == "sequence_parallel":
         return SequenceParallel(use_local_output=not sequence_parallel)
+    # transformers >= 5.1x names the input embedding's style too (vocabulary- or
+    # feature-sharded); hf_plan places the embedding vocabulary-sharded either way.
+    if kind == "embedding_rowwise":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=not sequence_parallel)
+    if kind == "embedding_colwise":
+        return ColwiseParallel(input_layouts=Replicate(), output_layouts=seq or Replicate(),
+                               use_local_output=not sequence_parallel)
     return None
 
 
