@@ -1,28 +1,24 @@
-"""The safetensors format, read and written without the safetensors package.
+"""Safetensors files through the ``safetensors`` package: atomic writes, and memory-mapped
+reads of whole tensors or of one block (a rank's rows, or rows and columns) of a tensor.
 
-A file is an 8-byte little-endian header length, a JSON header mapping each name to
-``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the end of the
-header), then the raw little-endian bytes. Reading a row range of a row-major tensor is one
-seek and one read, which is how each rank of a sharded model loads only its own rows.
+Reads go through ``safe_open(path, framework="pt").get_slice(name)[...]``: the file is
+mapped, not loaded, and a block read copies only the bytes of that block, which is how each
+rank of a sharded model loads only what it keeps.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
-import math
 import os
-import struct
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-_NAMES = {v: k for k, v in _DTYPES.items()}
+# A block of a tensor: one [start, stop) range per leading dim; the dims after them whole.
+Region = Sequence[Tuple[int, int]]
 
 
 class SafetensorsError(ValueError):
@@ -31,84 +27,68 @@ class SafetensorsError(ValueError):
 
 def write(path: str, tensors: Mapping[str, torch.Tensor], metadata: Optional[Dict[str, str]] = None) -> None:
     """Write ``tensors`` (any device; copied to CPU) to ``path`` atomically (temp file + rename)."""
-    header: Dict[str, object] = {}
-    offset = 0
-    ordered = sorted(tensors.items())
-    for name, t in ordered:
-        if t.dtype not in _NAMES:
-            raise SafetensorsError(f"{name}: dtype {t.dtype} has no safetensors name")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned
+    ready: Dict[str, torch.Tensor] = {}
+    seen = set()
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        storage = t.untyped_storage().data_ptr()
+        # safetensors refuses tensors that share memory (tied weights); each gets its own bytes.
+        ready[name] = t.clone() if storage in seen and t.numel() else t
+        seen.add(storage)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for _, t in ordered:
-            f.write(_to_bytes(t))
-        f.flush()
+    try:
+        save_file(ready, tmp, metadata=dict(metadata) if metadata else None)
+    except KeyError as e:  # safetensors' dtype table lacks it
+        names = [n for n, t in ready.items() if t.dtype == e.args[0]]
+        raise SafetensorsError(f"{', '.join(names) or e}: dtype {e.args[0]} cannot be stored in safetensors "
+                               "(this version of the safetensors package has no name for it); cast it first") from None
+    with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def _to_bytes(t: torch.Tensor) -> bytes:
-    """Raw little-endian bytes of a tensor (a copy of its memory; numpy is not needed)."""
-    flat = t.detach().to("cpu").contiguous()
-    return ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()) if flat.numel() else b""
+def _unreadable(path: str, error: Exception) -> SafetensorsError:
+    size = os.path.getsize(path)
+    if "incomplete metadata" in str(error):
+        return SafetensorsError(f"{path} is truncated: its {size} bytes do not hold all the data its header lists "
+                                f"({error}); an interrupted write or download leaves such a file, so write or "
+                                "fetch it again")
+    return SafetensorsError(f"{path} ({size} bytes) is not a readable safetensors file: {error}")
 
 
 class SafetensorsFile:
-    """The header of one file, and reads of whole tensors or of row ranges."""
+    """One file, memory-mapped: its names and shapes, and reads of whole tensors or blocks."""
 
     def __init__(self, path: str):
         self.path = path
+        if not os.path.isfile(path):
+            raise SafetensorsError(f"{path} does not exist" if not os.path.exists(path) else f"{path} is not a file")
         try:
-            with open(path, "rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                if length > os.path.getsize(path):
-                    raise SafetensorsError(f"{path}: header length {length} exceeds the file")
-                header = json.loads(f.read(length))
-        except (OSError, struct.error, json.JSONDecodeError) as e:
-            raise SafetensorsError(f"{path} is not a readable safetensors file: {e}") from e
-        self.metadata = header.pop("__metadata__", {})
-        self.data_start = 8 + length
-        self.entries = header
+            self._file = safe_open(path, framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise _unreadable(path, e) from e
+        self.metadata = self._file.metadata() or {}
+        self._shapes = {name: tuple(self._file.get_slice(name).get_shape()) for name in self._file.keys()}
 
     def names(self) -> List[str]:
-        return list(self.entries)
+        return list(self._shapes)
 
     def shape(self, name: str) -> Tuple[int, ...]:
-        return tuple(self.entries[name]["shape"])
-
-    def dtype(self, name: str) -> torch.dtype:
-        return _DTYPES[self.entries[name]["dtype"]]
-
-    def read(self, name: str, rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
-        """The tensor, or rows ``[start, stop)`` of it along dim 0 (one contiguous read)."""
-        if name not in self.entries:
+        if name not in self._shapes:
             raise SafetensorsError(f"{self.path} has no tensor {name!r}")
-        entry = self.entries[name]
-        dtype, shape = _DTYPES[entry["dtype"]], list(entry["shape"])
-        begin, end = entry["data_offsets"]
-        itemsize = dtype.itemsize
-        if rows is not None:
-            if not shape:
-                raise SafetensorsError(f"{name} is a scalar; it has no rows")
-            row_bytes = math.prod(shape[1:]) * itemsize
-            start, stop = rows
-            begin, end = begin + start * row_bytes, begin + stop * row_bytes
-            shape = [stop - start] + shape[1:]
-        with open(self.path, "rb") as f:
-            f.seek(self.data_start + begin)
-            raw = f.read(end - begin)
-        if len(raw) != end - begin:
-            raise SafetensorsError(f"{self.path} is truncated: {name} needs {end - begin} bytes, found {len(raw)}")
-        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        return data.view(dtype).reshape(shape)
+        return self._shapes[name]
+
+    def read(self, name: str, region: Optional[Region] = None) -> torch.Tensor:
+        """The tensor ``name``, or only its block ``region``: ``[(r0, r1)]`` for rows
+        ``r0:r1``, ``[(r0, r1), (c0, c1)]`` for those rows' columns ``c0:c1``, and so on."""
+        shape = self.shape(name)
+        if region is None:
+            return self._file.get_tensor(name)
+        region = [tuple(r) for r in region]
+        if len(region) > len(shape) or not all(0 <= a <= b <= n for (a, b), n in zip(region, shape)):
+            raise SafetensorsError(f"{self.path}: {name} has shape {list(shape)}, which holds no block "
+                                   f"{[list(r) for r in region]} (one [start, stop) per leading dim)")
+        return self._file.get_slice(name)[tuple(slice(a, b) for a, b in region)]
 
 
 class SafetensorsDir:
@@ -144,3 +124,10 @@ class SafetensorsDir:
 
     def file_of(self, name: str) -> SafetensorsFile:
         return self.where[name]
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    """Raw little-endian bytes of a tensor (a copy of its memory; numpy is not needed); store.py
+    encodes the tensors of a checkpoint's extra values with it."""
+    flat = t.detach().to("cpu").contiguous()
+    return ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()) if flat.numel() else b""

@@ -98,8 +98,10 @@ def load_pretrained(model: nn.Module, path: str, key_map: KeyMap = None, strict:
     GPT-2 projection, stored (out, in)) is read transposed from files that hold HF's (in, out)
     layout; files whose converted-Conv1D weights all have the (out, in) shape (an ``export``
     of such a model) load as they are (a model whose converted weights are all square cannot
-    tell the two apart and takes HF's layout). Transposed weights and tensor-parallel
-    parameters are read whole by each rank.
+    tell the two apart and takes HF's layout). Each rank of a sharded model reads only the
+    block it keeps from the memory-mapped files: its rows, of its piece under tensor
+    parallelism (a column range of the file for a dim-1 piece; rows and columns swap for a
+    transposed weight); buffers and unsharded models are read whole.
 
     Returns the names not found with ``strict=False``. Otherwise missing names, and always
     mis-shaped ones, raise one error that lists them with the file keys nothing used."""
@@ -135,31 +137,27 @@ def load_pretrained(model: nn.Module, path: str, key_map: KeyMap = None, strict:
     with torch.no_grad():
         for target in found:
             file = files.file_of(target.file_name)
-            flip = target.transposed and hf_layout
-            inner = getattr(target.slot, "inner", None)
-            if target.unit is not None and not flip and inner is not None:
-                # A tensor-parallel piece: this rank's rows of it are rows of the file at the
-                # piece's offset; its columns (a dim-1 split) are cut from those rows.
-                (_, *piece_cols), (row0, *col0) = inner.local_region()
-                start, stop = target.slot.layout.chunk_row_range(target.unit.chunk_index)
-                value = file.read(target.file_name, (row0 + start, row0 + stop))
-                for dim, (offset, size) in enumerate(zip(col0, piece_cols), start=1):
-                    value = value.narrow(dim, offset, size)
-                target.unit.main_view(target.slot).copy_(value)
-                target.unit.mark_stale()
-            elif target.unit is None or flip:
-                # Whole: a transposed weight's rows are the file's columns.
+            flip = target.transposed and hf_layout  # the file holds the transpose of the model's tensor
+            if target.unit is None:
                 value = file.read(target.file_name)
-                value = value.t() if flip else value
-                if target.unit is None:
-                    target.tensor.copy_(value)
-                else:
-                    target.unit.load_full(target.slot, value)
-            else:
-                rows = target.slot.layout.chunk_row_range(target.unit.chunk_index)
-                target.unit.main_view(target.slot).copy_(file.read(target.file_name, rows))
-                target.unit.mark_stale()
+                target.tensor.copy_(value.t() if flip else value)
+                continue
+            region = _rank_region(target)
+            value = file.read(target.file_name, region[::-1] if flip else region)
+            target.unit.main_view(target.slot).copy_(value.t() if flip else value)
+            target.unit.mark_stale()
     return missing
+
+
+def _rank_region(target: _Target) -> List[Tuple[int, int]]:
+    """The block of a sharded parameter's global tensor that this rank keeps: its rows of its
+    tensor-parallel piece (the whole tensor without TP), and that piece's columns."""
+    start, stop = target.slot.layout.chunk_row_range(target.unit.chunk_index)
+    inner = target.slot.inner
+    if inner is None:
+        return [(start, stop)] + [(0, n) for n in target.tensor.shape[1:]]
+    (_, *piece_cols), (row0, *col0) = inner.local_region()
+    return [(row0 + start, row0 + stop)] + [(o, o + n) for o, n in zip(col0, piece_cols)]
 
 
 def _file_shape(files, target: _Target) -> Tuple[int, ...]:

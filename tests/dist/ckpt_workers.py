@@ -231,14 +231,15 @@ def export_then_load_pretrained(ckpt, out):
     with torch.device("meta"):
         fresh = Llama(model.config)
     fresh = fsdp8.fully_shard(fresh, strategy="optim")  # another strategy, too
-    reads = []
+    read = []
     from fsdp8.checkpoint import safetensors as st
 
     original = st.SafetensorsFile.read
 
-    def counting(self, name, rows=None):
-        reads.append((name, rows))
-        return original(self, name, rows)
+    def counting(self, name, region=None):
+        value = original(self, name, region)
+        read.append(value.numel())
+        return value
 
     st.SafetensorsFile.read = counting
     try:
@@ -246,4 +247,7 @@ def export_then_load_pretrained(ckpt, out):
     finally:
         st.SafetensorsFile.read = original
     err = max(float((_full(v) - _full(model.state_dict()[k])).abs().max()) for k, v in fresh.state_dict().items())
-    return err, all(rows is not None for _, rows in reads), len(reads)
+    # What this rank keeps: its rows of every parameter (and the buffers, whole).
+    kept = sum(u.main_view(slot).numel() for u in fresh._fsdp8.all_units for slot in u.slots)
+    kept += sum(b.numel() for n, b in fresh.named_buffers() if n in fresh.state_dict())
+    return err, sum(read), kept, sum(_full(v).numel() for v in fresh.state_dict().values())

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -115,17 +113,17 @@ def load_pretrained_sharded(kind: str, path: str, fp8: bool):
     """A meta-built sharded model (FP8 or not) filled by load_pretrained from an HF
     save_pretrained directory of ``hf_model(kind)``: the largest difference from that model's
     weights (converted Conv1D weights compared transposed), its forward against the HF model's
-    (without FP8), and which tensors a rank read whole rather than as its rows."""
+    (without FP8), and which tensors a rank read whole rather than as its block."""
     from fsdp8.checkpoint import safetensors as st
 
     sharded = fsdp8.fully_shard(hf_model(kind, seed=1, meta=True), fp8=fsdp8.Float8CurrentScaling() if fp8 else None)
     whole = []
     original = st.SafetensorsFile.read
 
-    def counting(self, name, rows=None):
-        if rows is None:
+    def counting(self, name, region=None):
+        if region is None:
             whole.append(name)
-        return original(self, name, rows)
+        return original(self, name, region)
 
     st.SafetensorsFile.read = counting
     try:
@@ -190,8 +188,8 @@ def load_pretrained_tensor_parallel(path: str):
     read = []
     original = safetensors.SafetensorsFile.read
 
-    def counting(self, name, rows=None):
-        value = original(self, name, rows)
+    def counting(self, name, region=None):
+        value = original(self, name, region)
         read.append(value.numel())
         return value
 
@@ -200,13 +198,12 @@ def load_pretrained_tensor_parallel(path: str):
         fsdp8.load_pretrained(sharded, path)
     finally:
         safetensors.SafetensorsFile.read = original
-    # What this rank needs: its dp rows of its tp piece, whole rows of the file (a dim-1
-    # piece's columns are cut from them).
+    # What this rank keeps: its dp rows of its tp piece (the layout's shape is the piece's).
     needed = 0
     for unit in sharded._fsdp8.all_units:
         for slot in unit.slots:
             start, stop = slot.layout.chunk_row_range(unit.chunk_index)
-            needed += (stop - start) * (math.prod(slot.inner.shape[1:]) if slot.inner else slot.layout.row_numel)
+            needed += (stop - start) * slot.layout.row_numel
     got = tp.full_state(sharded)
     error = max(float((got[k].cpu() - v.cpu()).abs().max()) for k, v in source.state_dict().items())
     return error, sum(read), needed, sum(v.numel() for v in source.state_dict().values())

@@ -87,6 +87,7 @@ def test_async_save(tmp_path):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_export_then_load_pretrained(tmp_path, world):
-    err, row_reads, reads = run_on_ranks(world, cw.export_then_load_pretrained, str(tmp_path / "c"), str(tmp_path / "hf"))[0]
-    assert err == 0.0 and reads > 0
-    assert row_reads  # every parameter read as a row range, never whole by every rank
+    for err, read, kept, total in run_on_ranks(world, cw.export_then_load_pretrained, str(tmp_path / "c"),
+                                               str(tmp_path / "hf")):
+        assert err == 0.0
+        assert read == kept and (world == 1 or read < 0.6 * total)  # each rank reads its rows only

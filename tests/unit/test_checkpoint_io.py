@@ -1,5 +1,5 @@
 """Checkpoint faults in one process: a killed save, a truncated or tampered checkpoint,
-safetensors round trips, extra encoding."""
+extra encoding, fsdp8 export."""
 
 import os
 import pickle
@@ -104,21 +104,6 @@ def test_optimizer_requested_but_not_saved(tmp_path):
         fsdp8.load(str(tmp_path / "c"), model, opt)
 
 
-def test_safetensors_roundtrip_and_row_reads(tmp_path):
-    tensors = {"a": torch.randn(33, 7), "b": torch.arange(5, dtype=torch.int64), "c": torch.randn(4, 2).to(torch.bfloat16),
-               "empty": torch.empty(0, 3)}
-    path = str(tmp_path / "x.safetensors")
-    safetensors.write(path, tensors, metadata={"k": "v"})
-    f = safetensors.SafetensorsFile(path)
-    assert f.metadata == {"k": "v"}
-    assert all(torch.equal(f.read(k), v) for k, v in tensors.items())
-    assert torch.equal(f.read("a", (10, 17)), tensors["a"][10:17])
-    with open(path, "r+b") as raw:
-        raw.truncate(os.path.getsize(path) - 8)
-    with pytest.raises(safetensors.SafetensorsError, match="truncated"):
-        safetensors.SafetensorsFile(path).read("c")
-
-
 def test_extra_encoding_roundtrip():
     extra = {"step": 3, "rng": torch.get_rng_state(), "nested": [1.5, {"a": torch.arange(3)}], "name": "x", "none": None}
     back = store.decode_extra(store.encode_extra(extra))
@@ -134,22 +119,7 @@ def test_export_cli_and_bad_keep_last(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     f = safetensors.SafetensorsFile(str(tmp_path / "hf" / "model.safetensors"))
-    assert "embed.weight" in f.names() and f.dtype("embed.weight") == torch.bfloat16
+    assert "embed.weight" in f.names() and f.read("embed.weight").dtype == torch.bfloat16
     model, _ = _model()
     with pytest.raises(ValueError, match="keep_last must be >= 1"):
         fsdp8.save(str(tmp_path / "d"), model, keep_last=0)
-
-
-def test_safetensors_directory_with_index(tmp_path):
-    """An HF-style sharded directory: model.safetensors.index.json names the shard files."""
-    import json
-
-    safetensors.write(str(tmp_path / "model-00001-of-00002.safetensors"), {"a.weight": torch.ones(2, 3)})
-    safetensors.write(str(tmp_path / "model-00002-of-00002.safetensors"), {"b.weight": torch.zeros(4)})
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}))
-    files = safetensors.SafetensorsDir(str(tmp_path))
-    assert sorted(files.names()) == ["a.weight", "b.weight"]
-    assert torch.equal(files.file_of("a.weight").read("a.weight", (1, 2)), torch.ones(1, 3))
-    with pytest.raises(safetensors.SafetensorsError, match="does not exist"):
-        safetensors.SafetensorsDir(str(tmp_path / "nope"))
