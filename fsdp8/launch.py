@@ -124,8 +124,8 @@ def _child(local_rank: int, nproc: int, port: int, fn: Callable, args: tuple) ->
 
 def _close_group() -> None:
     if dist.is_initialized():
-        # Ranks finish at different times (rank 0 writes files); leaving with live gloo
-        # threads aborts the process, so meet once and close the group.
+        # Ranks finish at different times (rank 0 writes the run's files): meet once, so no
+        # rank tears its connections down under a peer still in a last collective.
         dist.barrier()
         dist.destroy_process_group()
 
