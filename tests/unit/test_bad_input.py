@@ -97,3 +97,24 @@ def test_make_mesh_errors():
         fsdp8.make_mesh(dp_replicate=2, dp_shard=1)
     with pytest.raises(ValueError, match="the given sizes multiply to 2, which does not divide the world of 1"):
         fsdp8.make_mesh(tp=2)
+
+
+class _NoLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.LayerNorm(16), nn.LayerNorm(16)])
+
+    def forward(self, x):
+        return self.layers[1](self.layers[0](x))
+
+
+def test_fp8_that_converts_nothing_says_so():
+    with pytest.warns(UserWarning, match="no layer of _NoLinears runs in FP8"):
+        fsdp8.fully_shard(_NoLinears(), fp8=fsdp8.Float8CurrentScaling())
+
+
+def test_offload_with_fp8_is_refused():
+    with pytest.raises(NotImplementedError, match="offload='optim' with FP8"):
+        fsdp8.fully_shard(model(), fp8=fsdp8.Float8CurrentScaling(), offload="optim")
+    with pytest.raises(ValueError, match="offload='gpu'"):
+        fsdp8.fully_shard(model(), offload="gpu")
