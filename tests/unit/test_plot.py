@@ -1,79 +1,55 @@
-"""Unit tests for the PNG line plot: file structure, pixels, and the raster helpers."""
+"""The loss plot: a real PNG of the asked size, with the curves where the values put them."""
 
 import math
-import struct
-import zlib
 
+import numpy as np
 import pytest
+from matplotlib.colors import to_rgb
+from PIL import Image
 
-from fsdp8.plot import PALETTE, encode_png, line_pixels, nice_ticks, save_line_plot, text_pixels
-
-
-def read_png(path):
-    """(width, height, rgb bytes) of an 8-bit RGB, unfiltered PNG, checking every CRC."""
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, []
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
-        assert crc == zlib.crc32(kind + body)
-        chunks.append((kind, body))
-        pos += 12 + length
-    assert [k for k, _ in chunks][0] == b"IHDR" and chunks[-1][0] == b"IEND"
-    width, height, depth, color_type = struct.unpack(">IIBB", chunks[0][1][:10])
-    assert (depth, color_type) == (8, 2)
-    raw = zlib.decompress(b"".join(body for kind, body in chunks if kind == b"IDAT"))
-    assert len(raw) == height * (1 + 3 * width)
-    rows = [raw[y * (1 + 3 * width) : (y + 1) * (1 + 3 * width)] for y in range(height)]
-    assert all(row[0] == 0 for row in rows)
-    return width, height, b"".join(row[1:] for row in rows)
+from fsdp8.plot import PALETTE, save_line_plot
 
 
-def colors(rgb):
-    return {rgb[i : i + 3] for i in range(0, len(rgb), 3)}
+def _pixels(path):
+    """(height, width, 3) uint8 RGB of a PNG, decoded by Pillow (so it must be a valid one)."""
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        return np.asarray(image.convert("RGB"))
 
 
-def test_line_plot_is_a_valid_png_with_series_colors(tmp_path):
+def _where(rgb, color):
+    """(rows, columns) of the pixels of exactly ``color`` (the inside of a 2-pixel line is exact)."""
+    want = np.array([round(255 * c) for c in to_rgb(color)], dtype=np.uint8)
+    return np.nonzero((rgb == want).all(axis=-1))
+
+
+def test_loss_plot_is_a_png_with_both_curves(tmp_path):
     path = tmp_path / "loss.png"
-    xs = list(range(50))
-    series = {"train": [5.5 * math.exp(-x / 10) for x in xs],
-              "val": [5.0 - 0.05 * x if x % 10 == 0 else float("nan") for x in xs]}
-    save_line_plot(path, xs, series, title="loss", width=320, height=200)
-    width, height, rgb = read_png(path)
-    assert (width, height) == (320, 200)
-    present = colors(rgb)
-    assert bytes(PALETTE[0]) in present and bytes(PALETTE[1]) in present
-    assert bytes(PALETTE[2]) not in present
+    xs = list(range(1, 201))
+    series = {"train": [5.5 * math.exp(-x / 40) + 0.5 for x in xs],
+              "val": [5.0 - 0.02 * x if x % 50 == 0 else float("nan") for x in xs]}
+    save_line_plot(path, xs, series, title="fsdp8 tiny", xlabel="step", ylabel="loss", width=640, height=400)
+    rgb = _pixels(path)
+    assert rgb.shape == (400, 640, 3)
+    rows, cols = _where(rgb, PALETTE[0])
+    assert len(rows) > 300  # the train line
+    # It falls: its pixels on the left sit higher (smaller row) than those on the right.
+    left, right = cols < np.percentile(cols, 20), cols > np.percentile(cols, 80)
+    assert rows[left].mean() < rows[right].mean() - 100
+    assert len(_where(rgb, PALETTE[1])[0]) > 20  # the val line and its markers
+    assert len(_where(rgb, PALETTE[2])[0]) == 0  # no third series, no stray color
+    # Text (title, labels, ticks): dark pixels above the plot area and left of it.
+    dark = (rgb < 80).all(axis=-1)
+    assert dark[:30].sum() > 50 and dark[:, :40].sum() > 50
 
 
-def test_plot_of_non_finite_or_empty_series(tmp_path):
+def test_non_finite_or_empty_series_still_give_an_image(tmp_path):
     save_line_plot(tmp_path / "a.png", [0, 1], {"bad": [float("nan"), float("inf")]})
     save_line_plot(tmp_path / "b.png", [], {})
-    assert read_png(tmp_path / "a.png")[:2] == (640, 400)
+    assert _pixels(tmp_path / "a.png").shape == (500, 800, 3)
+    assert _pixels(tmp_path / "b.png").shape == (500, 800, 3)
 
 
-def test_plot_errors(tmp_path):
-    with pytest.raises(ValueError, match="has 1 values"):
-        save_line_plot(tmp_path / "c.png", [0, 1], {"short": [1.0]})
-    with pytest.raises(ValueError, match="at least"):
-        save_line_plot(tmp_path / "c.png", [0], {"a": [1.0]}, width=10)
-    with pytest.raises(ValueError, match="RGB bytes"):
-        encode_png(2, 2, b"\x00" * 11)
-
-
-def test_line_pixels_are_connected_and_include_both_ends():
-    for end in [(7, 3), (-4, 9), (0, 0), (5, -5)]:
-        pixels = line_pixels(0, 0, *end)
-        assert pixels[0] == (0, 0) and pixels[-1] == end
-        assert all(max(abs(a[0] - b[0]), abs(a[1] - b[1])) == 1 for a, b in zip(pixels, pixels[1:]))
-
-
-def test_nice_ticks_and_text():
-    assert nice_ticks(0.0, 10.0) == [0, 5, 10]
-    assert nice_ticks(0.13, 0.91) == pytest.approx([0.2, 0.4, 0.6, 0.8])
-    assert nice_ticks(1.0, 1.0) == [1.0]
-    one = {(2, 0), (1, 1), (2, 1)} | {(2, y) for y in range(2, 6)} | {(x, 6) for x in range(1, 4)}
-    assert set(text_pixels("1", 0, 0)) == one
-    assert len(text_pixels("8", 0, 0, scale=2)) == 4 * len(text_pixels("8", 0, 0))
+def test_a_series_of_the_wrong_length_is_named():
+    with pytest.raises(ValueError, match="series 'short' has 1 values but there are 2 xs"):
+        save_line_plot("unused.png", [0, 1], {"short": [1.0]})
