@@ -1,12 +1,13 @@
 """fsdp8: sharded data-parallel training (ZeRO-1/2/3, HSDP) with first-class FP8."""
 
-from .config import Precision, Strategy, OuterStrategy
+from .config import ParallelConfig, Precision, Strategy, OuterStrategy
 from .engine.grads import NonFiniteGradError, check_finite, clip_grad_norm_, nonfinite_grads
 from .engine.model import MemoryReport, ShardedModel, fully_shard
 from .engine.check import DesyncError
 from .engine.state_dict import StateDictError
 from .parallel.mesh import data_parallel_mesh, init_distributed, make_mesh, tp_mesh
 from .parallel.tp import tensor_parallel
+from .parallel.manager import ParallelizedModel, parallelize
 from .fp8.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from .fp8.linear import Float8Linear
 from .fp8.tensor import Float8Tensor
@@ -37,6 +38,9 @@ __all__ = [
     "DesyncError",
     "MemoryReport",
     "OuterStrategy",
+    "ParallelConfig",
+    "ParallelizedModel",
+    "parallelize",
     "Precision",
     "ShardedModel",
     "StateDictError",

@@ -1,10 +1,11 @@
-"""User-facing policies: sharding strategy and mixed precision, validated once at construction."""
+"""User-facing policies: sharding strategy, mixed precision and the parallel layout, validated once at construction."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -108,3 +109,162 @@ class Precision:
     @property
     def casts_inputs(self) -> bool:
         return self.param_dtype is not None and self.param_dtype != self.main_dtype
+
+
+AC_MODES = ("none", "full", "selective")
+_MESH_SIZES = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Everything ``fsdp8.parallelize`` does to a model, validated at construction.
+
+    Mesh sizes, ordered ``(dp_replicate, dp_shard, cp, tp)`` as ``fsdp8.make_mesh`` lays
+    them out; one of them may be ``-1`` (by default ``dp_shard``): it takes what the world
+    leaves. The batch is split over ``dp_replicate x dp_shard``; the ranks of one tensor-
+    parallel group see the same rows.
+
+    - ``tp``, ``sequence_parallel``, ``loss_parallel``, ``tp_plan``: tensor parallelism as
+      ``fsdp8.tensor_parallel`` applies it; ``tp_plan`` (``{"module pattern":
+      ParallelStyle or None}``) overrides and extends the automatic plan of the built-in
+      Llama and of Hugging Face models, or is the whole plan of other models. With
+      ``loss_parallel`` compute the loss and call ``backward()`` inside
+      ``torch.distributed.tensor.parallel.loss_parallel()``.
+    - ``activation_checkpointing``: ``"none"``; ``"full"`` (each unit's activations are
+      recomputed in backward: least memory, one more forward); ``"selective"`` (an op-level
+      policy: matmul outputs except every second one, attention outputs, reduce-scatter
+      outputs and FP8 amaxes are kept, cheap elementwise ops recomputed).
+    - ``compile``: ``True`` compiles each unit's forward with ``torch.compile``; a dict is
+      passed to ``torch.compile`` as keyword arguments (e.g. ``{"mode": "max-autotune"}``).
+    - ``fp8``, ``precision``, ``strategy``, ``outer_strategy``, ``reshard_after_forward``,
+      ``units``, ``offload``: as ``fsdp8.fully_shard`` takes them. ``precision=None`` picks
+      ``Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` on GPUs and
+      fp32 on CPUs (as ``fsdp8 train --precision auto``). ``units=None`` takes a Hugging
+      Face model's decoder layers (its ``_no_split_modules`` classes), else every child of
+      every ``nn.ModuleList``.
+    - ``skip_packed_sequence_check`` (Hugging Face models): replace transformers'
+      ``_is_packed_sequence`` with ``False``. transformers' flash-attention path calls it in
+      every attention layer at batch size 1, and it reads position ids on the host (a
+      device synchronisation per layer per forward, and per recomputation). Off by default
+      because it is only right when no batch packs several sequences into one row: packed
+      rows fed without an attention mask would then attend across sequence boundaries and
+      train on wrong results. The replacement is process-wide (transformers keeps the
+      function in a module), as NeMo AutoModel's is."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    tp_plan: Optional[Mapping[str, Any]] = None
+    activation_checkpointing: str = "none"
+    compile: Union[bool, Mapping[str, Any]] = False
+    fp8: Optional[Any] = None
+    precision: Optional[Precision] = None
+    strategy: Union[str, int, Strategy] = "optim_grads_params"
+    outer_strategy: Union[str, int, OuterStrategy] = "no_shard"
+    reshard_after_forward: bool = True
+    units: Any = None
+    offload: Optional[str] = None
+    skip_packed_sequence_check: bool = False
+
+    def __post_init__(self):
+        self._check_sizes()
+        for name in ("sequence_parallel", "loss_parallel", "reshard_after_forward", "skip_packed_sequence_check"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ParallelConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        # Normalised once, so config.strategy is always a Strategy.
+        object.__setattr__(self, "strategy", Strategy.parse(self.strategy))
+        object.__setattr__(self, "outer_strategy", OuterStrategy.parse(self.outer_strategy))
+        self._check_tensor_parallel()
+        if self.outer_strategy is not OuterStrategy.NO_SHARD and self.dp_replicate == 1:
+            raise ValueError(
+                f"outer_strategy={self.outer_strategy.label!r} shards across HSDP replicas, but dp_replicate=1 makes "
+                "none; set dp_replicate > 1 (e.g. the number of nodes) or keep outer_strategy='no_shard'"
+            )
+        if self.activation_checkpointing not in AC_MODES:
+            raise ValueError(
+                f"ParallelConfig.activation_checkpointing={self.activation_checkpointing!r}: use one of "
+                f"{', '.join(map(repr, AC_MODES))}"
+            )
+        self._check_compile()
+        self._check_types()
+        if self.offload not in (None, "optim"):
+            raise ValueError(f"ParallelConfig.offload={self.offload!r}: use None or 'optim' (main weights, gradients "
+                             "and optimizer state in host memory)")
+        if self.offload is not None and self.strategy is Strategy.NO_SHARD:
+            raise ValueError(
+                "offload='optim' moves the sharded main weights and optimizer state to the host, but "
+                "strategy='no_shard' shards nothing; use strategy='optim' or higher with offload"
+            )
+
+    def _check_sizes(self) -> None:
+        for name in _MESH_SIZES:
+            size = getattr(self, name)
+            if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+                raise ValueError(f"ParallelConfig.{name} must be a positive int or -1 (inferred), got {size!r}")
+        inferred = [name for name in _MESH_SIZES if getattr(self, name) == -1]
+        if len(inferred) > 1:
+            raise ValueError(
+                f"only one mesh size may be -1 (inferred), got {' and '.join(inferred)}; dp_shard defaults to -1, "
+                "so give it a size when another one is -1"
+            )
+        if self.cp != 1:
+            raise NotImplementedError(
+                f"cp={self.cp}: context parallelism is not implemented in fsdp8 yet; use cp=1 (split long "
+                "sequences over tensor-parallel ranks with tp=N, sequence_parallel=True meanwhile)"
+            )
+
+    def _check_tensor_parallel(self) -> None:
+        if self.tp != 1:
+            return
+        wanting = [name for name in ("sequence_parallel", "loss_parallel") if getattr(self, name)]
+        if self.tp_plan is not None:
+            wanting.append("tp_plan")
+        if wanting:
+            raise ValueError(
+                f"{' and '.join(wanting)} need tensor parallelism, but tp=1; set tp=N (N > 1 dividing the world) "
+                f"or drop {' and '.join(wanting)}"
+            )
+
+    def _check_compile(self) -> None:
+        if isinstance(self.compile, bool):
+            return
+        if not isinstance(self.compile, Mapping) or not all(isinstance(k, str) for k in self.compile):
+            raise TypeError(
+                f"ParallelConfig.compile must be True, False or a dict of torch.compile keyword arguments, "
+                f"got {self.compile!r}"
+            )
+
+    def _check_types(self) -> None:
+        from torch.distributed.tensor.parallel import ParallelStyle
+
+        from .fp8.recipes import Recipe
+
+        if self.tp_plan is not None:
+            if not isinstance(self.tp_plan, Mapping):
+                raise TypeError(f"ParallelConfig.tp_plan must be a dict of module pattern -> ParallelStyle or None, "
+                                f"got {type(self.tp_plan).__name__}")
+            for key, style in self.tp_plan.items():
+                if not isinstance(key, str) or not (style is None or isinstance(style, ParallelStyle)):
+                    raise TypeError(
+                        f"ParallelConfig.tp_plan[{key!r}] = {style!r}: keys are fnmatch patterns over module names, "
+                        "values torch ParallelStyles (ColwiseParallel(), RowwiseParallel(), ...) or None"
+                    )
+        if self.fp8 is not None and not isinstance(self.fp8, Recipe):
+            raise TypeError(f"ParallelConfig.fp8 must be an fsdp8 FP8 recipe (e.g. fsdp8.Float8CurrentScaling()) "
+                            f"or None, got {self.fp8!r}")
+        if self.precision is not None and not isinstance(self.precision, Precision):
+            raise TypeError(f"ParallelConfig.precision must be fsdp8.Precision or None (automatic), "
+                            f"got {type(self.precision).__name__}")
+        units = self.units
+        classes = units if isinstance(units, (list, tuple)) else [units] if isinstance(units, type) else None
+        if classes is not None:
+            wrong = [c for c in classes if not (isinstance(c, type) and issubclass(c, torch.nn.Module))]
+            if wrong or not classes:
+                raise TypeError(f"ParallelConfig.units must be nn.Module classes or a callable(name, module) -> bool, "
+                                f"got {units!r}")
+        elif units is not None and not callable(units):
+            raise TypeError(f"ParallelConfig.units must be nn.Module classes or a callable(name, module) -> bool, "
+                            f"got {units!r}")

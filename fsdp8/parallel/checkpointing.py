@@ -1,0 +1,102 @@
+"""Activation checkpointing of sharded units: full recomputation or torchtitan's selective op policy.
+
+[Note: checkpointing inside the engine's hooks]
+Each unit's ``forward`` (the instance attribute, so the module, its name and its place in
+the model stay as they are) is replaced by one that runs the original through
+``torch.utils.checkpoint`` (non-reentrant). The engine's hooks live on the module's
+``__call__``, outside that forward: in forward they gather the unit once, and in backward
+the unit's pre-backward hook (on its outputs) gathers it before autograd reaches the
+checkpointed nodes, whose first saved-tensor access recomputes the forward with the
+parameters already there. Recomputation calls the original forward directly, not the
+module, so it runs no hook and gathers nothing: each unit is all-gathered once in forward
+and once in backward, as without checkpointing (tests/dist/test_parallelize.py counts
+them). For the same reason ``torch.compile`` of a unit's forward wraps this one, keeping
+both the checkpoint and the engine's hooks consistent: the hooks outside, the
+checkpointed region inside the compiled code.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from typing import Callable, Dict, Iterable, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+KwargsFilter = Callable[[dict], dict]
+
+_aten = torch.ops.aten
+
+
+def _ops(namespace, *names: str) -> set:
+    """The default overloads of the named ops that this torch build has."""
+    found = set()
+    for name in names:
+        packet = getattr(namespace, name, None)
+        if packet is not None and hasattr(packet, "default"):
+            found.add(packet.default)
+    return found
+
+
+# Matrix products, counted together for "every second one": torch.mm, a linear with
+# bias (addmm), and the FP8 GEMM.
+_MATMULS = _ops(_aten, "mm", "addmm", "_scaled_mm")
+
+# Outputs kept under "selective": expensive to recompute for their size. Attention
+# kernels (every SDPA backend, the CPU one included), reduce-scatters of sequence-parallel
+# layers (recomputing them would communicate again), and amaxes: the per-tensor FP8
+# scale's reduction over a whole activation (fsdp8's amax is aminmax; max for others').
+_SAVED = (
+    _ops(_aten, "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+         "_scaled_dot_product_fused_attention_overrideable", "aminmax", "max")
+    | _ops(torch.ops._c10d_functional, "reduce_scatter_tensor")
+)
+
+
+def _selective_policy(counts: Dict[str, int]):
+    def policy(ctx, op, *args, **kwargs):
+        if op in _MATMULS:
+            # Forward and recomputation count separately, so both see the same parity.
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            # Odd ones kept, even ones recomputed (torchtitan's choice): half the GEMMs'
+            # outputs for one extra GEMM in two.
+            keep = counts[key] % 2 == 1
+        else:
+            keep = op in _SAVED
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def selective_contexts():
+    """The ``context_fn`` of selective checkpointing: a fresh matmul count per call."""
+    return create_selective_checkpoint_contexts(_selective_policy(defaultdict(int)))
+
+
+def _checkpointed(forward: Callable, context_fn: Optional[Callable], filter_kwargs: Optional[KwargsFilter]):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)  # nothing is saved for a backward that never comes
+        if filter_kwargs is not None:
+            kwargs = filter_kwargs(kwargs)
+        extra = {"context_fn": context_fn} if context_fn is not None else {}
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+
+    return run
+
+
+def checkpoint_units(modules: Iterable[nn.Module], mode: str, filter_kwargs: Optional[KwargsFilter] = None) -> None:
+    """Recompute each module's activations in backward: ``mode`` ``"full"`` or ``"selective"``.
+
+    ``filter_kwargs`` adapts the keyword arguments of a checkpointed call (Hugging Face
+    layers drop their KV cache: a recomputation would append to it a second time)."""
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation checkpointing mode {mode!r}: use 'full' or 'selective'")
+    context_fn = selective_contexts if mode == "selective" else None
+    for module in modules:
+        module.forward = _checkpointed(module.forward, context_fn, filter_kwargs)

@@ -1,0 +1,255 @@
+"""parallelize(): one call that lays a model out over the world mesh (TP, checkpointing, compile, sharding).
+
+[Note: the order of parallelize]
+1. Every check that needs only the config, the model's structure and the world size, on
+   every rank alike, so a mistake raises everywhere before any rank communicates.
+2. ``make_mesh``: the world mesh ``(dp_replicate, dp_shard, cp, tp)``.
+3. Tensor parallelism (``tensor_parallel``): it must come first, because the engine takes
+   a TP parameter as a DTensor and shards its local piece.
+4. ``fully_shard`` over the data-parallel dims, converting linears to FP8 inside; it picks
+   the units.
+5. Activation checkpointing, then ``torch.compile``, of each unit's forward: the units are
+   exactly the engine's, and both wrap the instance's ``forward``, inside the engine's
+   hooks (checkpointing.py [Note: checkpointing inside the engine's hooks]). Wrapping a
+   forward changes no module, name or parameter, so doing it after sharding is the same as
+   before it, except that nothing has to guess which modules will be units.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ..config import ParallelConfig, Precision
+from ..engine.model import ShardedModel, fully_shard
+from . import hf
+from .checkpointing import checkpoint_units
+from .mesh import init_distributed, make_mesh, mesh_dims, tp_mesh
+from .tp import _family_plan, tensor_parallel
+
+
+@dataclass(frozen=True)
+class _Layout:
+    mesh: DeviceMesh
+    config: ParallelConfig
+    dp_rank: int
+    dp_size: int
+
+
+class ParallelizedModel:
+    """What ``parallelize`` adds to the ShardedModel it returns: where this rank stands in
+    the world mesh, and so which rows of each global batch it trains on."""
+
+    _fsdp8_parallel: _Layout
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (``dp_replicate x dp_shard``); the
+        ranks of one tensor-parallel group share it (and their batch)."""
+        return self._fsdp8_parallel.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        """How many data-parallel ranks split each global batch: ``dp_replicate x dp_shard``
+        (what ``DistributedSampler(num_replicas=...)`` takes, with ``rank=model.dp_rank``)."""
+        return self._fsdp8_parallel.dp_size
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The world mesh, dimensions named ``dp_replicate``, ``dp_shard``, ``cp``, ``tp`` (sizes > 1;
+        ``dp_shard`` always)."""
+        return self._fsdp8_parallel.mesh
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        return self._fsdp8_parallel.config
+
+    def shard_batch(self, batch: Mapping[str, Any]) -> Dict[str, Any]:
+        """This rank's part of a global batch (``{"input_ids": ..., "labels": ..., ...}``):
+        rows ``[dp_rank * b, (dp_rank + 1) * b)`` of every tensor, ``b = rows / dp_size``
+        (views: nothing is copied or moved). A tensor with one row beside larger ones (HF
+        ``position_ids`` of shape ``(1, seq)``) is broadcast over the batch and passed whole,
+        as are numbers, strings, None and 0-d tensors."""
+        # Context parallelism (a later issue) will cut each row's sequence after this.
+        return take_rows(batch, self.dp_rank, self.dp_size)
+
+
+_PASSED_WHOLE = (int, float, bool, str, type(None))
+
+
+def take_rows(batch: Mapping[str, Any], rank: int, size: int) -> Dict[str, Any]:
+    """Rows ``[rank * b, (rank + 1) * b)`` of every batched tensor in ``batch``, ``b = rows / size``."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"shard_batch takes a dict of tensors (input_ids, labels, ...), got {type(batch).__name__}")
+    rows = {k: v.shape[0] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if not rows:
+        raise ValueError(f"shard_batch found no tensor with a batch dimension among {sorted(batch)}")
+    sizes = set(rows.values())
+    total = max(sizes)
+    if sizes - {1, total}:
+        raise ValueError(f"the batch's tensors disagree on the number of rows: {rows}; give every tensor the "
+                         "global batch as its first dimension")
+    if total % size:
+        raise ValueError(
+            f"the global batch has {total} rows, which {size} data-parallel ranks cannot split evenly; make the "
+            f"global batch size a multiple of model.dp_size = {size}"
+        )
+    b = total // size
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and (value.shape[0] == total or total == 1):
+            out[key] = value[rank * b : (rank + 1) * b]
+        elif isinstance(value, (torch.Tensor,) + _PASSED_WHOLE):
+            out[key] = value
+        else:
+            raise TypeError(
+                f"shard_batch cuts tensors along their first dimension and cannot tell whether batch[{key!r}] "
+                f"({type(value).__name__}) holds one entry per row; leave it out, or cut it yourself with "
+                "model.dp_rank and model.dp_size"
+            )
+    return out
+
+
+def parallelize(model: nn.Module, config: Optional[ParallelConfig] = None) -> ShardedModel:
+    """Lay ``model`` out over every rank as ``config`` says and return it sharded, in place.
+
+    Builds the world mesh, applies tensor (and sequence) parallelism, shards parameters,
+    gradients and optimizer state over the data-parallel ranks (FP8 conversion inside),
+    and checkpoints and compiles each unit; see [Note: the order of parallelize]. Hugging
+    Face causal LMs need nothing else: their decoder layers are the units and their
+    ``base_model_tp_plan`` the TP plan. The result is a ShardedModel that is also a
+    ``ParallelizedModel``: feed it ``model.shard_batch(global_batch)``, and use
+    ``model.dp_rank`` / ``model.dp_size`` for samplers. Any torch optimizer works on
+    ``model.parameters()``."""
+    config = ParallelConfig() if config is None else config
+    if not isinstance(config, ParallelConfig):
+        raise TypeError(f"parallelize takes a fsdp8.ParallelConfig, got {type(config).__name__}")
+    is_hf = hf.is_hf_model(model)
+    _check_model(model, config, is_hf)
+    init_distributed()
+    sizes = mesh_dims(dist.get_world_size(), config.dp_replicate, config.dp_shard, config.cp, config.tp)
+    tp = sizes.get("tp", 1)
+    _check_tensor_parallel(model, config, tp, is_hf)
+    offload = _offload_kwargs(config)
+
+    mesh = make_mesh(config.dp_replicate, config.dp_shard, config.cp, config.tp)
+    if tp > 1:
+        _apply_tensor_parallel(model, config, tp_mesh(mesh), is_hf)
+    precision = config.precision or _automatic_precision(mesh)
+    units = config.units if config.units is not None else (hf.decoder_layers(model) if is_hf else None)
+    sharded = fully_shard(model, mesh=mesh, units=units, strategy=config.strategy,
+                          outer_strategy=config.outer_strategy, precision=precision,
+                          reshard_after_forward=config.reshard_after_forward, fp8=config.fp8, **offload)
+    unit_modules = [unit.module for unit in sharded._fsdp8.units]
+    if config.activation_checkpointing != "none":
+        checkpoint_units(unit_modules, config.activation_checkpointing, hf.without_cache if is_hf else None)
+    if config.compile:
+        options = {} if config.compile is True else dict(config.compile)
+        for module in unit_modules:
+            module.forward = torch.compile(module.forward, **options)
+    if config.skip_packed_sequence_check:
+        hf.skip_packed_sequence_check()
+    dp_rank, dp_size = _data_parallel_place(mesh)
+    sharded._fsdp8_parallel = _Layout(mesh, config, dp_rank, dp_size)
+    sharded.__class__ = _parallelized_class(type(sharded))
+    return sharded
+
+
+def _check_model(model: nn.Module, config: ParallelConfig, is_hf: bool) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
+    if isinstance(model, ShardedModel):
+        raise RuntimeError(f"{type(model).__name__} is already sharded; parallelize takes the plain model, once")
+    distributed = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    if distributed:
+        raise ValueError(
+            f"{type(model).__name__} already has DTensor parameters ({', '.join(distributed[:3])}); parallelize "
+            "applies tensor parallelism itself (ParallelConfig(tp=N, tp_plan=...)): pass the plain model"
+        )
+    if config.skip_packed_sequence_check and not is_hf:
+        raise ValueError(
+            f"skip_packed_sequence_check replaces a check of Hugging Face attention, but {type(model).__name__} is "
+            "not a transformers model; drop the option"
+        )
+    if is_hf and config.activation_checkpointing != "none" and getattr(model, "is_gradient_checkpointing", False):
+        raise ValueError(
+            "the model has Hugging Face gradient checkpointing enabled as well as "
+            f"activation_checkpointing={config.activation_checkpointing!r}, which would recompute twice; call "
+            "model.gradient_checkpointing_disable() and let parallelize checkpoint"
+        )
+
+
+def _check_tensor_parallel(model: nn.Module, config: ParallelConfig, tp: int, is_hf: bool) -> None:
+    if tp == 1:
+        wanting = [name for name in ("sequence_parallel", "loss_parallel", "tp_plan") if getattr(config, name)]
+        if wanting:
+            raise ValueError(f"{' and '.join(wanting)} need tensor parallelism, but tp came out as 1 on "
+                             f"{dist.get_world_size()} ranks; give tp a size > 1 or drop {' and '.join(wanting)}")
+        return
+    if config.tp_plan is None and _family_plan(model, config.sequence_parallel, config.loss_parallel) is None:
+        hint = ("its config has no base_model_tp_plan naming its modules" if is_hf
+                else "fsdp8 knows the plans of its own Llama and of Hugging Face models")
+        raise ValueError(
+            f"no automatic tensor-parallel plan for {type(model).__name__} ({hint}); pass "
+            "ParallelConfig(tp_plan={'module pattern': ParallelStyle, ...}) with torch's ColwiseParallel / "
+            "RowwiseParallel styles, or use tp=1"
+        )
+
+
+def _apply_tensor_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, is_hf: bool) -> None:
+    plan = config.tp_plan
+    if plan is None and is_hf:
+        family = _family_plan(model, config.sequence_parallel, config.loss_parallel)
+        plan = hf.per_head_norm_plan(model, family.styles) or None
+    try:
+        tensor_parallel(model, mesh, plan=plan, sequence_parallel=config.sequence_parallel,
+                        loss_parallel=config.loss_parallel)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{e} (parallelize passes ParallelConfig.tp_plan as tensor_parallel's plan)") from None
+
+
+def _offload_kwargs(config: ParallelConfig) -> Dict[str, Any]:
+    if config.offload is None:
+        return {}
+    if "offload" not in inspect.signature(fully_shard).parameters:
+        raise NotImplementedError(
+            f"offload={config.offload!r}: this fsdp8's fully_shard cannot offload yet; use offload=None"
+        )
+    return {"offload": config.offload}
+
+
+def _automatic_precision(mesh: DeviceMesh) -> Precision:
+    # As `fsdp8 train --precision auto`: bf16 GEMMs are what GPUs are fast at; CPUs without
+    # bf16 units run them many times slower than fp32.
+    if mesh.device_type == "cuda":
+        return Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return Precision()
+
+
+def _data_parallel_place(mesh: DeviceMesh):
+    """(rank, size) of this rank among the data-parallel ranks: its coordinates in the
+    ``dp_replicate`` and ``dp_shard`` dims, replicate-major."""
+    names = list(mesh.mesh_dim_names)
+    dims = [name for name in ("dp_replicate", "dp_shard") if name in names]
+    rank = 0
+    for name in dims:
+        rank = rank * mesh.shape[names.index(name)] + mesh.get_local_rank(name)
+    return rank, math.prod(mesh.shape[names.index(name)] for name in dims)
+
+
+_PARALLELIZED_CLASSES: Dict[type, type] = {}
+
+
+def _parallelized_class(cls: type) -> type:
+    # The name stays Sharded<Class>: what fully_shard's models are called.
+    if cls not in _PARALLELIZED_CLASSES:
+        _PARALLELIZED_CLASSES[cls] = type(cls.__name__, (ParallelizedModel, cls), {})
+    return _PARALLELIZED_CLASSES[cls]

@@ -1,0 +1,297 @@
+"""parallelize() on every rank: functions run by tests/dist/test_parallelize.py (module level, so workers import them).
+
+Every run is compared with the same model trained in one process on the whole global batch
+(SGD: see tp_workers.compare_training for why not Adam).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+import fsdp8
+from fsdp8.engine import comm
+
+from . import common
+
+VOCAB, SEQ, ROWS, STEPS, LR = 128, 8, 8, 2, 0.5
+
+# name -> ParallelConfig keyword arguments; the mesh sizes come from the layout.
+VARIANTS = {
+    "plain": {},
+    "full": {"activation_checkpointing": "full"},
+    "selective": {"activation_checkpointing": "selective"},
+    "sp": {"sequence_parallel": True, "loss_parallel": True, "activation_checkpointing": "selective"},
+}
+HF_FAMILIES = {  # family -> (config class, model class, config overrides)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "attn_implementation": "eager"}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+}
+
+
+def hf_config(family: str):
+    import transformers
+
+    config_class, _, overrides = HF_FAMILIES[family]
+    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32, attn_implementation="sdpa")
+    return getattr(transformers, config_class)(**{**fields, **overrides})
+
+
+def build(family: str) -> nn.Module:
+    """A tiny model (hidden 64, 2 layers, 4 heads, 2 kv heads, vocabulary 128), the same on every rank."""
+    torch.manual_seed(0)
+    if family == "builtin":
+        from fsdp8.models.llama import Llama, LlamaConfig
+
+        model = Llama(LlamaConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                                  max_seq_len=16))
+    else:
+        import transformers
+
+        model = getattr(transformers, HF_FAMILIES[family][1])(hf_config(family))
+    return model.to(common.device())
+
+
+def batch(family: str, step: int, rows: int = ROWS) -> Dict[str, torch.Tensor]:
+    x, y = common.global_batch(step, rows, SEQ, VOCAB)
+    if family == "builtin":
+        return {"tokens": x, "targets": y}
+    return {"input_ids": x, "labels": x}  # HF shifts the labels itself
+
+
+def loss_of(model: nn.Module, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+    out = model(**{k: v.to(common.device()) for k, v in inputs.items()})
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+class CountGathers:
+    """All-gathers the engine issues, by unit (comm.all_gather's label)."""
+
+    def __init__(self):
+        self.counts: Dict[str, int] = {}
+
+    def __enter__(self):
+        self._original = comm.all_gather
+
+        def counted(out, inp, group, label):
+            self.counts[label] = self.counts.get(label, 0) + 1
+            return self._original(out, inp, group, label)
+
+        comm.all_gather = counted
+        return self
+
+    def __exit__(self, *exc):
+        comm.all_gather = self._original
+        return False
+
+
+def reference_run(model: nn.Module, family: str) -> dict:
+    """One process, the whole global batch: losses and gradients of every step, final weights."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out = {"loss": [], "grads": []}
+    for step in range(STEPS):
+        loss = loss_of(model, batch(family, step))
+        loss.backward()
+        out["loss"].append(float(loss.detach()))
+        out["grads"].append({n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    out["weights"] = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def parallel_run(model: nn.Module, family: str, config: fsdp8.ParallelConfig, reference: dict) -> dict:
+    """``model`` parallelized by ``config`` and trained like the reference: worst relative
+    errors, the engine's all-gathers of the second step by unit, how often each decoder
+    layer's first child ran in that step (2 = recomputed once), and where the rank stands."""
+    model = fsdp8.parallelize(model, config)
+    layer = model._fsdp8.units[0].module
+    child = next(iter(layer.children()))
+    calls: List[int] = []
+    child.register_forward_hook(lambda *_: calls.append(1))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
+    gathers = None
+    for step in range(STEPS):
+        calls.clear()
+        ctx = CountGathers() if step == 1 else contextlib.nullcontext()
+        with ctx as counter, (loss_parallel() if config.loss_parallel else contextlib.nullcontext()):
+            loss = loss_of(model, model.shard_batch(batch(family, step)))
+            loss.backward()
+        if step == 1:
+            gathers, recomputed = counter.counts, len(calls)
+        total = _full(loss).clone()
+        dist.all_reduce(total)  # tp ranks hold the same loss: the world's mean is the dp ranks' mean
+        worst["loss"] = max(worst["loss"], abs(float(total) / dist.get_world_size() - reference["loss"][step])
+                            / abs(reference["loss"][step]))
+        for name, p in model.named_parameters():
+            worst["grad"] = max(worst["grad"], _rel(_full(p.grad), reference["grads"][step][name]))
+        opt.step()
+        opt.zero_grad()
+    for name, p in model.named_parameters():
+        worst["weight"] = max(worst["weight"], _rel(_full(p), reference["weights"][name]))
+    tied = not hasattr(model, "lm_head") or not model.config.tie_word_embeddings or (
+        model.lm_head.weight is model.get_input_embeddings().weight)
+    return {"errors": worst, "gathers": gathers, "layer_calls": recomputed, "dp": (model.dp_rank, model.dp_size),
+            "tied": tied, "class": type(model).__name__}
+
+
+def parity(family: str, layout: dict, variants: List[str]) -> dict:
+    """Each variant of VARIANTS at ``layout`` (mesh sizes) against one reference run."""
+    initial = build(family)
+    reference = reference_run(copy.deepcopy(initial), family)
+    return {name: parallel_run(copy.deepcopy(initial), family, fsdp8.ParallelConfig(**layout, **VARIANTS[name]),
+                               reference)
+            for name in variants}
+
+
+def families(names: List[str]) -> dict:
+    """Every installed family of ``names`` at dp 2 x tp 2, sequence parallel and selective
+    checkpointing (the most that must fit together); families transformers lacks are left out."""
+    import transformers
+
+    out = {}
+    for family in names:
+        if not hasattr(transformers, HF_FAMILIES[family][1]):
+            continue
+        initial = build(family)
+        reference = reference_run(copy.deepcopy(initial), family)
+        out[family] = parallel_run(copy.deepcopy(initial), family, fsdp8.ParallelConfig(tp=2, **VARIANTS["sp"]),
+                                   reference)
+    return out
+
+
+def fp8_parity(family: str, sequence_parallel: bool, checkpointing: str = "none") -> Dict[str, float]:
+    """FP8 current scaling at dp 2 x tp 2 (and ``checkpointing``) against the same recipe in one process, in lockstep
+    (common.lockstep_errors says why): before each step the reference takes the parallel
+    model's weights, then runs one forward per data-parallel slice (each dp rank quantizes its
+    own activations) with the gradients averaged. Worst relative error of loss and gradients."""
+    recipe = fsdp8.Float8CurrentScaling()
+    initial = build(family)
+    reference = copy.deepcopy(initial)
+    config = fsdp8.ParallelConfig(tp=2, sequence_parallel=sequence_parallel, fp8=recipe,
+                                  activation_checkpointing=checkpointing)
+    model = fsdp8.parallelize(initial, config)
+    for unit in model._fsdp8.units:
+        fsdp8.convert_to_fp8(dict(reference.named_modules())[unit.name], recipe)
+    converted = sorted(n for n, m in model.named_modules() if isinstance(m, fsdp8.Float8Linear))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    worst = {"loss": 0.0, "grad": 0.0}
+    for step in range(STEPS):
+        with torch.no_grad():
+            for name, p in reference.named_parameters():
+                p.copy_(_full(dict(model.named_parameters())[name]))
+        global_batch = batch(family, step)
+        loss = loss_of(model, model.shard_batch(global_batch))
+        loss.backward()
+        ref_loss = 0.0
+        for r in range(model.dp_size):
+            part = loss_of(reference, {k: common.rank_slice(v, r, model.dp_size) for k, v in global_batch.items()})
+            (part / model.dp_size).backward()
+            ref_loss += float(part.detach()) / model.dp_size
+        total = _full(loss).clone()
+        dist.all_reduce(total)
+        worst["loss"] = max(worst["loss"], abs(float(total) / dist.get_world_size() - ref_loss) / ref_loss)
+        for name, p in reference.named_parameters():
+            worst["grad"] = max(worst["grad"], _rel(_full(dict(model.named_parameters())[name].grad), _full(p.grad)))
+        opt.step()
+        opt.zero_grad()
+        reference.zero_grad()
+    return worst, converted
+
+
+def from_checkpoint_directory(path: str, family: str = "qwen2") -> dict:
+    """A save_pretrained directory, loaded two ways at dp 2 x tp 2: from_pretrained then
+    parallelize, and built on the meta device, parallelized, filled by fsdp8.load_pretrained.
+    Largest weight difference from the saved model and logits difference, for each."""
+    import transformers
+
+    if common.rank() == 0:
+        build(family).save_pretrained(path)
+    dist.barrier()
+    saved = transformers.AutoModelForCausalLM.from_pretrained(path).to(common.device())
+    tokens = batch(family, 0)["input_ids"].to(common.device())
+    with torch.no_grad():
+        logits = saved(input_ids=tokens).logits.float().cpu()
+    direct = fsdp8.parallelize(transformers.AutoModelForCausalLM.from_pretrained(path), fsdp8.ParallelConfig(tp=2))
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
+    meta = fsdp8.parallelize(meta, fsdp8.ParallelConfig(tp=2))
+    fsdp8.load_pretrained(meta, path)
+    out = {}
+    for name, model in (("from_pretrained", direct), ("meta", meta)):
+        state = {k: _full(v) for k, v in model.state_dict().items()}
+        weights = max(float((state[k] - v.float().cpu()).abs().max()) for k, v in saved.state_dict().items())
+        with torch.no_grad():
+            got = model(input_ids=model.shard_batch({"input_ids": tokens})["input_ids"]).logits.float().cpu()
+        rows = common.rank_slice(logits, model.dp_rank, model.dp_size)
+        out[name] = {"weights": weights, "logits": float((got - rows).abs().max()),
+                     "tied": model.lm_head.weight is model.get_input_embeddings().weight}
+    return out
+
+
+def packed_sequence_check() -> dict:
+    """skip_packed_sequence_check at world 1: whether transformers' function was replaced,
+    what both answer for unpacked and packed position ids at batch size 1, and the largest
+    difference of the model's logits before and after (the original is put back at the end)."""
+    import transformers.modeling_flash_attention_utils as flash_utils
+
+    original = flash_utils._is_packed_sequence
+    model = build("llama")
+    tokens = batch("llama", 0, rows=1)["input_ids"]
+    unpacked, packed = torch.arange(SEQ)[None], torch.cat([torch.arange(3), torch.arange(SEQ - 3)])[None]
+    with torch.no_grad():
+        before = model(input_ids=tokens, position_ids=unpacked).logits
+    try:
+        model = fsdp8.parallelize(model, fsdp8.ParallelConfig(skip_packed_sequence_check=True))
+        patched = flash_utils._is_packed_sequence
+        with torch.no_grad():
+            after = model(input_ids=tokens, position_ids=unpacked).logits
+        answers = {name: (bool(fn(unpacked, 1)), bool(fn(packed, 1))) for name, fn in
+                   (("original", original), ("patched", patched))}
+        return {"replaced": patched is not original and patched.__wrapped__ is original, "answers": answers,
+                "logits": float((after - before).abs().max())}
+    finally:
+        flash_utils._is_packed_sequence = original
+
+
+def bad_world(kwargs: dict, family: str = "builtin") -> Optional[str]:
+    """The error parallelize raises for a config that fits no world of this size (or None),
+    and whether the model's parameters were left untouched."""
+    model = build(family) if family != "mlp" else nn.Sequential(nn.Linear(8, 8)).to(common.device())
+    before = [id(p) for p in model.parameters()]
+    try:
+        fsdp8.parallelize(model, fsdp8.ParallelConfig(**kwargs))
+        message = None
+    except (ValueError, TypeError, NotImplementedError) as e:
+        message = str(e)
+    return message, [id(p) for p in model.parameters()] == before
+
+
+def compiled(family: str, options: dict) -> dict:
+    """Units compiled (``options`` for torch.compile) and checkpointed selectively, at dp 2 x tp 2."""
+    initial = build(family)
+    reference = reference_run(copy.deepcopy(initial), family)
+    config = fsdp8.ParallelConfig(tp=2, activation_checkpointing="selective", compile=options)
+    return parallel_run(copy.deepcopy(initial), family, config, reference)
