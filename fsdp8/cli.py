@@ -77,6 +77,10 @@ def _train_parser(sub) -> None:
     flag("--stop-at", "stop after this step with a checkpoint, as if interrupted (0: run to --steps)", type=int)
     p.add_argument("--async-save", action="store_true",
                    help="write checkpoints in a background thread (default: training waits for each)")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="also write the metrics (loss, val loss, lr, grad norm, tokens/s, memory) as TensorBoard "
+                        "event files into DIR, covering the whole run as metrics.jsonl does (events an earlier "
+                        "run left there are hidden); needs pip install tensorboard (default: none)")
 
 
 def _export_parser(sub) -> None:

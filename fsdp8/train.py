@@ -56,6 +56,7 @@ class TrainConfig:
     stop_at: int = 0  # stop after this step (as if interrupted) with a checkpoint; 0: run to --steps
     async_save: bool = False
     lr_decay_steps: int = 0  # the cosine schedule's length (0: steps); a resumed run keeps its checkpoint's
+    tensorboard: str = ""  # a directory for TensorBoard event files of the metrics ("": none)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -75,6 +76,12 @@ class TrainConfig:
                              f"pass --seq-len {max_seq_len} or less, or a larger --preset")
         if self.resume and self.overwrite:
             raise ValueError("--resume continues a run and --overwrite deletes it: pass one of them")
+        if self.tensorboard:
+            try:
+                import torch.utils.tensorboard  # noqa: F401  (checked here: before any worker starts)
+            except ImportError as e:
+                raise ValueError(f"--tensorboard needs the tensorboard package ({e}): "
+                                 "pip install tensorboard") from None
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -167,6 +174,11 @@ def _evaluate(model, corpus: ByteCorpus, cfg: TrainConfig, rank: int, world: int
     return float(total) / (cfg.eval_batches * world)
 
 
+# metrics.jsonl key -> TensorBoard tag
+_BOARD_TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+               "tokens_per_s": "perf/tokens_per_s", "max_mem_mib": "perf/max_mem_mib"}
+
+
 def _nan_fault(step: int, rank: int) -> bool:
     """Test seam: FSDP8_FAULT=nan_loss:<step>:<rank> poisons that rank's loss at that step."""
     fault = os.environ.get("FSDP8_FAULT", "")
@@ -174,8 +186,9 @@ def _nan_fault(step: int, rank: int) -> bool:
 
 
 class _RunLog:
-    """Rank 0's record of a run: metrics.jsonl, the progress line, and the series that
-    loss.png and summary.json are made of, starting from the records of a resumed run."""
+    """Rank 0's record of a run: metrics.jsonl, TensorBoard events (with --tensorboard), the
+    progress line, and the series that loss.png and summary.json are made of, starting from
+    the records of a resumed run."""
 
     def __init__(self, cfg: TrainConfig, history: List[dict]):
         self.cfg = cfg
@@ -188,10 +201,28 @@ class _RunLog:
         self.val = {r["step"]: r["val_loss"] for r in history if "val_loss" in r}
         self.skipped = [r["step"] for r in history if r.get("skipped")]
         self.earlier_s = max((r["elapsed_s"] for r in history if "elapsed_s" in r), default=0.0)
+        self.board = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # Like metrics.jsonl, the events cover the whole run: purge_step=0 hides what an
+            # earlier process wrote into this folder (the interrupted part of a resumed run, or
+            # a run that --overwrite replaced), and a resumed run's records are written again.
+            self.board = SummaryWriter(cfg.tensorboard, purge_step=0)
+            for record in history:
+                self._to_board(record)
+
+    def _to_board(self, record: dict) -> None:
+        for key, tag in _BOARD_TAGS.items():
+            if isinstance(record.get(key), (int, float)):  # a skipped step's grad_norm is a string
+                self.board.add_scalar(tag, record[key], record["step"])
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        if self.board:
+            self._to_board(record)
+            self.board.flush()
         if "loss" in record:
             self.steps.append(record["step"])
             self.losses.append(record["loss"])
@@ -212,6 +243,8 @@ class _RunLog:
         cfg = self.cfg
         self.progress.close()
         self.file.close()
+        if self.board:
+            self.board.close()
         if not self.losses:
             return None
         val_series = [self.val.get(s, float("nan")) for s in self.steps]
@@ -226,7 +259,8 @@ class _RunLog:
         head = f"stopped by {stopped} after step {summary['steps_done']} of {cfg.steps}: " if stopped else ""
         val = f" (val {final_val:.3f})" if final_val is not None else ""
         print(f"{head}loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f}{val} in {summary['elapsed_s']:.0f}s; "
-              f"wrote {cfg.out}/metrics.jsonl, loss.png, summary.json", file=sys.stderr)
+              f"wrote {cfg.out}/metrics.jsonl, loss.png, summary.json"
+              + (f" and TensorBoard events to {cfg.tensorboard}" if cfg.tensorboard else ""), file=sys.stderr)
         return summary
 
 
@@ -324,8 +358,8 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
             tok_s = tokens_per_step * window_steps / (now - window_start)
             window_start, window_steps, window_applied = now, 0, 0
             if log:
-                log.write({"step": step + 1, "loss": mean_loss, "lr": lr_at(step, cfg), "tokens_per_s": tok_s,
-                           "max_mem_mib": _memory_mib(device), "elapsed_s": now - start})
+                log.write({"step": step + 1, "loss": mean_loss, "lr": lr_at(step, cfg), "grad_norm": float(norm),
+                           "tokens_per_s": tok_s, "max_mem_mib": _memory_mib(device), "elapsed_s": now - start})
         if (step + 1) % cfg.eval_every == 0 or step + 1 == last_step:  # not when stopping: stop promptly
             val = _evaluate(model, val_data, cfg, rank, world, device)
             if log:

@@ -87,7 +87,8 @@ def test_errors_name_the_file_and_what_is_wrong(tmp_path):
     with pytest.raises(safetensors.SafetensorsError, match="nope.safetensors does not exist"):
         safetensors.SafetensorsFile(str(tmp_path / "nope.safetensors"))
     with pytest.raises(safetensors.SafetensorsError, match="z: dtype torch.complex128 cannot be stored"):
-        safetensors.write(str(tmp_path / "c.safetensors"), {"a": torch.zeros(2), "z": torch.zeros(2, dtype=torch.complex128)})
+        safetensors.write(str(tmp_path / "c.safetensors"),
+                          {"a": torch.zeros(2), "z": torch.zeros(2, dtype=torch.complex128)})
     assert not (tmp_path / "c.safetensors").exists()
 
 
@@ -96,7 +97,8 @@ def test_directory_with_index(tmp_path):
     safetensors.write(str(tmp_path / "model-00001-of-00002.safetensors"), {"a.weight": torch.ones(2, 3)})
     safetensors.write(str(tmp_path / "model-00002-of-00002.safetensors"), {"b.weight": torch.zeros(4)})
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}))
+        {"weight_map": {"a.weight": "model-00001-of-00002.safetensors",
+                        "b.weight": "model-00002-of-00002.safetensors"}}))
     files = safetensors.SafetensorsDir(str(tmp_path))
     assert sorted(files.names()) == ["a.weight", "b.weight"] and "a.weight" in files
     assert torch.equal(files.file_of("a.weight").read("a.weight", [(1, 2)]), torch.ones(1, 3))
