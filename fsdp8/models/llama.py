@@ -167,7 +167,11 @@ class Rotary(nn.Module):
             self.cos.copy_(angles.cos())
             self.sin.copy_(angles.sin())
 
-    def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, seq_len: int, dtype: torch.dtype,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables of positions 0..seq_len-1, or of ``positions`` [seq_len] when given."""
+        if positions is not None:
+            return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
         if seq_len > self.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={self.max_seq_len}")
         return self.cos[:seq_len].to(dtype), self.sin[:seq_len].to(dtype)
@@ -186,6 +190,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA of q [batch, heads, seq, head_dim] over k, v [batch, kv_heads, seq, head_dim]."""
+    if k.shape[1] != q.shape[1]:
+        # Explicit expansion rather than SDPA's enable_gqa: every backend supports it.
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -196,6 +210,9 @@ class Attention(nn.Module):
         self.wk = Linear(config.dim, kv_dim, std)
         self.wv = Linear(config.dim, kv_dim, std)
         self.wo = Linear(config.dim, config.dim, out_std)
+        # (q, k, v) -> output; fsdp8.parallel.cp.context_parallel swaps in its attention over
+        # the cp group's whole sequences.
+        self.attend = causal_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -204,12 +221,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.n_kv_heads != self.n_heads:
-            # Explicit expansion rather than SDPA's enable_gqa: every backend supports it.
-            group = self.n_heads // self.n_kv_heads
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.attend(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -260,12 +272,20 @@ class Llama(nn.Module):
             # head comes after embed in modules() order, so materialisation skips it.
             self.head.weight = self.embed.weight
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [batch, seq, vocab], or the mean cross-entropy loss when targets are given."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None,
+                num_items_in_batch: float | torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [batch, seq, vocab], or the cross-entropy loss when targets are given.
+
+        ``positions`` [seq]: the tokens' positions in their sequences (default 0..seq-1;
+        context parallelism fills in this rank's). The loss is the mean over the targets
+        that are not -100, or with ``num_items_in_batch`` (as Hugging Face's loss keyword)
+        their sum divided by it (fsdp8.parallel.cp.loss_divisor gives the divisor that
+        makes the ranks' average the global batch's token mean)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
         x = self.embed(tokens)
-        cos, sin = self.rotary(tokens.shape[1], x.dtype)
+        cos, sin = self.rotary(tokens.shape[1], x.dtype, positions)
         for layer in self.layers:
             x = layer(x, cos, sin)
         logits = self.head(self.norm(x))
@@ -278,7 +298,9 @@ class Llama(nn.Module):
             )
         # Under loss_parallel() a vocabulary-sharded DTensor goes through torch's
         # vocabulary-parallel cross-entropy: no rank gathers the full logits.
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        if num_items_in_batch is None:
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / num_items_in_batch
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Number of distinct parameters; a tied head counts once, as the embedding."""
