@@ -1,4 +1,5 @@
-"""The ``fsdp8`` command line: ``fsdp8 train`` (the main job) and ``fsdp8 export``.
+"""The ``fsdp8`` command line: ``fsdp8 train`` (the main job), ``fsdp8 export``, ``fsdp8 plan``
+(predict memory, communication and speed) and ``fsdp8 bench`` (measure beside the prediction).
 
 Everything that can be checked before a worker starts is checked here, in the launching
 process, and reported in one line: flags, the checkpoint to resume, the output directory.
@@ -16,9 +17,12 @@ from typing import Collection, List, Optional
 
 from . import __version__
 from .checkpoint.store import CheckpointError, complete_checkpoints, extra_path, problems
-from .config import STRATEGY_NAMES
+from .bench import PRECISIONS as BENCH_PRECISIONS, BenchConfig, bench
+from .config import AC_MODES, STRATEGY_NAMES
 from .launch import launch, resolve_nproc, under_torchrun
 from .models.llama import PRESETS
+from .plan import plan
+from .plan_hw import GPUS
 from .train import PRECISIONS, TrainConfig, find_checkpoint, run_dir_of, train
 
 # What a run writes into --out; an earlier run's are never overwritten unasked.
@@ -91,6 +95,80 @@ def _export_parser(sub) -> None:
     p.add_argument("out", help="directory to write model.safetensors into")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="cast floating weights (default: as saved, fp32 main weights)")
+
+
+def _model_flags(p, default_model: Optional[str], what: str) -> None:
+    """The model, as fsdp8 plan and bench take it: a preset, hf:DIR, or sizes (which also resize either)."""
+    p.add_argument("--model", default=default_model,
+                   help=f"a built-in preset ({', '.join(PRESETS)}), or hf:DIR (a Hugging Face model directory{what}); "
+                        "the size flags below resize it, or describe a model alone (default: %(default)s)")
+    for name, meaning in (("layers", "decoder layers"), ("hidden", "hidden size"), ("ffn", "feed-forward width"),
+                          ("heads", "attention heads"), ("kv-heads", "key/value heads"), ("vocab", "vocabulary size")):
+        fallback = "--heads without --model" if name == "kv-heads" else "the model's"
+        p.add_argument(f"--{name}", type=int, help=f"{meaning} (default: {fallback})")
+    p.add_argument("--tied", action="store_true", default=None,
+                   help="tie the embedding and the head (default: as the model)")
+
+
+def _layout_flags(p) -> None:
+    """The parallel layout and the precision, shared by fsdp8 plan and bench."""
+    p.add_argument("--strategy", default="optim_grads_params", choices=STRATEGY_NAMES,
+                   help="what is sharded over data-parallel ranks (default: %(default)s)")
+    p.add_argument("--outer-strategy", default="no_shard", choices=("no_shard", "optim"),
+                   help="HSDP: what is sharded across replicas (default: %(default)s)")
+    p.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (default: %(default)s)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: %(default)s)")
+    p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism with tp (default: off)")
+    p.add_argument("--fp8", default="none", choices=("none", "current", "delayed", "block", "mxfp8"),
+                   help="FP8 recipe of the layers' linears (default: %(default)s)")
+    p.add_argument("--ac", default="none", choices=AC_MODES, help="activation checkpointing (default: %(default)s)")
+    p.add_argument("--offload", default="none", choices=("none", "optim"),
+                   help="optim: main weights, gradients and optimizer state in host memory (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: plan 2048, bench 128)")
+    p.add_argument("--micro-batch", type=int, help="sequences per data-parallel rank per micro-batch (default: plan 1, "
+                                                   "bench 2)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="predict memory, communication and speed on a cluster",
+                       description="Predict memory per rank (persistent memory exactly as memory_report() counts it), "
+                                   "communication per step and step time of training a Llama-family model on a cluster, "
+                                   "or with --search rank every configuration that fits. docs/PLANNING.md has the model.")
+    _model_flags(p, None, ": reads its config.json")
+    p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="GPU of the table (default: %(default)s)")
+    for name, unit in (("gpu-memory", "GiB"), ("bf16-tflops", "TFLOP/s"), ("fp8-tflops", "TFLOP/s"),
+                       ("hbm-gbps", "GB/s"), ("nvlink-gbps", "GB/s each way"), ("network-gbps", "GB/s each way")):
+        p.add_argument(f"--{name}", type=float, help=f"replace the GPU's figure, in {unit} (default: the table's)")
+    p.add_argument("--nodes", type=int, default=1, help="machines (default: %(default)s)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per machine (default: %(default)s)")
+    p.add_argument("--global-batch", type=int,
+                   help="sequences per optimizer step (default: micro batch x data-parallel ranks; --search: one per GPU)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree (default: %(default)s)")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="compute dtype (default: %(default)s)")
+    _layout_flags(p)
+    p.add_argument("--search", action="store_true",
+                   help="rank every configuration that fits (strategies, HSDP, tp, AC, micro batch, offload) instead")
+    p.add_argument("--top", type=int, default=10, help="configurations --search prints (default: %(default)s)")
+
+
+def _bench_parser(sub) -> None:
+    d = BenchConfig()
+    p = sub.add_parser("bench", help="measure a configuration here, beside the planner's prediction",
+                       description="Train a configuration for a few steps on this machine (all GPUs, or 2 gloo workers "
+                                   "on a CPU) and print tokens/s/GPU, MFU, peak memory and exposed communication beside "
+                                   "the planner's prediction and their ratio.")
+    _model_flags(p, d.model, ": needs transformers")
+    p.add_argument("--steps", type=int, default=d.steps, help="timed steps (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="steps before timing (default: %(default)s)")
+    p.add_argument("--accumulation", type=int, default=d.accumulation,
+                   help="micro-batches per optimizer step (default: %(default)s)")
+    p.add_argument("--precision", default=d.precision, choices=BENCH_PRECISIONS,
+                   help="compute dtype; auto = bf16 on GPUs, fp32 on CPUs (default: %(default)s)")
+    p.add_argument("--gpu", choices=sorted(GPUS), help="the planner's GPU (default: the one found here)")
+    p.add_argument("--nproc", type=int, help="worker processes (default: all GPUs, or 2 on CPU; under torchrun, "
+                                             "torchrun's)")
+    _layout_flags(p)
 
 
 def _saved_extra(checkpoint: str) -> dict:
@@ -211,6 +289,79 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sizes(args: argparse.Namespace) -> dict:
+    return {"layers": args.layers, "hidden": args.hidden, "ffn": args.ffn, "heads": args.heads,
+            "kv_heads": args.kv_heads, "vocab": args.vocab, "tied": args.tied}
+
+
+def _none(value: str) -> Optional[str]:
+    return None if value == "none" else value
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from .plan import fixes, plan_setup, search
+    from .plan_hw import gpu_named
+
+    try:
+        gpu = gpu_named(args.gpu, memory_gib=args.gpu_memory, bf16_tflops=args.bf16_tflops, fp8_tflops=args.fp8_tflops,
+                        hbm_gbps=args.hbm_gbps, nvlink_gbps=args.nvlink_gbps, network_gbps=args.network_gbps)
+        common = dict(gpu=gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node, seq_len=args.seq_len or 2048,
+                      global_batch=args.global_batch, precision=args.precision, fp8=_none(args.fp8), **_sizes(args))
+        if args.search:
+            found = search(args.model, top=args.top, **common)
+        else:
+            result = plan(args.model, micro_batch=args.micro_batch or 1, strategy=args.strategy,
+                          outer_strategy=args.outer_strategy, dp_replicate=args.dp_replicate, cp=args.cp, tp=args.tp,
+                          sequence_parallel=args.sequence_parallel, activation_checkpointing=args.ac,
+                          offload=_none(args.offload), **common)
+    except (ValueError, FileNotFoundError) as e:
+        _fail("plan", str(e))
+    if args.search:
+        print(json.dumps([dict(c.plan.to_dict(), rank=i + 1) for i, c in enumerate(found)], indent=2) if args.json
+              else _search_table(found))
+        return 0
+    if args.json:
+        print(json.dumps(dict(result.to_dict(), fixes=[] if result.memory.fits else fixes(result)), indent=2))
+        return 0
+    print(result)
+    if not result.memory.fits:
+        found = fixes(plan_setup(result.spec, result.setup))
+        print("would fit with: " + "; ".join(found) if found else
+              "no change of one or two settings makes it fit: try fsdp8 plan --search, or more --nodes")
+    return 0
+
+
+def _search_table(found) -> str:
+    first = found[0].plan
+    lines = [f"fsdp8 plan --search: {first.spec.describe()}",
+             f"  on {first.setup.cluster.describe()} = {first.setup.cluster.world} GPUs, seq {first.setup.seq_len}, "
+             f"global batch {first.setup.global_batch}; the {len(found)} fastest configurations that fit",
+             f"{'#':>3} {'tokens/s/GPU':>12} {'MFU':>6} {'GiB':>6}  {'R x S x cp x tp':<16}{'strategy':<19}{'outer':<9}"
+             f"{'AC':<10}{'offload':<8}{'SP':<4}{'micro x acc':>11}"]
+    for i, c in enumerate(found, 1):
+        mesh = f"{c.dp_replicate}x{c.dp_shard}x{c.cp}x{c.tp}"
+        lines.append(f"{i:>3} {c.tokens_per_s_per_gpu:>12,.0f} {c.plan.mfu:>6.1%} {c.plan.memory.total / 2**30:>6.1f}  "
+                     f"{mesh:<16}{c.strategy:<19}{c.outer_strategy:<9}{c.activation_checkpointing:<10}"
+                     f"{c.offload or 'none':<8}{'yes' if c.sequence_parallel else 'no':<4}"
+                     f"{f'{c.micro_batch} x {c.accumulation}':>11}")
+    return "\n".join(lines)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    cfg = BenchConfig(model=args.model, sizes={k: v for k, v in _sizes(args).items() if v is not None},
+                      seq_len=args.seq_len or BenchConfig.seq_len, micro_batch=args.micro_batch or BenchConfig.micro_batch,
+                      accumulation=args.accumulation, steps=args.steps, warmup=args.warmup, strategy=args.strategy,
+                      outer_strategy=args.outer_strategy, dp_replicate=args.dp_replicate, tp=args.tp,
+                      sequence_parallel=args.sequence_parallel, precision=args.precision, fp8=_none(args.fp8),
+                      activation_checkpointing=args.ac, offload=_none(args.offload), gpu=args.gpu, json=args.json)
+    try:
+        nproc = None if under_torchrun() else resolve_nproc(args.nproc)
+        cfg.check(int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        _fail("bench", str(e))
+    return launch(bench, (cfg,), nproc=nproc)
+
+
 def build_parser() -> argparse.ArgumentParser:
     import torch
 
@@ -219,12 +370,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _export_parser(sub)
+    _plan_parser(sub)
+    _bench_parser(sub)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return _run_export(args) if args.command == "export" else _run_train(args)
+    run = {"train": _run_train, "export": _run_export, "plan": _run_plan, "bench": _run_bench}[args.command]
+    return run(args)
 
 
 if __name__ == "__main__":

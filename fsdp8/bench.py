@@ -1,0 +1,308 @@
+"""fsdp8 bench: train a configuration for a few steps on this machine and set the measurements beside
+the planner's prediction."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .engine.grads import clip_grad_norm_
+from .plan import Plan, make_setup, plan_setup
+from .plan_hw import GIB, GPU, GPUS, Cluster, Efficiency, gpu_named
+from .plan_model import ModelSpec, model_spec
+
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run: the model (a preset, ``hf:DIR``, or sizes), the batch, the layout, the steps."""
+
+    model: Optional[str] = "tiny"
+    sizes: Dict[str, object] = field(default_factory=dict)  # layers, hidden, ffn, heads, kv_heads, vocab, tied
+    seq_len: int = 128
+    micro_batch: int = 2
+    accumulation: int = 1
+    steps: int = 5
+    warmup: int = 2
+    strategy: str = "optim_grads_params"
+    outer_strategy: str = "no_shard"
+    dp_replicate: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+    precision: str = "auto"
+    fp8: Optional[str] = None
+    activation_checkpointing: str = "none"
+    offload: Optional[str] = None
+    gpu: Optional[str] = None  # the planner's GPU; None: the one found here
+    json: bool = False
+    seed: int = 0
+
+    def spec(self) -> ModelSpec:
+        return model_spec(self.model, **self.sizes)
+
+    def check(self, world: int) -> None:
+        """What can be checked before a worker starts (ValueError, saying what to change)."""
+        for name in ("seq_len", "micro_batch", "accumulation", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.model is not None and self.model.startswith("hf:"):
+            import importlib.util
+
+            if importlib.util.find_spec("transformers") is None:
+                raise ValueError(f"--model {self.model} needs transformers to build the model: pip install transformers "
+                                 "(fsdp8 plan reads hf:DIR without it)")
+        self.parallel_config()
+        self.setup(self.spec(), _cluster_here(world, self.gpu, measured=None))
+
+    def parallel_config(self):
+        from .config import ParallelConfig
+        from .fp8.recipes import recipe_from_name
+
+        return ParallelConfig(dp_replicate=self.dp_replicate, tp=self.tp, sequence_parallel=self.sequence_parallel,
+                              activation_checkpointing=self.activation_checkpointing, strategy=self.strategy,
+                              outer_strategy=self.outer_strategy, offload=self.offload,
+                              fp8=recipe_from_name(f"fp8-{self.fp8}") if self.fp8 else None, precision=self._precision())
+
+    def compute_precision(self) -> str:
+        if self.fp8 or self.precision == "bf16":
+            return "bf16"
+        return "fp32" if self.precision == "fp32" or not torch.cuda.is_available() else "bf16"
+
+    def _precision(self):
+        from .config import Precision
+
+        if self.compute_precision() == "bf16":
+            return Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return Precision()
+
+    def setup(self, spec: ModelSpec, cluster: Cluster, efficiency: Optional[Efficiency] = None):
+        dp = cluster.world // self.tp
+        return make_setup(spec, cluster, seq_len=self.seq_len, micro_batch=self.micro_batch,
+                          global_batch=self.micro_batch * self.accumulation * dp, strategy=self.strategy,
+                          outer_strategy=self.outer_strategy, dp_replicate=self.dp_replicate, tp=self.tp,
+                          sequence_parallel=self.sequence_parallel, precision=self.compute_precision(), fp8=self.fp8,
+                          activation_checkpointing=self.activation_checkpointing, offload=self.offload,
+                          efficiency=efficiency)
+
+
+def detect_gpu(name: Optional[str]) -> GPU:
+    """The table's entry for this machine's GPU (or ``name``'s), with the memory torch sees here."""
+    found = name
+    if found is None:
+        device = torch.cuda.get_device_name().lower()
+        found = next((key for key in GPUS if key in device), None)
+        if found is None:
+            raise ValueError(f"the planner has no figures for {torch.cuda.get_device_name()!r}; pass --gpu "
+                             f"({', '.join(GPUS)}) with the figures that differ (--bf16-tflops, --hbm-gbps, ...)")
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return gpu_named(found, memory_gib=total / GIB)
+
+
+def _cluster_here(world: int, gpu: Optional[str], measured: Optional[GPU]) -> Cluster:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if measured is not None:
+        hardware = measured
+    elif torch.cuda.is_available():
+        hardware = detect_gpu(gpu)
+    else:
+        hardware = gpu_named(gpu or "h100")  # only checked against until the CPU is measured
+    return Cluster(hardware, max(1, world // local), local)
+
+
+# -- the CPU as the planner's hardware ------------------------------------------------------------
+CPU_EFFICIENCY = Efficiency(gemm=1.0, fp8_gemm=1.0, attention=0.5, hbm=1.0, link=1.0, latency_us=200.0,
+                            allocator=0.0, runtime_gib=0.0)
+
+
+def _rate(fn, work: float, repeat: int = 5) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return work * repeat / (time.perf_counter() - start)
+
+
+def measure_cpu(world: int) -> GPU:
+    """This CPU's rates as a GPU of the planner (measured in a fraction of a second, on every
+    rank: the gloo bandwidth is a collective): fp32 GEMMs, copy bandwidth, gloo all-gather."""
+    a = torch.randn(256, 256)
+    flops = _rate(lambda: a @ a, 2 * 256 ** 3, repeat=20)
+    x, y = torch.empty(2 ** 22), torch.empty(2 ** 22)
+    copy = _rate(lambda: y.copy_(x), 2 * x.nbytes)
+    send = torch.zeros(2 ** 18)
+    out = torch.empty(world * send.numel())
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    link = _rate(lambda: gather(out, send), (world - 1) * send.nbytes) if world > 1 else copy
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, world)
+    gbps = lambda r: r / 1e9  # noqa: E731
+    return GPU("cpu (measured)", ram / GIB, flops / 1e12, flops / 4e12, flops / 1e12, gbps(copy), gbps(link),
+               gbps(link), gbps(copy), gbps(copy))
+
+
+# -- measuring -------------------------------------------------------------------------------------
+_DP_COLLECTIVES = ("fsdp8::all_gather", "fsdp8::reduce_scatter", "fsdp8::all_reduce")
+
+
+def _union(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    merged: List[List[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _overlap(a: List[Tuple[float, float]], b: List[Tuple[float, float]]) -> float:
+    """Length of the intersection of two sorted, disjoint interval lists."""
+    total, j = 0.0, 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            total += min(end, b[k][1]) - max(start, b[k][0])
+            k += 1
+    return total
+
+
+def exposed_seconds(events, cuda: bool) -> float:
+    """Communication with no computation beside it, in a profiled step. On GPUs: time in which
+    an NCCL kernel runs and no other kernel does. On CPUs (gloo waits synchronously): the time
+    inside fsdp8's collectives."""
+    if not cuda:
+        return sum(e.time_range.elapsed_us() for e in events if e.name.startswith(_DP_COLLECTIVES)) / 1e6
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    comm = _union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()])
+    work = _union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()])
+    return (sum(end - start for start, end in comm) - _overlap(comm, work)) / 1e6
+
+
+def _build(cfg: BenchConfig, spec: ModelSpec):
+    """The model on the meta device, and how to get its loss from (inputs, targets)."""
+    if cfg.model is not None and cfg.model.startswith("hf:"):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(cfg.model[3:])
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        return model, lambda m, x, y: m(input_ids=x, labels=y).loss
+    from .models.llama import Llama, LlamaConfig
+
+    config = LlamaConfig(vocab_size=spec.vocab, dim=spec.hidden, n_layers=spec.layers, n_heads=spec.heads,
+                         n_kv_heads=spec.kv_heads, ffn_dim=spec.ffn, max_seq_len=cfg.seq_len, tie_embeddings=spec.tied)
+    with torch.device("meta"):
+        model = Llama(config)
+    return model, lambda m, x, y: m(x, y)
+
+
+def bench(cfg: BenchConfig) -> Optional[dict]:
+    """Run on every rank (spawned by fsdp8.launch or under torchrun); rank 0 prints the result
+    (a table, or JSON with ``cfg.json``) and returns it."""
+    from .parallel.manager import parallelize
+    from .parallel.mesh import init_distributed
+
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if not cuda:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    measured_cpu = None if cuda else measure_cpu(world)
+    spec = cfg.spec()
+    setup = cfg.setup(spec, _cluster_here(world, cfg.gpu, measured_cpu), None if cuda else CPU_EFFICIENCY)
+    torch.manual_seed(cfg.seed)
+    model, loss_of = _build(cfg, spec)
+    model = parallelize(model, cfg.parallel_config())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+
+    def step(i: int) -> None:
+        g = torch.Generator().manual_seed(cfg.seed * 100003 + i)
+        rows = cfg.micro_batch * cfg.accumulation * model.dp_size
+        tokens = torch.randint(0, spec.vocab, (rows, cfg.seq_len + 1), generator=g)
+        batch = model.shard_batch({"x": tokens[:, :-1], "y": tokens[:, 1:]})
+        for mb, (x, y) in enumerate(zip(batch["x"].chunk(cfg.accumulation), batch["y"].chunk(cfg.accumulation))):
+            with model.no_sync() if mb < cfg.accumulation - 1 else contextlib.nullcontext():
+                (loss_of(model, x.to(device), y.to(device)) / cfg.accumulation).backward()
+        clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+
+    for i in range(cfg.warmup):
+        step(i)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(cfg.warmup, cfg.warmup + cfg.steps):
+        start = time.perf_counter()
+        step(i)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if cuda else float("nan")
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step(cfg.warmup + cfg.steps)
+    exposed = exposed_seconds(prof.events(), cuda)
+    worst = torch.tensor([statistics.median(times), peak, exposed], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    if rank != 0:
+        return None
+    result = report(cfg, plan_setup(spec, setup), *worst.tolist(), cuda=cuda)
+    print(json.dumps(result, indent=2) if cfg.json else format_result(result), flush=True)
+    return result
+
+
+def report(cfg: BenchConfig, predicted: Plan, step_s: float, peak: float, exposed: float, cuda: bool) -> dict:
+    """Measurements, predictions and their ratios (None where nothing was measured)."""
+    s = predicted.setup
+    tokens = s.global_batch * s.seq_len / (step_s * s.cluster.world)
+    mfu = predicted.spec.flops_per_token(s.seq_len) * tokens / (s.cluster.gpu.bf16_tflops * 1e12)
+    measured = {"tokens_per_s_per_gpu": tokens, "step_ms": step_s * 1e3, "mfu": mfu,
+                "peak_allocated_gib": peak / GIB if cuda else None, "exposed_comm_ms": exposed * 1e3}
+    t = predicted.time
+    expected = {"tokens_per_s_per_gpu": predicted.tokens_per_s_per_gpu, "step_ms": t.step * 1e3, "mfu": predicted.mfu,
+                "peak_allocated_gib": predicted.memory.allocated / GIB,
+                # What the measurement can see: data-parallel collectives left exposed, and on GPUs
+                # (every NCCL kernel) the tensor-parallel ones too.
+                "exposed_comm_ms": (t.exposed + (t.model_parallel if cuda else 0.0)) * 1e3}
+    ratio = {k: (measured[k] / expected[k] if measured[k] is not None and expected[k] else None) for k in measured}
+    return {"config": asdict(replace(cfg, sizes=dict(cfg.sizes))), "model": predicted.spec.describe(),
+            "setup": s.describe(), "world": s.cluster.world, "hardware": s.cluster.gpu.name,
+            "device": "cuda" if cuda else "cpu", "measured": measured, "predicted": expected, "ratio": ratio,
+            "plan": predicted.to_dict()}
+
+
+def format_result(r: dict) -> str:
+    c = r["config"]
+    rows = [("tokens/s/GPU", "tokens_per_s_per_gpu", "{:,.0f}"), ("step ms", "step_ms", "{:.1f}"),
+            ("MFU", "mfu", "{:.1%}"), ("peak allocated GiB", "peak_allocated_gib", "{:.2f}"),
+            ("exposed communication ms", "exposed_comm_ms", "{:.1f}")]
+    lines = [f"fsdp8 bench: {r['model']}",
+             f"  {r['world']} x {r['device']} ({r['hardware']}), seq {c['seq_len']}, micro batch {c['micro_batch']} x "
+             f"{c['accumulation']}, {r['setup']}; {c['steps']} timed steps after {c['warmup']} warm-up",
+             f"  {'':<26}{'measured':>12}{'predicted':>12}{'ratio':>8}"]
+    for label, key, fmt in rows:
+        m, p, q = r["measured"][key], r["predicted"][key], r["ratio"][key]
+        lines.append(f"  {label:<26}{(fmt.format(m) if m is not None else 'n/a'):>12}{fmt.format(p):>12}"
+                     f"{(f'{q:.2f}' if q is not None else 'n/a'):>8}")
+    if r["device"] == "cpu":
+        lines.append("  (CPU: predicted from this CPU's measured GEMM, copy and gloo rates; peak memory is not "
+                     "measured; exposed communication is the time inside fsdp8's collectives)")
+    return "\n".join(lines)
+

@@ -1,0 +1,303 @@
+"""fsdp8.plan(): predict a configuration's memory per rank, communication and step time on a cluster.
+
+The pieces: ``plan_model.py`` (the model's sizes and each unit's parameters),
+``plan_memory.py`` (persistent memory exactly as ``memory_report()`` counts it, the peak by
+formula), ``plan_time.py`` (compute roofline, collectives, the overlap schedule),
+``plan_hw.py`` (GPUs, cluster, efficiencies), ``plan_search.py`` (``search``: the
+configurations that fit, fastest first). docs/PLANNING.md writes the model out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import List, Optional, Union
+
+from .config import AC_MODES, OuterStrategy, Strategy
+from .engine.model import MemoryReport
+from .plan_hw import GIB, GPU, Cluster, Efficiency, describe_gpu, gpu_named
+from .plan_memory import Peak, activations, memory_report, optimizer_bytes, peaks, unit_plans
+from .plan_model import FP8_RECIPES, ModelSpec, check_tp, converts_to_fp8, model_spec
+from .plan_time import StepTime, step_time
+
+PRECISIONS = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A training configuration on a cluster, checked: ``dp_shard`` is what the GPUs leave,
+    ``accumulation`` the micro-batches per optimizer step."""
+
+    cluster: Cluster
+    seq_len: int
+    micro_batch: int  # sequences per data-parallel rank per micro-batch (a TP group shares them)
+    global_batch: int  # sequences per optimizer step
+    strategy: Strategy
+    outer_strategy: OuterStrategy
+    dp_replicate: int
+    cp: int
+    tp: int
+    sequence_parallel: bool
+    precision: str
+    fp8: Optional[str]
+    activation_checkpointing: str
+    offload: Optional[str]
+    efficiency: Efficiency
+
+    @property
+    def dp_shard(self) -> int:
+        return self.cluster.world // (self.dp_replicate * self.cp * self.tp)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def accumulation(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def compute_bytes(self) -> int:
+        return 2 if self.precision == "bf16" else 4
+
+    def describe(self) -> str:
+        mesh = f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x tp {self.tp}"
+        extra = [f"outer {self.outer_strategy.label}" if self.dp_replicate > 1 else "",
+                 "sequence parallel" if self.sequence_parallel else "", f"offload {self.offload}" if self.offload else ""]
+        return (f"{mesh}, {self.strategy.label}{''.join(', ' + x for x in extra if x)}, {self.precision}"
+                f"{', fp8 ' + self.fp8 if self.fp8 else ''}, AC {self.activation_checkpointing}")
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def make_setup(spec: ModelSpec, cluster: Cluster, *, seq_len: int, micro_batch: int = 1,
+               global_batch: Optional[int] = None, strategy="optim_grads_params", outer_strategy="no_shard",
+               dp_replicate: int = 1, cp: int = 1, tp: int = 1, sequence_parallel: bool = False,
+               precision: str = "bf16", fp8: Optional[str] = None, activation_checkpointing: str = "none",
+               offload: Optional[str] = None, efficiency: Optional[Efficiency] = None) -> Setup:
+    """A Setup, or a ValueError saying what cannot work and what would."""
+    for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("dp_replicate", dp_replicate),
+                        ("cp", cp), ("tp", tp)):
+        _positive(name, value)
+    world = cluster.world
+    if world % (dp_replicate * cp * tp):
+        raise ValueError(f"dp_replicate {dp_replicate} x cp {cp} x tp {tp} = {dp_replicate * cp * tp} does not divide "
+                         f"the {world} GPUs ({cluster.describe()}); choose sizes whose product divides {world}")
+    check_tp(spec, tp)
+    if cp > 1 and seq_len % (2 * cp):
+        raise ValueError(f"seq_len {seq_len} is not a multiple of 2 x cp = {2 * cp} (context parallelism gives each "
+                         f"rank a head and a tail chunk); use a seq_len that is")
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel needs tp > 1")
+    if sequence_parallel and seq_len % tp:
+        raise ValueError(f"sequence parallelism splits every sequence over tp={tp}: seq_len {seq_len} must be a multiple")
+    strategy, outer = Strategy.parse(strategy), OuterStrategy.parse(outer_strategy)
+    if outer is OuterStrategy.OPTIM and dp_replicate == 1:
+        raise ValueError("outer_strategy 'optim' shards across HSDP replicas, but dp_replicate=1 makes none; "
+                         "set dp_replicate > 1 or keep outer_strategy 'no_shard'")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    if fp8 is not None and fp8 not in FP8_RECIPES:
+        raise ValueError(f"fp8 recipe {fp8!r}: use one of {', '.join(FP8_RECIPES)} (or none)")
+    if fp8 is not None and precision != "bf16":
+        raise ValueError(f"FP8 layers compute in bf16; use precision bf16 with fp8 {fp8!r}")
+    if activation_checkpointing not in AC_MODES:
+        raise ValueError(f"activation checkpointing {activation_checkpointing!r}: use one of {', '.join(AC_MODES)}")
+    if offload not in (None, "optim"):
+        raise ValueError(f"offload {offload!r}: use none or 'optim' (main weights, gradients, optimizer state on the host)")
+    if offload and fp8:
+        raise ValueError("offload 'optim' with FP8 layers is not supported by fully_shard yet; drop one of them")
+    if offload and strategy is Strategy.NO_SHARD:
+        raise ValueError("offload 'optim' moves sharded state to the host; use strategy optim or higher")
+    dp = world // (cp * tp)
+    per_step = micro_batch * dp
+    global_batch = per_step if global_batch is None else _positive("global_batch", global_batch)
+    if global_batch % per_step:
+        raise ValueError(f"global batch {global_batch} is not a multiple of micro batch {micro_batch} x {dp} data-parallel "
+                         f"ranks = {per_step}; use a global batch of {per_step} x k sequences")
+    return Setup(cluster, seq_len, micro_batch, global_batch, strategy, outer, dp_replicate, cp, tp, sequence_parallel,
+                 precision, fp8, activation_checkpointing, offload, efficiency or Efficiency())
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per rank: ``report`` (exact, what memory_report() says), the optimizer's state,
+    the peak moment's breakdown, and what the caching allocator and the runtime add."""
+
+    report: MemoryReport
+    optimizer: int
+    peak: Peak
+    allocator: float
+    runtime: float
+    capacity: int
+
+    @property
+    def allocated(self) -> float:
+        return self.peak.total
+
+    @property
+    def total(self) -> float:
+        return self.allocated + self.allocator + self.runtime
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A configuration's predicted memory, communication and speed (``str(plan)`` is the table)."""
+
+    spec: ModelSpec
+    setup: Setup
+    memory: Memory
+    time: StepTime
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.setup.global_batch * self.setup.seq_len / (self.time.step * self.setup.cluster.world)
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs (ModelSpec.flops_per_token) per second over the GPU's dense bf16 peak."""
+        flops = self.spec.flops_per_token(self.setup.seq_len) * self.tokens_per_s_per_gpu
+        return flops / (self.setup.cluster.gpu.bf16_tflops * 1e12)
+
+    def to_dict(self) -> dict:
+        m, t = self.memory, self.time
+        return {
+            "model": dataclasses.asdict(self.spec),
+            "setup": {k: (v.label if isinstance(v, (Strategy, OuterStrategy)) else v) for k, v in
+                      dataclasses.asdict(self.setup).items() if k not in ("cluster", "efficiency")}
+            | {"dp_shard": self.setup.dp_shard, "accumulation": self.setup.accumulation},
+            "cluster": dataclasses.asdict(self.setup.cluster),
+            "efficiency": dataclasses.asdict(self.setup.efficiency),
+            "memory": {"report": dataclasses.asdict(m.report), "host": m.report.host, "optimizer": m.optimizer,
+                       "peak_moment": m.peak.moment, "peak_parts": m.peak.parts, "peak_allocated": m.allocated,
+                       "allocator": m.allocator, "runtime": m.runtime, "total": m.total, "capacity": m.capacity,
+                       "fits": m.fits},
+            "communication": [{"what": c.what, "op": c.op, "group": c.group.name, "ranks": c.group.size,
+                               "link": c.group.link, "calls": c.calls, "bytes": c.nbytes, "seconds": c.seconds,
+                               "overlapped": c.overlapped} for c in t.collectives],
+            "time": {"compute": t.compute, "model_parallel": t.model_parallel, "exposed": t.exposed,
+                     "optimizer": t.optimizer, "step": t.step},
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+        }
+
+    def __str__(self) -> str:
+        return "\n".join(_header(self) + _memory_lines(self) + _comm_lines(self) + _time_lines(self))
+
+
+def plan_setup(spec: ModelSpec, setup: Setup) -> Plan:
+    """The prediction for a checked Setup."""
+    units = unit_plans(spec, setup)
+    report = memory_report(spec, setup)
+    fp8 = {p.name: converts_to_fp8(p, setup.fp8, setup.tp, 0) for p in spec.block_params()}
+    peak = max(peaks(spec, setup, report, units, activations(spec, setup, fp8)), key=lambda p: p.total)
+    eff = setup.efficiency
+    memory = Memory(report, optimizer_bytes(units), peak, peak.total * eff.allocator, eff.runtime_gib * GIB,
+                    setup.cluster.gpu.memory_bytes)
+    return Plan(spec, setup, memory, step_time(spec, setup, units))
+
+
+def plan(model: Union[str, ModelSpec, None] = None, *, gpu: Union[str, GPU] = "h100", nodes: int = 1,
+         gpus_per_node: int = 8, seq_len: int = 2048, micro_batch: int = 1, global_batch: Optional[int] = None,
+         strategy="optim_grads_params", outer_strategy="no_shard", dp_replicate: int = 1, cp: int = 1, tp: int = 1,
+         sequence_parallel: bool = False, precision: str = "bf16", fp8: Optional[str] = None,
+         activation_checkpointing: str = "none", offload: Optional[str] = None,
+         efficiency: Optional[Efficiency] = None, **sizes) -> Plan:
+    """Predict memory per rank, communication and step time of training ``model`` on
+    ``nodes`` x ``gpus_per_node`` GPUs.
+
+    ``model``: a built-in preset name, ``"hf:DIR"`` (a Hugging Face config.json), a ModelSpec,
+    or None with every size given; ``sizes`` (layers, hidden, ffn, heads, kv_heads, vocab, tied)
+    override the model's. ``gpu``: a name of ``fsdp8.plan_hw.GPUS`` or a GPU. ``micro_batch``:
+    sequences per data-parallel rank per micro-batch; ``global_batch``: sequences per step
+    (default: one micro-batch per rank, no accumulation). ``fp8``: a recipe name
+    (current, delayed, block, mxfp8). Raises ValueError for a configuration that cannot run."""
+    spec = model_spec(model, **sizes)
+    cluster = Cluster(gpu if isinstance(gpu, GPU) else gpu_named(gpu), nodes, gpus_per_node)
+    setup = make_setup(spec, cluster, seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
+                       strategy=strategy, outer_strategy=outer_strategy, dp_replicate=dp_replicate, cp=cp, tp=tp,
+                       sequence_parallel=sequence_parallel, precision=precision, fp8=fp8,
+                       activation_checkpointing=activation_checkpointing, offload=offload, efficiency=efficiency)
+    return plan_setup(spec, setup)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:10.2f}"
+
+
+def _header(p: Plan) -> List[str]:
+    s = p.setup
+    return [f"fsdp8 plan: {p.spec.describe()}",
+            f"  on {s.cluster.describe()} = {s.cluster.world} GPUs ({describe_gpu(s.cluster.gpu)})",
+            f"  seq {s.seq_len}, global batch {s.global_batch} = micro batch {s.micro_batch} x {s.dp} data-parallel "
+            f"ranks x {s.accumulation} accumulation step{'s' * (s.accumulation > 1)}",
+            f"  {s.describe()}", ""]
+
+
+def _row(label: str, value: float) -> str:
+    return f"  {label:<46}{value / GIB:10.2f}"
+
+
+def _memory_lines(p: Plan) -> List[str]:
+    m, r = p.memory, p.memory.report
+    where = " (on the host)" if r.offloaded else ""
+    eff = p.setup.efficiency
+    verdict = "fits" if m.fits else f"does not fit: {(m.total - m.capacity) / GIB:.2f} GiB short"
+    return [
+        f"{'memory per rank':<48}{'GiB':>10}",
+        "  persistent, exact (what memory_report() says):",
+        _row(f"  main weights (fp32){where}", r.main_weights),
+        _row(f"  gradients (fp32, after backward){where}", r.grads),
+        _row("  compute copies", r.compute_copies),
+        _row("  gradient accumulation", r.grad_accumulation),
+        _row(f"optimizer state (AdamW, 2 x fp32){where}", m.optimizer),
+        f"  at the peak ({m.peak.moment}):",
+        *[_row(f"  {name}", value) for name, value in m.peak.parts.items() if value],
+        _row("peak allocated", m.allocated),
+        _row(f"allocator reserve ({eff.allocator:.0%} of the peak)", m.allocator),
+        _row("CUDA runtime, outside torch's allocator", m.runtime),
+        _row("total", m.total) + f"  of {m.capacity / GIB:.1f}: {verdict}",
+        "",
+    ]
+
+
+def _comm_lines(p: Plan) -> List[str]:
+    lines = [f"communication per step{'':<26}{'group':<18}{'link':<9}{'calls':>6}{'MiB/call':>11}{'ms':>10}"]
+    for c in sorted(p.time.collectives, key=lambda c: -c.seconds):
+        group = f"{c.group.name} ({c.group.size})"
+        lines.append(f"  {c.what:<46}{group:<18}{c.group.link:<9}{c.calls:>6}{c.nbytes / 2**20:>11.2f}"
+                     f"{c.seconds * 1e3:>10.2f}")
+    if not p.time.collectives:
+        lines.append("  none (one data-parallel rank, no tensor or context parallelism)")
+    return lines + [""]
+
+
+def _time_lines(p: Plan) -> List[str]:
+    t, eff, gpu = p.time, p.setup.efficiency, p.setup.cluster.gpu
+    ms = lambda label, seconds: f"  {label:<46}{seconds * 1e3:10.1f}"  # noqa: E731
+    return [
+        f"{'step time':<48}{'ms':>10}",
+        f"  compute: GEMMs at {eff.gemm:.0%} of {gpu.bf16_tflops:g} TFLOP/s (FP8 {eff.fp8_gemm:.0%} of "
+        f"{gpu.fp8_tflops:g}), attention at {eff.attention:.0%},",
+        ms(f"  other kernels at {eff.hbm:.0%} of {gpu.hbm_gbps:g} GB/s", t.compute),
+        ms("TP/CP collectives (compute stream)", t.model_parallel),
+        ms("data-parallel communication left exposed", t.exposed),
+        ms("optimizer step" + (" (on the host)" if p.setup.offload else ""), t.optimizer),
+        ms("step", t.step),
+        f"tokens/s/GPU {p.tokens_per_s_per_gpu:,.0f}   MFU {p.mfu:.1%}   "
+        f"({'fits' if p.memory.fits else 'does NOT fit'} in {p.memory.capacity / GIB:.1f} GiB)",
+    ]
+
+
+from .plan_search import Candidate, fixes, search  # noqa: E402,F401  (plan_search builds on the above)
+
+# fsdp8.plan is the function above; hanging search on it makes fsdp8.plan.search(...) work too.
+plan.search = search

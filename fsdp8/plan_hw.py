@@ -1,0 +1,125 @@
+"""The planner's hardware: a small table of GPUs, the cluster they form, and the efficiencies it assumes."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator as the planner sees it. Rates are dense peaks (no sparsity), links are
+    per GPU and per direction (the datasheets' NVLink figures count both directions)."""
+
+    name: str
+    memory_gib: float  # what torch.cuda.get_device_properties(0).total_memory reports
+    bf16_tflops: float
+    fp8_tflops: float
+    fp32_tflops: float  # without tensor cores: fp32 GEMMs run there unless TF32 is allowed
+    hbm_gbps: float
+    nvlink_gbps: float
+    network_gbps: float  # the node's scale-out network, per GPU (one NIC each)
+    pcie_gbps: float  # host link (CPU offload)
+    host_gbps: float  # host memory bandwidth available to one GPU's optimizer step (CPU offload)
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "name" and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"GPU {self.name!r}: {f.name} must be a positive number, got {value!r}")
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * GIB)
+
+
+# Datasheet figures, dense (sparsity halved away):
+# - H100 SXM5 80GB (NVIDIA H100 Tensor Core GPU datasheet): BF16 989 TFLOP/s, FP8 1,979,
+#   FP32 67, HBM3 3.35 TB/s, NVLink 900 GB/s (450 each way), PCIe Gen5 128 GB/s (64 each way).
+# - H200 SXM 141GB (NVIDIA H200 Tensor Core GPU datasheet): the H100's compute and links,
+#   HBM3e 4.8 TB/s.
+# - B200 in HGX B200 (NVIDIA HGX B200 datasheet, per GPU): FP8 4.5 PFLOP/s, BF16 2.25,
+#   FP32 75 TFLOP/s, 180 GB HBM3e at 7.7 TB/s, NVLink 5 1.8 TB/s (900 GB/s each way).
+# Network: one 400 Gb/s NIC (ConnectX-7) per GPU, as in DGX/HGX H100, H200 and B200 nodes:
+# 50 GB/s each way. Memory: what torch sees, a little under the datasheet's GB
+# (torch.cuda.get_device_properties on the lent H100 and H200; B200 from nvidia-smi's
+# 183,359 MiB). Host bandwidth: a two-socket node's ~320 GB/s of DRAM bandwidth shared by 8 GPUs.
+GPUS = {
+    "h100": GPU("h100", 79.1, 989.0, 1979.0, 67.0, 3350.0, 450.0, 50.0, 64.0, 40.0),
+    "h200": GPU("h200", 139.8, 989.0, 1979.0, 67.0, 4800.0, 450.0, 50.0, 64.0, 40.0),
+    "b200": GPU("b200", 179.0, 2250.0, 4500.0, 75.0, 7700.0, 900.0, 50.0, 64.0, 40.0),
+}
+
+
+def gpu_named(name: str, **overrides) -> GPU:
+    """A GPU of the table, with any field replaced (``None`` values are ignored)."""
+    key = name.strip().lower()
+    if key not in GPUS:
+        raise ValueError(f"unknown GPU {name!r}: use one of {', '.join(GPUS)}, and override its figures with "
+                         "--gpu-memory, --bf16-tflops, --fp8-tflops, --hbm-gbps, --nvlink-gbps, --network-gbps")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    unknown = set(given) - {f.name for f in dataclasses.fields(GPU)}
+    if unknown:
+        raise ValueError(f"unknown GPU figures {sorted(unknown)}")
+    return dataclasses.replace(GPUS[key], **given)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` machines of ``gpus_per_node`` GPUs each, NVLink inside a node, the network between."""
+
+    gpu: GPU
+    nodes: int = 1
+    gpus_per_node: int = 8
+
+    def __post_init__(self):
+        for name in ("nodes", "gpus_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def describe(self) -> str:
+        return f"{self.nodes} x {self.gpus_per_node} {self.gpu.name}"
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The fractions of peak the planner assumes each kind of work reaches (docs/PLANNING.md).
+
+    ``gemm``/``fp8_gemm``: dense GEMMs of transformer shapes; ``attention``: torch SDPA's
+    flash/efficient kernels, forward and backward; ``hbm``: elementwise and copy kernels;
+    ``link``: NCCL bus bandwidth against the per-direction peak (NVLink, network, PCIe alike).
+    ``latency_us``: the fixed cost of one collective. ``allocator``: the caching allocator's
+    reserve above the peak of live tensors; ``runtime_gib``: memory outside torch's allocator
+    (CUDA context, cuBLAS workspaces, NCCL buffers)."""
+
+    gemm: float = 0.70
+    fp8_gemm: float = 0.55
+    attention: float = 0.40
+    hbm: float = 0.80
+    link: float = 0.80
+    latency_us: float = 20.0
+    allocator: float = 0.10
+    runtime_gib: float = 1.0
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or value < 0 or (f.name not in ("allocator", "runtime_gib",
+                                                                                    "latency_us") and not value <= 1):
+                raise ValueError(f"Efficiency.{f.name}={value!r} is out of range")
+
+
+def describe_gpu(gpu: GPU, base: Optional[GPU] = None) -> str:
+    """One line naming the figures used (and which differ from the table's)."""
+    changed = [] if base is None else [f.name for f in dataclasses.fields(GPU) if getattr(gpu, f.name) != getattr(base, f.name)]
+    mark = f" (custom: {', '.join(changed)})" if changed else ""
+    return (f"{gpu.name}{mark}: {gpu.memory_gib:g} GiB, bf16 {gpu.bf16_tflops:g} / fp8 {gpu.fp8_tflops:g} TFLOP/s, "
+            f"HBM {gpu.hbm_gbps:g} GB/s, NVLink {gpu.nvlink_gbps:g} GB/s, network {gpu.network_gbps:g} GB/s")

@@ -1,0 +1,212 @@
+"""The planner's model: a Llama-family decoder's sizes, from a preset, a Hugging Face config.json or flags,
+and the parameters each unit holds on one rank (tensor-parallel pieces, FP8 or not)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import List, Optional, Tuple
+
+# Hugging Face model types whose decoder layer is the Llama block (RMSNorm, rotary GQA
+# attention, SwiGLU), and what they add to it.
+HF_TYPES = {"llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True}}
+
+# Scaling-block width along a split dimension, per FP8 recipe (fp8/tp.py tp_fp8_ok).
+_BLOCK = {"current": 1, "delayed": 1, "block": 128, "mxfp8": 32}
+FP8_RECIPES = tuple(_BLOCK)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-family decoder by its sizes. ``family`` says whose code runs it: ``"fsdp8"``
+    (fsdp8.models.llama) or ``"hf"`` (transformers), whose norms keep different tensors."""
+
+    name: str
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    head_dim: int = 0  # 0: hidden // heads
+    tied: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    family: str = "fsdp8"
+
+    def __post_init__(self):
+        for name in ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"model {self.name!r}: {name} must be a positive int, got {value!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"model {self.name!r}: heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        if not self.head_dim and self.hidden % self.heads:
+            raise ValueError(f"model {self.name!r}: hidden={self.hidden} is not divisible by heads={self.heads}; "
+                             "give head_dim")
+        if self.family not in ("fsdp8", "hf"):
+            raise ValueError(f"model family {self.family!r}: use 'fsdp8' or 'hf'")
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.hd
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.hd
+
+    def block_params(self) -> List["Param"]:
+        """One decoder layer's parameters (their order does not change any size)."""
+        d, q, kv, f = self.hidden, self.q_dim, self.kv_dim, self.ffn
+        params = [Param("attn_norm", (d,)), Param("wq", (q, d), "col", True), Param("wk", (kv, d), "col", True),
+                  Param("wv", (kv, d), "col", True), Param("wo", (d, q), "row", True), Param("ffn_norm", (d,)),
+                  Param("w1", (f, d), "col", True), Param("w3", (f, d), "col", True), Param("w2", (d, f), "row", True)]
+        if self.qkv_bias:
+            params += [Param("bq", (q,), "col"), Param("bk", (kv,), "col"), Param("bv", (kv,), "col")]
+        if self.qk_norm:
+            params += [Param("q_norm", (self.hd,)), Param("k_norm", (self.hd,))]
+        return params
+
+    def root_params(self) -> List["Param"]:
+        """What stays outside the units: embedding, final norm, head (one parameter when tied)."""
+        params = [Param("embed", (self.vocab, self.hidden), "col"), Param("norm", (self.hidden,))]
+        return params if self.tied else params + [Param("head", (self.vocab, self.hidden), "col")]
+
+    @property
+    def num_params(self) -> int:
+        block = sum(math.prod(p.shape) for p in self.block_params())
+        return self.layers * block + sum(math.prod(p.shape) for p in self.root_params())
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Model FLOPs per token, as fsdp8.models.llama counts them for MFU: 6 x the parameters
+        used in matmuls (all but the embedding; the head even when tied) + 12 L Dq S (attention
+        scores and values, counted as if not causal)."""
+        matmul = self.num_params - self.vocab * self.hidden + (self.vocab * self.hidden if self.tied else 0)
+        return 6 * matmul + 12 * self.layers * self.q_dim * seq_len
+
+    def describe(self) -> str:
+        extra = "".join([", tied" if self.tied else "", ", qkv bias" if self.qkv_bias else "",
+                         ", qk norm" if self.qk_norm else ""])
+        return (f"{self.name} ({self.num_params / 1e9:.2f} B params: {self.layers} layers, hidden {self.hidden}, "
+                f"ffn {self.ffn}, {self.heads}/{self.kv_heads} heads of {self.hd}, vocab {self.vocab}{extra})")
+
+
+@dataclass(frozen=True)
+class Param:
+    """A parameter's global shape and how tensor parallelism places it: ``col`` splits dim 0
+    (colwise linears, the vocabulary-sharded embedding), ``row`` dim 1 (rowwise linears),
+    ``rep`` none (fsdp8/parallel/tp.py llama_plan). ``linear``: the weight of a
+    linear layer inside a unit, which FP8 may convert."""
+
+    name: str
+    shape: Tuple[int, ...]
+    tp: str = "rep"
+    linear: bool = False
+
+
+def tp_piece(size: int, tp: int, rank: int) -> int:
+    """Rows (or columns) of a dimension of ``size`` that tensor-parallel rank ``rank`` holds
+    (the torch.chunk rule of DTensor Shard: the last ranks may hold fewer)."""
+    chunk = -(-size // tp)
+    return max(0, min(chunk, size - rank * chunk))
+
+
+def local_shape(param: Param, tp: int, rank: int) -> Tuple[int, ...]:
+    dim = {"col": 0, "row": 1}.get(param.tp)
+    if dim is None or tp == 1:
+        return param.shape
+    shape = list(param.shape)
+    shape[dim] = tp_piece(shape[dim], tp, rank)
+    return tuple(shape)
+
+
+def converts_to_fp8(param: Param, recipe: Optional[str], tp: int, rank: int) -> bool:
+    """Whether fully_shard(fp8=recipe) turns this layer into a Float8Linear: dimensions that are
+    multiples of 16 (fp8.convert.fp8_friendly) and, under tensor parallelism, pieces whose dims are
+    multiples of 16 and whose split dimension cuts no scaling block (fp8.tp.tp_fp8_ok)."""
+    if recipe is None or not param.linear or any(s % 16 for s in param.shape):
+        return False
+    if tp == 1:
+        return True
+    local = local_shape(param, tp, rank)
+    if any(s % 16 for s in local):
+        return False
+    split = local[0] if param.tp == "col" else local[1]
+    return split % _BLOCK[recipe] == 0
+
+
+def check_tp(spec: ModelSpec, tp: int) -> None:
+    """The splits fsdp8.tensor_parallel refuses (whole heads per rank, the feed-forward width;
+    the vocabulary may split unevenly), as one ValueError."""
+    if tp == 1:
+        return
+    counts = (("heads", spec.heads), ("kv_heads", spec.kv_heads), ("ffn", spec.ffn))
+    problems = [f"{what}={count}" for what, count in counts if count % tp]
+    if problems:
+        options = [t for t in range(1, spec.kv_heads + 1) if all(count % t == 0 for _, count in counts)]
+        raise ValueError(f"tp={tp} does not divide {', '.join(problems)} of {spec.name}; use tp in {tuple(options)}")
+
+
+def hf_spec(path: str) -> ModelSpec:
+    """A ModelSpec from a Hugging Face model directory's config.json (read here; transformers is
+    not needed to plan)."""
+    file = path if path.endswith(".json") else os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"hf:{path}: no config.json there; give a Hugging Face model directory")
+    with open(file) as f:
+        config = json.load(f)
+    config = config.get("text_config", config)
+    kind = config.get("model_type", "?")
+    if kind not in HF_TYPES:
+        raise ValueError(f"hf:{path}: model_type {kind!r} is not a Llama-family decoder the planner knows "
+                         f"({', '.join(HF_TYPES)}); give the sizes with --layers --hidden --ffn --heads --vocab instead")
+    try:
+        heads = config["num_attention_heads"]
+        spec = ModelSpec(
+            name=os.path.basename(os.path.normpath(path)) or kind, layers=config["num_hidden_layers"],
+            hidden=config["hidden_size"], ffn=config["intermediate_size"], heads=heads,
+            kv_heads=config.get("num_key_value_heads") or heads, vocab=config["vocab_size"],
+            head_dim=config.get("head_dim") or 0, tied=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=bool(config.get("attention_bias", False)), family="hf")
+    except KeyError as e:
+        raise ValueError(f"hf:{path}: config.json has no {e.args[0]!r}") from None
+    return replace(spec, **HF_TYPES[kind])
+
+
+def preset_spec(name: str) -> ModelSpec:
+    """A built-in Llama preset (fsdp8.models.llama.PRESETS)."""
+    from .models.llama import PRESETS
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}: give a preset ({', '.join(PRESETS)}), hf:DIR, or the sizes "
+                         "(--layers --hidden --ffn --heads --vocab)")
+    c = PRESETS[name]
+    return ModelSpec(name, c.n_layers, c.dim, c.ffn_dim, c.n_heads, c.n_kv_heads, c.vocab_size, tied=c.tie_embeddings)
+
+
+def model_spec(model, **sizes) -> ModelSpec:
+    """``model``: a ModelSpec, a preset name, ``"hf:DIR"``, or None (then ``sizes`` give every
+    size); ``sizes`` (layers, hidden, ffn, heads, kv_heads, vocab, tied; None = keep) override it."""
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    if isinstance(model, ModelSpec):
+        base = model
+    elif isinstance(model, str) and model.startswith("hf:"):
+        base = hf_spec(model[3:])
+    elif isinstance(model, str):
+        base = preset_spec(model)
+    elif model is None:
+        missing = [k for k in ("layers", "hidden", "ffn", "heads", "vocab") if k not in sizes]
+        if missing:
+            raise ValueError(f"no model: give a preset or hf:DIR, or every size ({', '.join('--' + m for m in missing)} "
+                             "missing)")
+        sizes.setdefault("kv_heads", sizes["heads"])
+        return ModelSpec("custom", **sizes)
+    else:
+        raise TypeError(f"model must be a preset name, 'hf:DIR' or a ModelSpec, got {type(model).__name__}")
+    return replace(base, name=base.name + (" (resized)" if sizes else ""), **sizes)

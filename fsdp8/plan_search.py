@@ -1,0 +1,183 @@
+"""search(): every configuration of a model on a cluster that fits, fastest first; and what would
+make a configuration that does not fit fit."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Sequence, Union
+
+from .config import AC_MODES, STRATEGY_NAMES
+from .plan import Plan, Setup, make_setup, plan_setup
+from .plan_hw import GPU, Cluster, Efficiency, gpu_named
+from .plan_model import ModelSpec, check_tp, model_spec
+
+MAX_NODES = 4096
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A configuration that fits, named as ``fsdp8.ParallelConfig`` names its fields (plus the
+    micro-batch, in sequences per data-parallel rank), and its prediction."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    sequence_parallel: bool
+    strategy: str
+    outer_strategy: str
+    activation_checkpointing: str
+    offload: Optional[str]
+    micro_batch: int
+    accumulation: int
+    plan: Plan
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.plan.tokens_per_s_per_gpu
+
+    def parallel_config(self, **overrides):
+        """This configuration as a ``fsdp8.ParallelConfig`` (``overrides``: its other fields,
+        e.g. ``fp8=fsdp8.Float8CurrentScaling(), compile=True``)."""
+        from .config import ParallelConfig
+
+        fields = dict(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp,
+                      sequence_parallel=self.sequence_parallel, strategy=self.strategy,
+                      outer_strategy=self.outer_strategy, activation_checkpointing=self.activation_checkpointing,
+                      offload=self.offload)
+        return ParallelConfig(**dict(fields, **overrides))
+
+    def describe(self) -> str:
+        s = self.plan.setup
+        return f"micro batch {self.micro_batch} x {self.accumulation}, {s.describe()}"
+
+
+def _candidate(p: Plan) -> Candidate:
+    s = p.setup
+    return Candidate(s.dp_replicate, s.dp_shard, s.cp, s.tp, s.sequence_parallel, s.strategy.label,
+                     s.outer_strategy.label, s.activation_checkpointing, s.offload, s.micro_batch, s.accumulation, p)
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _plans(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, precision: str, fp8: Optional[str],
+           efficiency: Optional[Efficiency], strategies: Sequence[str], tps: Iterable[int], cps: Iterable[int],
+           ac_modes: Sequence[str], offloads: Sequence[Optional[str]], max_micro_batch: int) -> List[Plan]:
+    """A prediction for every valid configuration of the space (fitting or not)."""
+    world, found = cluster.world, []
+    for tp, cp in itertools.product(tps, cps):
+        if world % (tp * cp):
+            continue
+        try:
+            check_tp(spec, tp)
+        except ValueError:
+            continue
+        dp = world // (tp * cp)
+        for replicate, micro in itertools.product(_divisors(dp), _divisors(max(1, global_batch // dp))):
+            if micro > max_micro_batch or global_batch % (micro * dp):
+                continue
+            outers = ("no_shard", "optim") if replicate > 1 else ("no_shard",)
+            for strategy, outer, ac, offload, sp in itertools.product(strategies, outers, ac_modes, offloads,
+                                                                      (False, True) if tp > 1 else (False,)):
+                try:
+                    setup = make_setup(spec, cluster, seq_len=seq_len, micro_batch=micro, global_batch=global_batch,
+                                       strategy=strategy, outer_strategy=outer, dp_replicate=replicate, cp=cp, tp=tp,
+                                       sequence_parallel=sp, precision=precision, fp8=fp8,
+                                       activation_checkpointing=ac, offload=offload, efficiency=efficiency)
+                except ValueError:
+                    continue
+                found.append(plan_setup(spec, setup))
+    return found
+
+
+def search(model: Union[str, ModelSpec, None] = None, *, gpu: Union[str, GPU] = "h100", nodes: int = 1,
+           gpus_per_node: int = 8, seq_len: int = 2048, global_batch: Optional[int] = None, precision: str = "bf16",
+           fp8: Optional[str] = None, efficiency: Optional[Efficiency] = None,
+           strategies: Sequence[str] = STRATEGY_NAMES, tps: Optional[Iterable[int]] = None,
+           cps: Iterable[int] = (1,), ac_modes: Sequence[str] = AC_MODES,
+           offloads: Optional[Sequence[Optional[str]]] = None, max_micro_batch: int = 64,
+           top: Optional[int] = None, **sizes) -> List[Candidate]:
+    """The configurations of ``model`` on the cluster that fit, fastest (predicted tokens/s/GPU)
+    first: strategies x outer strategies x dp_replicate x tp x cp x activation checkpointing x
+    micro-batch (within ``global_batch``, default one sequence per GPU) x offload x sequence
+    parallelism. ``tps`` defaults to the divisors of gpus_per_node (TP inside a node), ``cps``
+    to 1 (fsdp8.ParallelConfig does not take cp > 1 yet). Raises ValueError, saying what
+    would help, when nothing fits."""
+    spec = model_spec(model, **sizes)
+    cluster = Cluster(gpu if isinstance(gpu, GPU) else gpu_named(gpu), nodes, gpus_per_node)
+    global_batch = cluster.world if global_batch is None else global_batch
+    offloads = offloads if offloads is not None else ((None,) if fp8 else (None, "optim"))
+    tps = tuple(tps) if tps is not None else tuple(_divisors(gpus_per_node))
+    plans = _plans(spec, cluster, seq_len, global_batch, precision, fp8, efficiency, strategies, tps, tuple(cps),
+                   ac_modes, offloads, max_micro_batch)
+    if not plans:
+        raise ValueError(f"no configuration of the search space can run {spec.name} on {cluster.world} GPUs with "
+                         f"global batch {global_batch} (tp {tps}, cp {tuple(cps)}): the global batch must be a "
+                         "multiple of the data-parallel ranks, and tp must divide the heads")
+    fitting = sorted((p for p in plans if p.memory.fits), key=_rank)
+    if not fitting:
+        smallest = min(plans, key=lambda p: p.memory.total)
+        raise ValueError(f"nothing fits: the smallest footprint found ({smallest.setup.describe()}, micro batch "
+                         f"{smallest.setup.micro_batch}) needs {smallest.memory.total / 2**30:.1f} GiB per GPU of "
+                         f"{cluster.gpu.memory_gib:g}; {_more_gpus(spec, cluster, smallest.setup)}")
+    return [_candidate(p) for p in fitting[:top]]
+
+
+def _rank(p: Plan):
+    """Fastest first; among equals (meshes the engine treats alike), the least memory, then the
+    simplest: fewer replicas, less tensor parallelism, no offload."""
+    s = p.setup
+    return (-p.tokens_per_s_per_gpu, p.memory.total, s.dp_replicate, s.outer_strategy, s.tp, s.sequence_parallel,
+            s.offload is not None)
+
+
+def _more_gpus(spec: ModelSpec, cluster: Cluster, setup: Setup) -> str:
+    """How many nodes the smallest-footprint configuration needs, or that none suffice."""
+    nodes = cluster.nodes
+    while nodes < MAX_NODES:
+        nodes *= 2
+        bigger = Cluster(cluster.gpu, nodes, cluster.gpus_per_node)
+        try:
+            p = plan_setup(spec, make_setup(spec, bigger, **_settings(setup, global_batch=None)))
+        except ValueError:
+            continue
+        if p.memory.fits:
+            return f"it fits on {nodes} nodes of {cluster.gpus_per_node} (--nodes {nodes})"
+    return (f"it does not fit on {MAX_NODES} nodes either: the activations of one sequence of {setup.seq_len} "
+            "tokens are too large; use a shorter sequence, or context parallelism (cp)")
+
+
+def _settings(setup: Setup, **overrides) -> dict:
+    values = dict(seq_len=setup.seq_len, micro_batch=setup.micro_batch, global_batch=setup.global_batch,
+                  strategy=setup.strategy, outer_strategy=setup.outer_strategy, dp_replicate=setup.dp_replicate,
+                  cp=setup.cp, tp=setup.tp, sequence_parallel=setup.sequence_parallel, precision=setup.precision,
+                  fp8=setup.fp8, activation_checkpointing=setup.activation_checkpointing, offload=setup.offload,
+                  efficiency=setup.efficiency)
+    return dict(values, **overrides)
+
+
+def fixes(p: Plan, limit: int = 3) -> List[str]:
+    """Changes of one or two settings that make a plan that does not fit fit, fastest first, as flags."""
+    s, spec = p.setup, p.spec
+    changes = [{"strategy": "optim_grads_params"}, {"activation_checkpointing": "selective"},
+               {"activation_checkpointing": "full"}, {"micro_batch": 1, "global_batch": s.global_batch}]
+    changes += [{"tp": t, "sequence_parallel": True} for t in _divisors(s.cluster.gpus_per_node) if t > s.tp]
+    if not s.fp8 and s.strategy.label != "no_shard":
+        changes.append({"offload": "optim"})
+    tried = changes + [dict(a, **b) for a, b in itertools.combinations(changes, 2) if not set(a) & set(b)]
+    found = []
+    for change in tried:
+        try:
+            q = plan_setup(spec, make_setup(spec, s.cluster, **_settings(s, **change)))
+        except ValueError:
+            continue
+        if q.memory.fits:
+            found.append((q.tokens_per_s_per_gpu, change))
+    found.sort(key=lambda item: -item[0])
+    flags = lambda c: " ".join(f"--{k.replace('_', '-')} {v}" for k, v in c.items()  # noqa: E731
+                               if k not in ("global_batch", "sequence_parallel")) + \
+        (" --sequence-parallel" if c.get("sequence_parallel") else "")
+    return [f"{flags(c)} ({tokens:,.0f} tokens/s/GPU)" for tokens, c in found[:limit]]

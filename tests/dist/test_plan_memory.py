@@ -1,0 +1,70 @@
+"""The planner's persistent memory equals memory_report() byte for byte: every strategy and mesh,
+fp32 / bf16 / each FP8 recipe, tensor parallelism, offload (fsdp8/plan_memory.py [Note: exact
+and estimated memory]).
+
+The model's sizes make every layout rule count: a vocabulary (37) and widths that no world
+size divides, one kv head (a 16-row weight), FP8 widths where MX scales cover a partial block,
+and under tp=2 a vocabulary split unevenly (tp ranks hold different root sizes) and layers some
+recipes keep in high precision."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fsdp8.plan import make_setup
+from fsdp8.plan_hw import Cluster, gpu_named
+from fsdp8.plan_memory import memory_report
+from fsdp8.plan_model import ModelSpec
+from tests.dist import plan_workers as workers
+from tests.harness import run_on_ranks
+
+SIZES = dict(vocab_size=37, dim=48, n_layers=2, n_heads=3, n_kv_heads=1, ffn_dim=80)
+TP_SIZES = dict(vocab_size=37, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96)
+
+
+def _spec(sizes: dict, tied: bool = False) -> ModelSpec:
+    return ModelSpec("test", sizes["n_layers"], sizes["dim"], sizes["ffn_dim"], sizes["n_heads"], sizes["n_kv_heads"],
+                     sizes["vocab_size"], tied=tied)
+
+
+def _check(world: int, sizes: dict, mesh_shape=None, outer="no_shard", tp=1, offload=False, tied=False):
+    results = run_on_ranks(world, workers.reports, dict(sizes, tie_embeddings=tied), mesh_shape, outer, tp, offload)
+    spec = _spec(sizes, tied)
+    cluster = Cluster(gpu_named("h100"), 1, world)
+    wrong = []
+    for reports, tp_rank in results:
+        assert reports, "no case ran"
+        for (strategy, precision, fp8, off), engine in reports.items():
+            setup = make_setup(spec, cluster, seq_len=16, strategy=strategy, outer_strategy=outer,
+                               dp_replicate=mesh_shape[0] if mesh_shape else 1, tp=tp, precision=precision, fp8=fp8,
+                               offload="optim" if off else None)
+            planned = dataclasses.asdict(memory_report(spec, setup, tp_rank))
+            if planned != engine:
+                wrong.append(f"{strategy} {precision} fp8={fp8} offload={off} tp rank {tp_rank}: planned {planned}, "
+                             f"engine {engine}")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_flat_world2(tied):
+    _check(2, SIZES, tied=tied)
+
+
+def test_flat_world4():
+    _check(4, SIZES)
+
+
+@pytest.mark.parametrize("outer", ["no_shard", "optim"])
+def test_hsdp_2x2(outer):
+    _check(4, SIZES, (2, 2), outer)
+
+
+def test_dp2_tp2():
+    _check(4, TP_SIZES, tp=2)
+
+
+@pytest.mark.parametrize("mesh_shape,outer", [(None, "no_shard"), ((2, 2), "optim")])
+def test_offload(mesh_shape, outer):
+    _check(4, SIZES, mesh_shape, outer, offload=True)
