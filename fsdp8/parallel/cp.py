@@ -203,6 +203,15 @@ def loss_divisor(labels: torch.Tensor, mesh: DeviceMesh, ignore_index: int = IGN
 
 
 # -- the attention --------------------------------------------------------------------------------
+def _all_gather():
+    # Newer torch names it all_gather_single and deprecates all_gather_into_tensor (as comm.py picks).
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter():
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _GatherSequence(torch.autograd.Function):
     """All-gather over the cp group (rank-major, a new leading dim); the backward sums each
     rank's gradient of the gathered tensor and returns every rank its own piece's sum."""
@@ -212,15 +221,14 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group = group
         out = local.new_empty((size,) + tuple(local.shape))
         with record_function("fsdp8::all_gather[cp keys and values]"):
-            dist.all_gather_into_tensor(out.view(-1), local.contiguous().view(-1), group=group)
+            _all_gather()(out.view(-1), local.contiguous().view(-1), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty(grad.shape[1:])
         with record_function("fsdp8::reduce_scatter[cp key and value gradients]"):
-            dist.reduce_scatter_tensor(out.view(-1), grad.contiguous().view(-1), op=dist.ReduceOp.SUM,
-                                       group=ctx.group)
+            _reduce_scatter()(out.view(-1), grad.contiguous().view(-1), op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None, None
 
 
@@ -294,7 +302,10 @@ class ContextAttention:
         """Raise, before anything is communicated, unless this rank's ``local_len`` tokens per
         sequence are a valid part (the same check on every rank of the group)."""
         if local_len % local_multiple(self.cp, self.tp):
-            check_sequence_length(local_len * self.cp, self.cp, self.tp)
+            try:
+                check_sequence_length(local_len * self.cp, self.cp, self.tp)
+            except ValueError as e:
+                raise ValueError(f"this rank holds {local_len} tokens of each sequence: {e}") from None
 
     def positions(self, local_len: int, device) -> torch.Tensor:
         return rank_positions(local_len * self.cp, self.rank, self.cp, device)
@@ -348,7 +359,7 @@ def _llama_pre_forward(context: ContextAttention, max_seq_len: int):
         if local * context.cp > max_seq_len:
             raise ValueError(
                 f"this rank's {local} tokens per sequence are part of sequences of {local * context.cp} tokens over "
-                f"cp={context.cp}, more than max_seq_len={max_seq_len}"
+                f"cp={context.cp}, more than max_seq_len={max_seq_len}; build the model with a larger max_seq_len"
             )
         if kwargs.get("positions") is None:
             kwargs = {**kwargs, "positions": context.positions(local, tokens.device)}

@@ -169,3 +169,97 @@ def parity(hf: bool, dp: int, n: int, tp: int = 1, sequence_parallel: bool = Fal
     for name, p in reference.named_parameters():
         note(f"weight:{name}", _rel(params[name], p))
     return worst
+
+
+# -- bad input ------------------------------------------------------------------------------------
+def _mesh(tp: int = 1):
+    return fsdp8.make_mesh(dp_shard=1, cp=common.world() // tp, tp=tp)
+
+
+def _hf_family(family: str, **overrides) -> nn.Module:
+    import transformers
+
+    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, attn_implementation="sdpa")
+    config = getattr(transformers, f"{family}Config")(**{**fields, **overrides})
+    torch.manual_seed(0)
+    return getattr(transformers, f"{family}ForCausalLM")(config)
+
+
+def _hf_without_registry() -> nn.Module:
+    import transformers
+
+    class OldStyleLlama(transformers.LlamaForCausalLM):
+        _supports_attention_backend = False
+
+    return OldStyleLlama(hf_llama().config)
+
+
+def _hf_not_causal() -> nn.Module:
+    model = hf_llama()
+    model.model.layers[1].self_attn.is_causal = False
+    return model
+
+
+def _twice(build):
+    model = build()
+    cp.context_parallel(model, _mesh())
+    return model
+
+
+def _hf_batch(seq: int = SEQ, **extra):
+    tokens, _ = global_batch(0, 2, seq, 128, 2)
+    return {"input_ids": tokens, **extra}
+
+
+# name -> (model builder or None, what to do with the context-parallel model and the mesh)
+BAD_INPUTS = {
+    "not_a_known_model": (lambda: nn.Sequential(nn.Linear(4, 4)), None),
+    "mesh_without_cp": (llama, "mesh"),
+    "llama_twice": (lambda: _twice(llama), None),
+    "odd_sequence": (None, lambda model, mesh: cp.shard_sequence({"tokens": torch.zeros(2, 6, dtype=torch.long)}, mesh)),
+    "odd_local_tokens": (llama, lambda model, mesh: model(torch.zeros(2, 3, dtype=torch.long))),
+    "longer_than_max_seq_len": (lambda: llama(max_seq_len=8), lambda model, mesh: model(torch.zeros(2, 8, dtype=torch.long))),
+    "padding_mask": (None, lambda model, mesh: cp.shard_sequence(
+        _hf_batch(attention_mask=torch.tensor([[1] * 15 + [0]] * 2)), mesh)),
+    "unknown_key": (None, lambda model, mesh: cp.shard_sequence(_hf_batch(token_type_ids=torch.zeros(2, SEQ)), mesh)),
+    "hf_twice": (lambda: _twice(hf_llama), None),
+    "hf_without_registry": (_hf_without_registry, None),
+    "hf_not_causal": (_hf_not_causal, None),
+    "hf_softcap": (lambda: _hf_family("Gemma2", attn_logit_softcapping=50.0, attn_implementation="eager"), None),
+    "hf_sliding_window": (lambda: _hf_family("Mistral", sliding_window=4),
+                          lambda model, mesh: model(**cp.shard_sequence(_hf_batch(), mesh))),
+    "hf_attention_mask": (hf_llama, lambda model, mesh: model(input_ids=torch.zeros(2, 8, dtype=torch.long),
+                                                              attention_mask=torch.ones(2, 8))),
+    "hf_unshifted_labels": (hf_llama, lambda model, mesh: model(input_ids=torch.zeros(2, 8, dtype=torch.long),
+                                                                labels=torch.zeros(2, 8, dtype=torch.long))),
+    "hf_positional": (hf_llama, lambda model, mesh: model(torch.zeros(2, 8, dtype=torch.long), None)),
+    "sp_sequence": (None, lambda model, mesh: cp.shard_sequence({"tokens": torch.zeros(2, 6, dtype=torch.long)},
+                                                                mesh, sequence_parallel=True)),
+    "sp_local_tokens": (llama, lambda model, mesh: model(torch.zeros(2, 3, dtype=torch.long))),
+}
+
+
+def bad_input(name: str, tp: int = 1):
+    """(the error message or None, how many cp key/value gathers ran before it) for BAD_INPUTS[name]."""
+    build, act = BAD_INPUTS[name]
+    mesh = _mesh(tp)
+    gathers = []
+    original = cp._gather
+    cp._gather = lambda *a: gathers.append(1) or original(*a)
+    try:
+        model = build() if build is not None else None
+        if model is not None and act != "mesh":
+            if tp > 1:
+                tensor_parallel(model, mesh["tp"], sequence_parallel=True)
+            cp.context_parallel(model, mesh, sequence_parallel=tp > 1)
+        if act == "mesh":
+            cp.context_parallel(model, fsdp8.make_mesh())
+        elif act is not None:
+            act(model, mesh)
+        message = None
+    except (ValueError, TypeError) as e:
+        message = str(e)
+    finally:
+        cp._gather = original
+    return message, len(gathers)
