@@ -8,12 +8,15 @@ the first and the last chunk's own (the chunks where masks and positions go wron
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 import fsdp8
 from fsdp8.parallel import cp
@@ -93,7 +96,7 @@ def _per_rank_quantization(reference: nn.Module, n: int) -> None:
 
 
 def parity(hf: bool, dp: int, n: int, tp: int = 1, sequence_parallel: bool = False, steps: int = 2,
-           lr: float = 0.5, fp8: bool = False) -> Dict[str, float]:
+           lr: float = 0.5, fp8: bool = False, lp: bool = False) -> Dict[str, float]:
     """Train at dp_shard ``dp`` x cp ``n`` x tp ``tp`` and in one process; the worst relative
     error of the loss, every gradient, the first and last chunk's logits and embedding-gradient
     rows, and every weight after ``steps`` SGD steps (see [Note: the loss over cp ranks] in
@@ -101,7 +104,8 @@ def parity(hf: bool, dp: int, n: int, tp: int = 1, sequence_parallel: bool = Fal
 
     ``fp8``: FP8 current scaling, against the same recipe in one process with each rank's
     part quantized separately, in lockstep (the reference takes the sharded run's weights
-    before every step: common.lockstep_errors says why)."""
+    before every step: common.lockstep_errors says why). ``lp``: tensor parallelism leaves the
+    logits vocabulary-sharded and the loss runs under torch's loss_parallel()."""
     mesh = fsdp8.make_mesh(dp_shard=dp, cp=n, tp=tp)
     model = (hf_llama() if hf else llama(**(dict(n_heads=2, n_kv_heads=1, ffn_dim=64) if fp8 else {})))
     reference = copy.deepcopy(model)
@@ -111,7 +115,7 @@ def parity(hf: bool, dp: int, n: int, tp: int = 1, sequence_parallel: bool = Fal
             fsdp8.convert_to_fp8(layer, recipe)
         _per_rank_quantization(reference, n)
     if tp > 1:
-        tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
+        tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=lp)
     cp.context_parallel(model, mesh, sequence_parallel=sequence_parallel)
     sharded = fsdp8.fully_shard(model, mesh=mesh, fp8=recipe)
     run, ref = _Run(sharded, hf), _Run(reference, hf)
@@ -137,17 +141,20 @@ def parity(hf: bool, dp: int, n: int, tp: int = 1, sequence_parallel: bool = Fal
         batch = {k: t[rows].to(common.device()) for k, t in zip(keys, (tokens, targets))}
         batch = cp.shard_sequence(batch, mesh, sequence_parallel=sequence_parallel)
         divisor = cp.loss_divisor(batch["labels" if hf else "targets"], mesh)
-        if hf:
-            loss = sharded(**batch, num_items_in_batch=divisor).loss
-        else:
-            loss = sharded(batch["tokens"], batch["targets"], num_items_in_batch=divisor)
-        loss.backward()
+        with loss_parallel() if lp else contextlib.nullcontext():
+            if hf:
+                loss = sharded(**batch, num_items_in_batch=divisor).loss
+            else:
+                loss = sharded(batch["tokens"], batch["targets"], num_items_in_batch=divisor)
+            loss.backward()
         ref_loss = ref.loss(tokens.to(common.device()), targets.to(common.device()))
         ref_loss.backward()
 
         # The global loss is the ranks' mean; each rank's logits are its rows' part of the sequence.
         pieces: List = [None] * dist.get_world_size()
-        dist.all_gather_object(pieces, (where.get("tp", 0), dp_rank, cp_rank, float(loss), run.logits.detach().cpu()))
+        logits = run.logits.full_tensor() if isinstance(run.logits, DTensor) else run.logits
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        dist.all_gather_object(pieces, (where.get("tp", 0), dp_rank, cp_rank, float(loss), logits.detach().cpu()))
         losses = [p[3] for p in pieces if p[0] == 0]
         note("loss", abs(sum(losses) / len(losses) - float(ref_loss)) / abs(float(ref_loss)))
         parts = {(d, c): logits for t, d, c, _, logits in pieces if t == 0}

@@ -36,21 +36,23 @@ def _check(results, tol):
         assert any(k.startswith("grad:") for k in worst) and any(k.startswith("weight:") for k in worst)
 
 
-@pytest.mark.parametrize("dp, cp, tp, sp", [
-    (1, 2, 1, False),
-    (1, 4, 1, False),
-    (2, 2, 1, False),
-    (1, 2, 2, False),
-    (1, 2, 2, True),  # sequence parallel: each cp rank's part split again over tp
+# sp: sequence parallel (each cp rank's part split again over tp); lp: vocabulary-sharded
+# logits and the loss under loss_parallel() (the loss divided by loss_divisor there too).
+@pytest.mark.parametrize("dp, cp, tp, sp, lp", [
+    (1, 2, 1, False, False),
+    (1, 4, 1, False, False),
+    (2, 2, 1, False, False),
+    (1, 2, 2, False, False),
+    (1, 2, 2, True, True),
 ])
-def test_llama_parity(dp, cp, tp, sp):
-    _check(run_on_ranks(dp * cp * tp, workers.parity, False, dp, cp, tp, sp), FP32_TOL)
+def test_llama_parity(dp, cp, tp, sp, lp):
+    _check(run_on_ranks(dp * cp * tp, workers.parity, False, dp, cp, tp, sp, 2, 0.5, False, lp), FP32_TOL)
 
 
-@pytest.mark.parametrize("dp, cp, tp, sp", [(1, 2, 1, False), (2, 2, 1, False), (1, 2, 2, True)])
-def test_hf_llama_parity(dp, cp, tp, sp):
+@pytest.mark.parametrize("dp, cp, tp, sp, lp", [(1, 2, 1, False, False), (2, 2, 1, False, False), (1, 2, 2, True, True)])
+def test_hf_llama_parity(dp, cp, tp, sp, lp):
     pytest.importorskip("transformers")
-    _check(run_on_ranks(dp * cp * tp, workers.parity, True, dp, cp, tp, sp), FP32_TOL)
+    _check(run_on_ranks(dp * cp * tp, workers.parity, True, dp, cp, tp, sp, 2, 0.5, False, lp), FP32_TOL)
 
 
 def test_fp8_current_scaling_parity():
