@@ -16,6 +16,7 @@ from .fp8.fsdp2 import precompute_fp8_scales, prepare_fp8_modules_for_fsdp, use_
 from .fp8.tp import Float8ColwiseParallel
 from . import checkpoint, data, fp8
 from .checkpoint import latest, load, load_pretrained, save, wait_for_saves
+from .plan import plan
 
 __all__ = [
     "latest",
@@ -55,5 +56,6 @@ __all__ = [
     "data_parallel_mesh",
     "tp_mesh",
     "tensor_parallel",
+    "plan",
 ]
 __version__ = "0.1.0"

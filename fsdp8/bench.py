@@ -118,7 +118,8 @@ def _cluster_here(world: int, gpu: Optional[str], measured: Optional[GPU]) -> Cl
     elif torch.cuda.is_available():
         hardware = detect_gpu(gpu)
     else:
-        hardware = gpu_named(gpu or "h100")  # only checked against until the CPU is measured
+        # Checks need some figures before the CPU is measured (in the workers).
+        hardware = replace(gpu_named(gpu or "h100"), name="cpu")
     return Cluster(hardware, max(1, world // local), local)
 
 

@@ -294,6 +294,10 @@ def _sizes(args: argparse.Namespace) -> dict:
             "kv_heads": args.kv_heads, "vocab": args.vocab, "tied": args.tied}
 
 
+def _given(value, default):
+    return default if value is None else value
+
+
 def _none(value: str) -> Optional[str]:
     return None if value == "none" else value
 
@@ -305,12 +309,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     try:
         gpu = gpu_named(args.gpu, memory_gib=args.gpu_memory, bf16_tflops=args.bf16_tflops, fp8_tflops=args.fp8_tflops,
                         hbm_gbps=args.hbm_gbps, nvlink_gbps=args.nvlink_gbps, network_gbps=args.network_gbps)
-        common = dict(gpu=gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node, seq_len=args.seq_len or 2048,
+        common = dict(gpu=gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node, seq_len=_given(args.seq_len, 2048),
                       global_batch=args.global_batch, precision=args.precision, fp8=_none(args.fp8), **_sizes(args))
         if args.search:
             found = search(args.model, top=args.top, **common)
         else:
-            result = plan(args.model, micro_batch=args.micro_batch or 1, strategy=args.strategy,
+            result = plan(args.model, micro_batch=_given(args.micro_batch, 1), strategy=args.strategy,
                           outer_strategy=args.outer_strategy, dp_replicate=args.dp_replicate, cp=args.cp, tp=args.tp,
                           sequence_parallel=args.sequence_parallel, activation_checkpointing=args.ac,
                           offload=_none(args.offload), **common)
@@ -349,7 +353,8 @@ def _search_table(found) -> str:
 
 def _run_bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(model=args.model, sizes={k: v for k, v in _sizes(args).items() if v is not None},
-                      seq_len=args.seq_len or BenchConfig.seq_len, micro_batch=args.micro_batch or BenchConfig.micro_batch,
+                      seq_len=_given(args.seq_len, BenchConfig.seq_len),
+                      micro_batch=_given(args.micro_batch, BenchConfig.micro_batch),
                       accumulation=args.accumulation, steps=args.steps, warmup=args.warmup, strategy=args.strategy,
                       outer_strategy=args.outer_strategy, dp_replicate=args.dp_replicate, tp=args.tp,
                       sequence_parallel=args.sequence_parallel, precision=args.precision, fp8=_none(args.fp8),

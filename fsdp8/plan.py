@@ -86,7 +86,7 @@ def make_setup(spec: ModelSpec, cluster: Cluster, *, seq_len: int, micro_batch: 
     world = cluster.world
     if world % (dp_replicate * cp * tp):
         raise ValueError(f"dp_replicate {dp_replicate} x cp {cp} x tp {tp} = {dp_replicate * cp * tp} does not divide "
-                         f"the {world} GPUs ({cluster.describe()}); choose sizes whose product divides {world}")
+                         f"the {world} ranks ({cluster.describe()}); choose sizes whose product divides {world}")
     check_tp(spec, tp)
     if cp > 1 and seq_len % (2 * cp):
         raise ValueError(f"seq_len {seq_len} is not a multiple of 2 x cp = {2 * cp} (context parallelism gives each "

@@ -165,8 +165,9 @@ def activations(spec: ModelSpec, setup: "Setup", fp8: Dict[str, bool]) -> Activa
         return (e * width if False in kinds else 0) + (width if True in kinds else 0)
 
     # SDPA keeps its inputs: under GQA fsdp8's Llama passes repeat_interleave copies, transformers
-    # (no attention mask) the kv heads themselves with enable_gqa.
-    k_saved = e * (q if expands_kv(spec) else kv)
+    # (no attention mask) the kv heads themselves with enable_gqa. Under context parallelism they
+    # are the whole sequence's keys and values, gathered from the cp ranks.
+    k_saved = e * (q if expands_kv(spec) else kv) * setup.cp
     attention = e * q + 2 * k_saved + e * q + 4 * spec.heads / tp  # q, k, v, output, logsumexp
     wo_input = q if fp8.get("wo") else 0  # the output is kept for SDPA already; FP8 adds its bytes
     qk_norm = ((4 + e) * (q + kv) + 8) if spec.qk_norm else 0

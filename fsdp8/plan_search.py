@@ -146,8 +146,9 @@ def _more_gpus(spec: ModelSpec, cluster: Cluster, setup: Setup) -> str:
             continue
         if p.memory.fits:
             return f"it fits on {nodes} nodes of {cluster.gpus_per_node} (--nodes {nodes})"
-    return (f"it does not fit on {MAX_NODES} nodes either: the activations of one sequence of {setup.seq_len} "
-            "tokens are too large; use a shorter sequence, or context parallelism (cp)")
+    return (f"it does not fit on {MAX_NODES} nodes either: what each GPU holds whatever their number (gathered "
+            f"layers, a micro-batch's activations and logits at {setup.seq_len} tokens) is too large; use GPUs with "
+            "more memory, more tensor or context parallelism, or shorter sequences")
 
 
 def _settings(setup: Setup, **overrides) -> dict:

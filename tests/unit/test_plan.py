@@ -1,0 +1,269 @@
+"""The planner's pure parts, without processes: model sizes, activation bytes, links and collective
+times, validation, the search's ranking, and `fsdp8 plan` on the command line."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import fsdp8
+from fsdp8.models.llama import Llama, LlamaConfig, preset
+from fsdp8.plan import make_setup, plan, plan_setup, search
+from fsdp8.plan_hw import GIB, Cluster, Efficiency, gpu_named
+from fsdp8.plan_memory import activations
+from fsdp8.plan_model import ModelSpec, converts_to_fp8, hf_spec, model_spec, tp_piece
+from fsdp8.plan_search import fixes
+from fsdp8.plan_time import collective_seconds, group, groups
+
+H100 = gpu_named("h100")
+
+
+def _setup(spec, world=8, gpus_per_node=8, **kw):
+    kw.setdefault("seq_len", 16)
+    return make_setup(spec, Cluster(H100, world // gpus_per_node, gpus_per_node), **kw)
+
+
+# -- the model ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,tied", [("tiny", False), ("1b", False), ("8b", False), ("1b", True)])
+def test_preset_sizes_match_the_built_in_llama(name, tied):
+    with torch.device("meta"):
+        model = Llama(preset(name, tie_embeddings=tied))
+    spec = model_spec(name, tied=tied)
+    assert spec.num_params == model.num_params()
+    assert spec.flops_per_token(2048) == model.flops_per_token(2048)
+
+
+@pytest.mark.parametrize("kind,extra", [("llama", {}), ("qwen2", {}), ("qwen3", {"head_dim": 32}),
+                                        ("mistral", {"tie_word_embeddings": True})])
+def test_hf_config_json_gives_the_model_transformers_builds(tmp_path, kind, extra):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(kind, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=99, **extra)
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    spec = model_spec(f"hf:{tmp_path}")
+    assert spec.family == "hf" and spec.num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_hf_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        model_spec(f"hf:{tmp_path}")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not a Llama-family decoder"):
+        hf_spec(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    with pytest.raises(ValueError, match="has no 'num_attention_heads'"):
+        hf_spec(str(tmp_path))
+
+
+def test_sizes_by_flag_and_their_errors():
+    spec = model_spec(None, layers=2, hidden=64, ffn=128, heads=4, vocab=100)
+    assert (spec.kv_heads, spec.hd) == (4, 16)
+    assert model_spec("tiny", layers=8).layers == 8
+    with pytest.raises(ValueError, match="--ffn, --vocab missing"):
+        model_spec(None, layers=2, hidden=64, heads=4)
+    with pytest.raises(ValueError, match="unknown model 'huge'"):
+        model_spec("huge")
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        model_spec("tiny", kv_heads=3)
+
+
+def test_tensor_parallel_pieces_and_fp8_conversion():
+    assert [tp_piece(37, 2, r) for r in (0, 1)] == [19, 18]
+    assert [tp_piece(5, 4, r) for r in range(4)] == [2, 2, 1, 0]
+    spec = model_spec(None, layers=1, hidden=64, ffn=96, heads=4, kv_heads=2, vocab=37)
+    wk, w1 = [p for p in spec.block_params() if p.name in ("wk", "w1")]
+    assert converts_to_fp8(wk, "current", 2, 0)  # a 16 x 64 piece
+    assert not converts_to_fp8(wk, "mxfp8", 2, 0)  # 16 rows cut a 32-wide MX block
+    assert not converts_to_fp8(w1, "block", 2, 0)  # 48 rows cut a 128 x 128 block
+    assert not converts_to_fp8(spec.root_params()[0], "current", 1, 0)  # outside the units
+
+
+# -- activations -------------------------------------------------------------------------------
+def test_activation_formula_counts_what_autograd_saves():
+    """One built-in Llama block in fp32 on the CPU: the bytes of every tensor autograd saves
+    (parameters and the rotary tables excluded) against the formula for AC none."""
+    cfg = LlamaConfig(vocab_size=37, dim=48, n_layers=1, n_heads=3, n_kv_heads=1, ffn_dim=80, max_seq_len=16)
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    fixed = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in fixed:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    cos, sin = model.rotary(16, torch.float32)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.layers[0](torch.randn(2, 16, 48, requires_grad=True), cos, sin)
+    spec = model_spec(None, layers=1, hidden=48, ffn=80, heads=3, kv_heads=1, vocab=37)
+    per_token = activations(spec, _setup(spec, world=1, gpus_per_node=1, micro_batch=2, precision="fp32"), {}).saved
+    # On the CPU, SDPA's output is head-major, so wo's input is a copy (on CUDA it is a view).
+    cpu_copy = 4 * spec.q_dim
+    assert sum(saved.values()) == (per_token + cpu_copy) * 2 * 16
+
+
+def test_checkpointing_keeps_less():
+    spec = model_spec("8b")
+    kept = {ac: activations(spec, _setup(spec, activation_checkpointing=ac), {}).saved for ac in ("none", "selective", "full")}
+    assert kept["full"] == 2 * spec.hidden < kept["selective"] < kept["none"]
+
+
+# -- links and collectives ---------------------------------------------------------------------
+def test_groups_follow_the_mesh_order():
+    spec = model_spec("8b")
+    g = groups(_setup(spec, world=32, dp_replicate=2, tp=4))
+    assert (g.tp.link, g.tp.size) == ("NVLink", 4)
+    assert (g.shard.link, g.shard.nodes, g.shard.per_node) == ("network", 2, 2)  # 4 ranks, 4 apart
+    assert (g.replicate.link, g.replicate.nodes, g.replicate.per_node) == ("network", 2, 1)
+    assert group("x", 8, 1, 8).link == "NVLink" and group("x", 1, 1, 8).link == "local"
+
+
+def test_collective_seconds():
+    spec = model_spec("tiny")
+    setup = _setup(spec, world=16)
+    eff = setup.efficiency
+    inside = collective_seconds("all_gather", 1e9, group("g", 8, 1, 8), setup)
+    assert inside == pytest.approx(eff.latency_us * 1e-6 + 7 / 8 * 1e9 / (450e9 * eff.link))
+    across = collective_seconds("all_reduce", 1e9, group("g", 2, 8, 8), setup)  # one GPU per node
+    assert across == pytest.approx(eff.latency_us * 1e-6 + 2 * 1 / 2 * 1e9 / (50e9 * eff.link))
+    assert collective_seconds("all_gather", 1e9, group("g", 1, 1, 8), setup) == 0.0
+
+
+# -- plans ---------------------------------------------------------------------------------------
+def test_more_sharding_less_memory_and_the_exact_rows():
+    totals = [plan("1b", strategy=s).memory.report.persistent for s in fsdp8.config.STRATEGY_NAMES]
+    assert totals == sorted(totals, reverse=True) and totals[0] > 3 * totals[-1]
+    p = plan("1b")
+    assert p.memory.report.main_weights == p.memory.report.grads  # every parameter trainable, fp32
+    assert p.memory.optimizer == pytest.approx(2 * p.memory.report.main_weights, rel=1e-3)
+
+
+def test_step_time_parts_and_throughput():
+    p = plan("8b", nodes=4, seq_len=4096, micro_batch=2, global_batch=128, activation_checkpointing="selective")
+    t = p.time
+    assert t.step == pytest.approx(t.compute + t.model_parallel + t.exposed + t.optimizer)
+    assert p.setup.accumulation == 2
+    assert p.tokens_per_s_per_gpu == pytest.approx(128 * 4096 / (t.step * 32))
+    assert 0.2 < p.mfu < 0.7
+    tp = plan("8b", nodes=4, seq_len=4096, micro_batch=2, global_batch=128, tp=8, activation_checkpointing="selective")
+    assert tp.time.model_parallel > 0 and t.model_parallel == 0
+    whats = {c.what for c in tp.time.collectives}
+    assert {"TP all-reduce activations", "all-gather params", "reduce-scatter grads"} <= whats
+
+
+def test_faster_links_expose_less():
+    slow = plan("8b", nodes=8, seq_len=1024, gpu=gpu_named("h100", network_gbps=5.0))
+    fast = plan("8b", nodes=8, seq_len=1024)
+    assert slow.time.exposed > 2 * fast.time.exposed and slow.time.compute == fast.time.compute
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(tp=3), "dp_replicate 1 x cp 1 x tp 3 = 3 does not divide the 8 ranks"),
+    (dict(tp=8, model="tiny"), "tp=8 does not divide heads=4, kv_heads=2 of tiny; use tp in (1, 2)"),
+    (dict(global_batch=12), "global batch 12 is not a multiple of micro batch 1 x 8 data-parallel ranks"),
+    (dict(cp=2, seq_len=6), "seq_len 6 is not a multiple of 2 x cp = 4"),
+    (dict(outer_strategy="optim"), "dp_replicate=1 makes none"),
+    (dict(fp8="current", offload="optim"), "offload 'optim' with FP8 layers is not supported"),
+    (dict(fp8="current", precision="fp32"), "FP8 layers compute in bf16"),
+    (dict(fp8="e5m2"), "fp8 recipe 'e5m2'"),
+    (dict(offload="optim", strategy="no_shard"), "use strategy optim or higher"),
+    (dict(activation_checkpointing="some"), "activation checkpointing 'some'"),
+    (dict(gpu="a100"), "unknown GPU 'a100'"),
+])
+def test_impossible_configurations_say_why(kwargs, message):
+    kwargs = dict(kwargs)
+    model = kwargs.pop("model", "1b")
+    with pytest.raises(ValueError) as e:
+        plan(model, **kwargs)
+    assert message in str(e.value)
+
+
+# -- search ------------------------------------------------------------------------------------
+def test_search_ranks_what_fits_fastest_first():
+    found = search("1b", seq_len=2048, global_batch=16)
+    speeds = [c.tokens_per_s_per_gpu for c in found]
+    assert speeds == sorted(speeds, reverse=True) and all(c.plan.memory.fits for c in found)
+    best = found[0]
+    # A 1 B model fits on one H100 without recomputation or model parallelism: the winner
+    # needs neither, and recomputation only slows the same layout down.
+    assert (best.tp, best.activation_checkpointing, best.offload) == (1, "none", None)
+    same = {c.activation_checkpointing: c.tokens_per_s_per_gpu for c in found
+            if (c.dp_replicate, c.tp, c.strategy, c.outer_strategy, c.offload, c.micro_batch) ==
+            (best.dp_replicate, best.tp, best.strategy, best.outer_strategy, best.offload, best.micro_batch)}
+    assert same["none"] > same["selective"] > same["full"]
+    config = best.parallel_config()
+    assert (config.dp_shard, config.tp, config.activation_checkpointing) == (best.dp_shard, 1, "none")
+    assert fsdp8.plan.search is search and len(search("1b", global_batch=16, top=3)) == 3
+
+
+def test_a_model_that_fits_nowhere_says_what_would():
+    with pytest.raises(ValueError, match=r"nothing fits: .* needs 26.5 GiB per GPU of 16; it fits on 4 nodes of 8 "
+                                         r"\(--nodes 4\)"):
+        search("8b", gpu=gpu_named("h100", memory_gib=16.0), seq_len=2048, global_batch=8, tps=(1,), offloads=(None,))
+    with pytest.raises(ValueError, match="does not fit on 4096 nodes either"):
+        search(None, layers=1, hidden=1024, ffn=1024, heads=8, vocab=128000, seq_len=2 ** 20, global_batch=8)
+
+
+def test_fixes_name_flags_that_make_it_fit():
+    p = plan("8b", gpus_per_node=8, seq_len=8192, micro_batch=4, strategy="optim")
+    assert not p.memory.fits
+    found = fixes(p)
+    assert found and all(s.startswith("--") for s in found)
+    flags = found[0].split(" (")[0].split()
+    changed = dict(zip(flags[::2], flags[1::2]))
+    kwargs = {k[2:].replace("-", "_"): (int(v) if v.isdigit() else v) for k, v in changed.items()}
+    kwargs["activation_checkpointing"] = kwargs.pop("ac", "none")
+    assert plan("8b", seq_len=8192, **dict(dict(micro_batch=4, strategy="optim", global_batch=32), **kwargs)).memory.fits
+
+
+def test_efficiency_is_the_stated_fraction():
+    base = plan("1b")
+    half = plan("1b", efficiency=Efficiency(gemm=0.35))
+    assert half.time.compute > 1.3 * base.time.compute
+    assert (half.time.exposed, half.time.optimizer) == (base.time.exposed, base.time.optimizer)
+    with pytest.raises(ValueError, match="Efficiency.gemm=1.5 is out of range"):
+        Efficiency(gemm=1.5)
+
+
+# -- the command line --------------------------------------------------------------------------
+def test_plan_cli_table_json_and_search(capsys):
+    from fsdp8 import cli
+
+    assert cli.main(["plan", "--model", "8b", "--nodes", "2", "--tp", "2", "--seq-len", "4096", "--ac", "selective"]) == 0
+    out = capsys.readouterr().out
+    assert "persistent, exact (what memory_report() says)" in out and "TP all-reduce activations" in out
+    assert "tokens/s/GPU" in out
+    assert cli.main(["plan", "--layers", "4", "--hidden", "256", "--ffn", "512", "--heads", "4", "--vocab", "1000",
+                     "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["memory"]["fits"] and data["model"]["layers"] == 4 and data["tokens_per_s_per_gpu"] > 0
+    assert cli.main(["plan", "--model", "1b", "--search", "--top", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("fsdp8 plan --search") and len(out) == 5
+
+
+def test_plan_cli_does_not_fit_and_errors(capsys):
+    from fsdp8 import cli
+
+    assert cli.main(["plan", "--model", "8b", "--seq-len", "8192", "--micro-batch", "4", "--strategy", "optim"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit" in out and "would fit with: --" in out
+    for argv, message in ((["--model", "1b", "--tp", "3"], "does not divide the 8 ranks"),
+                          (["--layers", "2"], "--hidden, --ffn, --heads, --vocab missing"),
+                          (["--model", "hf:/nonexistent"], "no config.json")):
+        with pytest.raises(SystemExit):
+            cli.main(["plan", *argv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("fsdp8 plan: error: ") and message in err[0], err
+
+
+def test_memory_numbers_are_bytes():
+    p = plan("tiny", gpus_per_node=1)
+    assert isinstance(p.memory.report.main_weights, int) and p.memory.capacity == math.floor(79.1 * GIB)
+    assert plan_setup(p.spec, p.setup).memory.total == p.memory.total
