@@ -95,19 +95,22 @@ def _per_rank_quantization(reference: nn.Module, n: int) -> None:
             module.forward = lambda x, whole=whole: cp.unshard_tensor([whole(cp.shard_tensor(x, r, n)) for r in range(n)])
 
 
-def parity(hf: bool, dp: int, n: int, tp: int = 1, sequence_parallel: bool = False, steps: int = 2,
-           lr: float = 0.5, fp8: bool = False, lp: bool = False) -> Dict[str, float]:
-    """Train at dp_shard ``dp`` x cp ``n`` x tp ``tp`` and in one process; the worst relative
-    error of the loss, every gradient, the first and last chunk's logits and embedding-gradient
-    rows, and every weight after ``steps`` SGD steps (see [Note: the loss over cp ranks] in
-    fsdp8/parallel/cp.py for why each rank's loss is divided by loss_divisor).
+def parity(hf: bool, dp: int, n: int, tp: int = 1, sequence_parallel: bool = False, lp: bool = False,
+           replicate: int = 1, fp8: bool = False, model_kw: Optional[dict] = None, steps: int = 2,
+           lr: float = 0.5) -> Dict[str, float]:
+    """Train at dp_replicate ``replicate`` x dp_shard ``dp`` x cp ``n`` x tp ``tp`` and in one
+    process; the worst relative error of the loss, every gradient, the first and last chunk's
+    logits and embedding-gradient rows, and every weight after ``steps`` SGD steps (see [Note:
+    the loss over cp ranks] in fsdp8/parallel/cp.py for why each rank's loss is divided by
+    loss_divisor). Also checks that fully_shard shards over dp_shard x cp.
 
-    ``fp8``: FP8 current scaling, against the same recipe in one process with each rank's
-    part quantized separately, in lockstep (the reference takes the sharded run's weights
-    before every step: common.lockstep_errors says why). ``lp``: tensor parallelism leaves the
-    logits vocabulary-sharded and the loss runs under torch's loss_parallel()."""
-    mesh = fsdp8.make_mesh(dp_shard=dp, cp=n, tp=tp)
-    model = (hf_llama() if hf else llama(**(dict(n_heads=2, n_kv_heads=1, ffn_dim=64) if fp8 else {})))
+    ``lp``: tensor parallelism leaves the logits vocabulary-sharded and the loss runs under
+    torch's loss_parallel(). ``fp8``: FP8 current scaling, against the same recipe in one
+    process with each rank's part quantized separately, in lockstep (the reference takes the
+    sharded run's weights before every step: common.lockstep_errors says why)."""
+    mesh = fsdp8.make_mesh(dp_replicate=replicate, dp_shard=dp, cp=n, tp=tp)
+    fp8_dims = dict(n_heads=2, n_kv_heads=1, ffn_dim=64) if fp8 else {}
+    model = hf_llama(**(model_kw or {})) if hf else llama(**{**fp8_dims, **(model_kw or {})})
     reference = copy.deepcopy(model)
     recipe = fsdp8.Float8CurrentScaling() if fp8 else None
     if fp8:
@@ -118,11 +121,15 @@ def parity(hf: bool, dp: int, n: int, tp: int = 1, sequence_parallel: bool = Fal
         tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=lp)
     cp.context_parallel(model, mesh, sequence_parallel=sequence_parallel)
     sharded = fsdp8.fully_shard(model, mesh=mesh, fp8=recipe)
+    names = next(iter(sharded.parameters())).device_mesh.mesh_dim_names
+    shards = next(iter(sharded.parameters())).device_mesh.shape[names.index("dp_shard_cp")]
+    assert shards == dp * n, f"main weights on {names}, {shards} shards"
     run, ref = _Run(sharded, hf), _Run(reference, hf)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=lr) for m in (sharded, reference))
     vocab = reference.config.vocab_size
     where = _coords(mesh)
-    dp_rank, cp_rank = where.get("dp_shard", 0), where["cp"]
+    dp_rank, cp_rank = where.get("dp_replicate", 0) * dp + where.get("dp_shard", 0), where["cp"]
+    dp *= replicate
     worst: Dict[str, float] = {}
 
     def note(key, err):

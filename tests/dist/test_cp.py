@@ -46,17 +46,24 @@ def _check(results, tol):
     (1, 2, 2, True, True),
 ])
 def test_llama_parity(dp, cp, tp, sp, lp):
-    _check(run_on_ranks(dp * cp * tp, workers.parity, False, dp, cp, tp, sp, 2, 0.5, False, lp), FP32_TOL)
+    _check(run_on_ranks(dp * cp * tp, workers.parity, False, dp, cp, tp, sp, lp), FP32_TOL)
+
+
+def test_llama_hsdp_and_activation_checkpointing():
+    # dp_replicate 2 x cp 2: the loss divisor counts tokens over the replicas too; each block's
+    # recomputed forward gathers its keys and values again.
+    _check(run_on_ranks(4, workers.parity, False, 1, 2, 1, False, False, 2, False, {"checkpoint_activations": True}),
+           FP32_TOL)
 
 
 @pytest.mark.parametrize("dp, cp, tp, sp, lp", [(1, 2, 1, False, False), (2, 2, 1, False, False), (1, 2, 2, True, True)])
 def test_hf_llama_parity(dp, cp, tp, sp, lp):
     pytest.importorskip("transformers")
-    _check(run_on_ranks(dp * cp * tp, workers.parity, True, dp, cp, tp, sp, 2, 0.5, False, lp), FP32_TOL)
+    _check(run_on_ranks(dp * cp * tp, workers.parity, True, dp, cp, tp, sp, lp), FP32_TOL)
 
 
 def test_fp8_current_scaling_parity():
-    _check(run_on_ranks(2, workers.parity, False, 1, 2, 1, False, 3, 0.5, True), FP8_TOL)
+    _check(run_on_ranks(2, workers.parity, False, 1, 2, 1, False, False, 1, True, None, 3), FP8_TOL)
 
 
 SEQ_6 = ("sequence length 6 is not divisible by 4: context parallelism over cp=2 ranks cuts every sequence into "
