@@ -203,7 +203,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.head_dim = config.head_dim
         std, out_std = config.init_std, config.init_std / math.sqrt(2 * config.n_layers)
         kv_dim = config.n_kv_heads * config.head_dim
         self.wq = Linear(config.dim, config.dim, std)

@@ -101,32 +101,25 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
 
 # -- meshes ---------------------------------------------------------------------------------------
 def _cp_and_tp(mesh: DeviceMesh, sequence_parallel: bool) -> Tuple[DeviceMesh, int]:
-    """The 1-D cp mesh of ``mesh`` and the tp size that splits each rank's sequence part (1
-    without sequence parallelism)."""
+    """The 1-D cp mesh of ``mesh`` (the world mesh or its cp dim) and the tp size that splits
+    each rank's sequence part (1 without sequence parallelism)."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh from fsdp8.make_mesh(cp=N, ...), got {type(mesh).__name__}")
     names = tuple(mesh.mesh_dim_names or ())
     if "cp" in names:
-        cp_mesh = mesh["cp"] if mesh.ndim > 1 else mesh
-        tp = mesh["tp"].size() if "tp" in names else 1
+        cp_mesh = mesh if mesh.ndim == 1 else mesh["cp"]
     elif mesh.ndim == 1 and not names:
-        cp_mesh, tp = mesh, 1
+        cp_mesh = mesh
     else:
         raise ValueError(
             f"mesh with dimensions {names or tuple(mesh.shape)} has no 'cp' dimension; build the world mesh "
-            "with fsdp8.make_mesh(cp=N, ...) (N > 1) and pass it, or its mesh['cp']"
+            "with fsdp8.make_mesh(cp=N, ...) and pass it, or its mesh['cp']"
         )
-    if sequence_parallel and tp == 1 and "tp" not in names:
-        raise ValueError("sequence_parallel=True needs the tp size: pass the world mesh from fsdp8.make_mesh(cp=, tp=)")
-    return cp_mesh, tp if sequence_parallel else 1
-
-
-def _data_dims(mesh: DeviceMesh) -> Tuple[str, ...]:
-    names = tuple(mesh.mesh_dim_names or ())
-    dims = tuple(name for name in ("dp_replicate", "dp_shard", "cp") if name in names)
-    if not dims and mesh.ndim != 1:
-        raise ValueError(f"mesh with dimensions {names} has none of dp_replicate, dp_shard, cp; pass fsdp8.make_mesh(...)")
-    return dims
+    world = tuple(mesh._get_root_mesh().mesh_dim_names or ())
+    if sequence_parallel and "tp" not in world:
+        raise ValueError("sequence_parallel=True, but the mesh has no tp dimension: pass the world mesh from "
+                         "fsdp8.make_mesh(cp=, tp=)")
+    return cp_mesh, mesh._get_root_mesh()["tp"].size() if sequence_parallel else 1
 
 
 # -- batches --------------------------------------------------------------------------------------
@@ -188,18 +181,19 @@ def loss_divisor(labels: torch.Tensor, mesh: DeviceMesh, ignore_index: int = IGN
     global batch and W the data-parallel x cp ranks (see [Note: the loss over cp ranks]).
 
     ``labels``: the labels this rank computes its loss on (after shard_sequence: its part,
-    shifted). Pass the result as ``num_items_in_batch=`` to a Hugging Face causal LM or the
-    built-in Llama; averaging the ranks' losses, which the engine's gradient reduction does,
-    then gives the mean over every token of the global batch. One all-reduce of one number
-    per data-parallel and cp mesh dimension."""
+    shifted), on the mesh's device; ``mesh``: any mesh of fsdp8.make_mesh (its world mesh is
+    what counts). Pass the result as ``num_items_in_batch=`` to a Hugging Face causal LM or
+    the built-in Llama; averaging the ranks' losses, which the engine's gradient reduction
+    does, then gives the mean over every token of the global batch. One all-reduce of one
+    number per data-parallel and cp mesh dimension."""
+    world = mesh._get_root_mesh()
+    names = tuple(world.mesh_dim_names or ())
+    dims = [world[name] for name in ("dp_replicate", "dp_shard", "cp") if name in names] or [world]
     count = (labels != ignore_index).sum()
-    ranks = 1
-    dims = _data_dims(mesh)
-    for sub in [mesh[name] for name in dims] if dims else [mesh]:
+    for sub in dims:
         with record_function("fsdp8::all_reduce[cp loss token count]"):
             dist.all_reduce(count, group=sub.get_group())
-        ranks *= sub.size()
-    return count.to(torch.float32) / ranks
+    return count.to(torch.float32) / math.prod(sub.size() for sub in dims)
 
 
 # -- the attention --------------------------------------------------------------------------------
@@ -234,8 +228,9 @@ class _GatherSequence(torch.autograd.Function):
 
 @torch.compiler.disable
 def _gather(local: torch.Tensor, group, size: int) -> torch.Tensor:
-    # Compiled blocks break the graph here and run the collective eagerly (a c10d call
-    # inside an autograd.Function is not traceable); the attention around it still compiles.
+    # Kept out of torch.compile's graphs: a compiled block breaks its graph here and runs the
+    # c10d collective and its backward eagerly; the attention around it still compiles
+    # (checked: a compiled cp Llama block equals the eager one to fp32 rounding).
     return _GatherSequence.apply(local, group, size)
 
 
@@ -286,11 +281,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, rank: in
 
 
 class ContextAttention:
-    """The attention a context-parallel model calls: ``(q, k, v, scale=None, dropout_p=0.0) -> out``
-    over one cp group, with the checks its model's pre-forward hook runs."""
+    """Context-parallel attention over the cp dim of ``mesh``: ``(q, k, v, scale=None,
+    dropout_p=0.0) -> out`` as ``attention``, with the checks a model's pre-forward hook runs.
 
-    def __init__(self, cp_mesh: DeviceMesh, tp: int = 1):
-        self.group, self.cp, self.rank, self.tp = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), tp
+    What context_parallel puts into a model; a model of one's own calls it from its attention."""
+
+    def __init__(self, mesh: DeviceMesh, sequence_parallel: bool = False):
+        cp_mesh, self.tp = _cp_and_tp(mesh, sequence_parallel)
+        self.group, self.cp, self.rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
 
     def __call__(self, q, k, v, scale: Optional[float] = None, dropout_p: float = 0.0) -> torch.Tensor:
         return attention(q, k, v, self.group, self.rank, self.cp, scale, dropout_p)
@@ -307,7 +305,8 @@ class ContextAttention:
             except ValueError as e:
                 raise ValueError(f"this rank holds {local_len} tokens of each sequence: {e}") from None
 
-    def positions(self, local_len: int, device) -> torch.Tensor:
+    def positions(self, local_len: int, device=None) -> torch.Tensor:
+        """The global positions of this rank's ``local_len`` tokens of each sequence."""
         return rank_positions(local_len * self.cp, self.rank, self.cp, device)
 
 
@@ -320,15 +319,12 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool
     (``shard_sequence``): the built-in Llama computes its tokens' global positions itself,
     a Hugging Face causal LM takes them as ``position_ids`` (filled in when absent) and its
     attention goes through transformers' attention-function registry. Apply it before or
-    after ``tensor_parallel`` and before ``fully_shard``; a cp size of 1 leaves the model as
-    it is. Raises on every rank, before anything is communicated, for a model whose
-    attention it cannot reach (any other model: call ``attention`` from its own attention)."""
+    after ``tensor_parallel`` and before ``fully_shard``. Raises on every rank, before
+    anything is communicated, for a model whose attention it cannot reach (a model of one's
+    own calls a ``ContextAttention`` from its attention)."""
     from ..models.llama import Attention, Llama, causal_attention
 
-    cp_mesh, tp = _cp_and_tp(mesh, sequence_parallel)
-    if cp_mesh.size() == 1:
-        return model
-    context = ContextAttention(cp_mesh, tp)
+    context = ContextAttention(mesh, sequence_parallel)
     if isinstance(model, Llama):
         layers = [m for m in model.modules() if isinstance(m, Attention)]
         if any(layer.attend is not causal_attention for layer in layers):
@@ -344,8 +340,8 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool
         return context_parallel_hf(model, context)
     raise ValueError(
         f"context_parallel knows fsdp8's Llama and Hugging Face models, not {type(model).__name__}; in your own "
-        "model's attention call fsdp8.parallel.cp.attention(q, k, v, mesh['cp'].get_group(), rank, cp) on this "
-        "rank's tokens (cut with shard_sequence), with rotary positions from rank_positions"
+        "model's attention call attend = fsdp8.parallel.cp.ContextAttention(mesh) as attend(q, k, v) on this "
+        "rank's tokens (cut with shard_sequence), rotated at their global positions (attend.positions)"
     )
 
 

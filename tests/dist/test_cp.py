@@ -70,9 +70,9 @@ SEQ_6 = ("sequence length 6 is not divisible by 4: context parallelism over cp=2
          "2 x cp = 4 equal chunks (two per rank, so causal work is balanced)")
 BAD = {
     "not_a_known_model": "context_parallel knows fsdp8's Llama and Hugging Face models, not Sequential; in your own "
-                         "model's attention call fsdp8.parallel.cp.attention(",
+                         "model's attention call attend = fsdp8.parallel.cp.ContextAttention(mesh)",
     "mesh_without_cp": "mesh with dimensions ('dp_shard',) has no 'cp' dimension; build the world mesh with "
-                       "fsdp8.make_mesh(cp=N, ...)",
+                       "fsdp8.make_mesh(cp=N, ...) and pass it, or its mesh['cp']",
     "llama_twice": "already replaced (context_parallel applied twice?); apply it once",
     "odd_sequence": SEQ_6 + "; pad or cut sequences to a multiple of 4",
     "odd_local_tokens": "this rank holds 3 tokens of each sequence: " + SEQ_6,
