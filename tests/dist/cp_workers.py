@@ -215,10 +215,12 @@ def _hf_not_causal() -> nn.Module:
     return model
 
 
-def _twice(build):
+def _cp(build, mesh, sequence_parallel: bool = False) -> nn.Module:
+    """``build()`` made context-parallel over ``mesh`` (tensor-parallel first when sequence-parallel)."""
     model = build()
-    cp.context_parallel(model, _mesh())
-    return model
+    if sequence_parallel:
+        tensor_parallel(model, mesh["tp"], sequence_parallel=True)
+    return cp.context_parallel(model, mesh, sequence_parallel=sequence_parallel)
 
 
 def _hf_batch(seq: int = SEQ, **extra):
@@ -226,51 +228,44 @@ def _hf_batch(seq: int = SEQ, **extra):
     return {"input_ids": tokens, **extra}
 
 
-# name -> (model builder or None, what to do with the context-parallel model and the mesh)
+def _ids(seq: int) -> torch.Tensor:
+    return torch.zeros(2, seq, dtype=torch.long)
+
+
+# name -> what to do with the mesh (cp 2, or cp 2 x tp 2 for the sp_ names)
 BAD_INPUTS = {
-    "not_a_known_model": (lambda: nn.Sequential(nn.Linear(4, 4)), None),
-    "mesh_without_cp": (llama, "mesh"),
-    "llama_twice": (lambda: _twice(llama), None),
-    "odd_sequence": (None, lambda model, mesh: cp.shard_sequence({"tokens": torch.zeros(2, 6, dtype=torch.long)}, mesh)),
-    "odd_local_tokens": (llama, lambda model, mesh: model(torch.zeros(2, 3, dtype=torch.long))),
-    "longer_than_max_seq_len": (lambda: llama(max_seq_len=8), lambda model, mesh: model(torch.zeros(2, 8, dtype=torch.long))),
-    "padding_mask": (None, lambda model, mesh: cp.shard_sequence(
-        _hf_batch(attention_mask=torch.tensor([[1] * 15 + [0]] * 2)), mesh)),
-    "unknown_key": (None, lambda model, mesh: cp.shard_sequence(_hf_batch(token_type_ids=torch.zeros(2, SEQ)), mesh)),
-    "hf_twice": (lambda: _twice(hf_llama), None),
-    "hf_without_registry": (_hf_without_registry, None),
-    "hf_not_causal": (_hf_not_causal, None),
-    "hf_softcap": (lambda: _hf_family("Gemma2", attn_logit_softcapping=50.0, attn_implementation="eager"), None),
-    "hf_sliding_window": (lambda: _hf_family("Mistral", sliding_window=4),
-                          lambda model, mesh: model(**cp.shard_sequence(_hf_batch(), mesh))),
-    "hf_attention_mask": (hf_llama, lambda model, mesh: model(input_ids=torch.zeros(2, 8, dtype=torch.long),
-                                                              attention_mask=torch.ones(2, 8))),
-    "hf_unshifted_labels": (hf_llama, lambda model, mesh: model(input_ids=torch.zeros(2, 8, dtype=torch.long),
-                                                                labels=torch.zeros(2, 8, dtype=torch.long))),
-    "hf_positional": (hf_llama, lambda model, mesh: model(torch.zeros(2, 8, dtype=torch.long), None)),
-    "sp_sequence": (None, lambda model, mesh: cp.shard_sequence({"tokens": torch.zeros(2, 6, dtype=torch.long)},
-                                                                mesh, sequence_parallel=True)),
-    "sp_local_tokens": (llama, lambda model, mesh: model(torch.zeros(2, 3, dtype=torch.long))),
+    "not_a_known_model": lambda mesh: cp.context_parallel(nn.Sequential(nn.Linear(4, 4)), mesh),
+    "mesh_without_cp": lambda mesh: cp.context_parallel(llama(), fsdp8.make_mesh()),
+    "llama_twice": lambda mesh: cp.context_parallel(_cp(llama, mesh), mesh),
+    "odd_sequence": lambda mesh: cp.shard_sequence({"tokens": _ids(6)}, mesh),
+    "odd_local_tokens": lambda mesh: _cp(llama, mesh)(_ids(3)),
+    "longer_than_max_seq_len": lambda mesh: _cp(lambda: llama(max_seq_len=8), mesh)(_ids(8)),
+    "padding_mask": lambda mesh: cp.shard_sequence(_hf_batch(attention_mask=torch.tensor([[1] * 15 + [0]] * 2)), mesh),
+    "unknown_key": lambda mesh: cp.shard_sequence(_hf_batch(token_type_ids=torch.zeros(2, SEQ)), mesh),
+    "hf_twice": lambda mesh: cp.context_parallel(_cp(hf_llama, mesh), mesh),
+    "hf_without_registry": lambda mesh: _cp(_hf_without_registry, mesh),
+    "hf_not_causal": lambda mesh: _cp(_hf_not_causal, mesh),
+    "hf_softcap": lambda mesh: _cp(lambda: _hf_family("Gemma2", attn_logit_softcapping=50.0,
+                                                      attn_implementation="eager"), mesh),
+    "hf_sliding_window": lambda mesh: _cp(lambda: _hf_family("Mistral", sliding_window=4), mesh)(
+        **cp.shard_sequence(_hf_batch(), mesh)),
+    "hf_attention_mask": lambda mesh: _cp(hf_llama, mesh)(input_ids=_ids(8), attention_mask=torch.ones(2, 8)),
+    "hf_unshifted_labels": lambda mesh: _cp(hf_llama, mesh)(input_ids=_ids(8), labels=_ids(8)),
+    "hf_positional": lambda mesh: _cp(hf_llama, mesh)(_ids(8), None),
+    "sp_without_tp": lambda mesh: cp.context_parallel(llama(), mesh, sequence_parallel=True),
+    "sp_sequence": lambda mesh: cp.shard_sequence({"tokens": _ids(6)}, mesh, sequence_parallel=True),
+    "sp_local_tokens": lambda mesh: _cp(llama, mesh, sequence_parallel=True)(_ids(3)),
 }
 
 
 def bad_input(name: str, tp: int = 1):
     """(the error message or None, how many cp key/value gathers ran before it) for BAD_INPUTS[name]."""
-    build, act = BAD_INPUTS[name]
     mesh = _mesh(tp)
     gathers = []
     original = cp._gather
     cp._gather = lambda *a: gathers.append(1) or original(*a)
     try:
-        model = build() if build is not None else None
-        if model is not None and act != "mesh":
-            if tp > 1:
-                tensor_parallel(model, mesh["tp"], sequence_parallel=True)
-            cp.context_parallel(model, mesh, sequence_parallel=tp > 1)
-        if act == "mesh":
-            cp.context_parallel(model, fsdp8.make_mesh())
-        elif act is not None:
-            act(model, mesh)
+        BAD_INPUTS[name](mesh)
         message = None
     except (ValueError, TypeError) as e:
         message = str(e)

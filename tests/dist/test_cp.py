@@ -88,6 +88,8 @@ BAD = {
     "hf_attention_mask": "a context-parallel model takes no attention_mask",
     "hf_unshifted_labels": "labels without shift_labels: the model would shift this rank's part of the labels",
     "hf_positional": "a context-parallel Hugging Face model takes its batch as keyword arguments",
+    "sp_without_tp": "sequence_parallel=True, but the mesh has no tp dimension: pass the world mesh from "
+                     "fsdp8.make_mesh(cp=, tp=)",
     "sp_sequence": SEQ_6 + ", and sequence parallelism splits each rank's part over tp=2; pad or cut sequences to a "
                            "multiple of 4",
     "sp_local_tokens": "this rank holds 3 tokens of each sequence: " + SEQ_6 + ", and sequence parallelism",
@@ -98,7 +100,7 @@ BAD = {
 def test_bad_input_raises_on_every_rank_before_any_collective(name):
     if name.startswith("hf"):
         pytest.importorskip("transformers")
-    tp = 2 if name.startswith("sp_") else 1
+    tp = 2 if name in ("sp_sequence", "sp_local_tokens") else 1
     for message, gathers in run_on_ranks(2 * tp, workers.bad_input, name, tp):
         assert message is not None and BAD[name] in message, message
         assert gathers == 0  # the check came before the first key/value all-gather
