@@ -38,6 +38,7 @@ class BenchConfig:
     dp_replicate: int = 1
     tp: int = 1
     sequence_parallel: bool = False
+    loss_parallel: bool = False
     precision: str = "auto"
     fp8: Optional[str] = None
     activation_checkpointing: str = "none"
@@ -72,6 +73,7 @@ class BenchConfig:
         from .fp8.recipes import recipe_from_name
 
         return ParallelConfig(dp_replicate=self.dp_replicate, tp=self.tp, sequence_parallel=self.sequence_parallel,
+                              loss_parallel=self.loss_parallel,
                               activation_checkpointing=self.activation_checkpointing, strategy=self.strategy,
                               outer_strategy=self.outer_strategy, offload=self.offload,
                               fp8=recipe_from_name(f"fp8-{self.fp8}") if self.fp8 else None, precision=self._precision())
@@ -93,7 +95,8 @@ class BenchConfig:
         return make_setup(spec, cluster, seq_len=self.seq_len, micro_batch=self.micro_batch,
                           global_batch=self.micro_batch * self.accumulation * dp, strategy=self.strategy,
                           outer_strategy=self.outer_strategy, dp_replicate=self.dp_replicate, tp=self.tp,
-                          sequence_parallel=self.sequence_parallel, precision=self.compute_precision(), fp8=self.fp8,
+                          sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel,
+                          precision=self.compute_precision(), fp8=self.fp8,
                           activation_checkpointing=self.activation_checkpointing, offload=self.offload,
                           efficiency=efficiency)
 
@@ -213,6 +216,8 @@ def _build(cfg: BenchConfig, spec: ModelSpec):
 def bench(cfg: BenchConfig) -> Optional[dict]:
     """Run on every rank (spawned by fsdp8.launch or under torchrun); rank 0 prints the result
     (a table, or JSON with ``cfg.json``) and returns it."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
     from .parallel.manager import parallelize
     from .parallel.mesh import init_distributed
 
@@ -236,7 +241,8 @@ def bench(cfg: BenchConfig) -> Optional[dict]:
         tokens = torch.randint(0, spec.vocab, (rows, cfg.seq_len + 1), generator=g)
         batch = model.shard_batch({"x": tokens[:, :-1], "y": tokens[:, 1:]})
         for mb, (x, y) in enumerate(zip(batch["x"].chunk(cfg.accumulation), batch["y"].chunk(cfg.accumulation))):
-            with model.no_sync() if mb < cfg.accumulation - 1 else contextlib.nullcontext():
+            with model.no_sync() if mb < cfg.accumulation - 1 else contextlib.nullcontext(), \
+                    loss_parallel() if cfg.loss_parallel else contextlib.nullcontext():
                 (loss_of(model, x.to(device), y.to(device)) / cfg.accumulation).backward()
         clip_grad_norm_(model, 1.0)
         opt.step()

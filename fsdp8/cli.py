@@ -119,6 +119,8 @@ def _layout_flags(p) -> None:
     p.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (default: %(default)s)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: %(default)s)")
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism with tp (default: off)")
+    p.add_argument("--loss-parallel", action="store_true",
+                   help="keep the logits vocabulary-sharded over tp (default: off, they are gathered)")
     p.add_argument("--fp8", default="none", choices=("none", "current", "delayed", "block", "mxfp8"),
                    help="FP8 recipe of the layers' linears (default: %(default)s)")
     p.add_argument("--ac", default="none", choices=AC_MODES, help="activation checkpointing (default: %(default)s)")
@@ -312,11 +314,12 @@ def _run_plan(args: argparse.Namespace) -> int:
         common = dict(gpu=gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node, seq_len=_given(args.seq_len, 2048),
                       global_batch=args.global_batch, precision=args.precision, fp8=_none(args.fp8), **_sizes(args))
         if args.search:
-            found = search(args.model, top=args.top, **common)
+            found = search(args.model, top=args.top, loss_parallel=args.loss_parallel, **common)
         else:
             result = plan(args.model, micro_batch=_given(args.micro_batch, 1), strategy=args.strategy,
                           outer_strategy=args.outer_strategy, dp_replicate=args.dp_replicate, cp=args.cp, tp=args.tp,
-                          sequence_parallel=args.sequence_parallel, activation_checkpointing=args.ac,
+                          sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel,
+                          activation_checkpointing=args.ac,
                           offload=_none(args.offload), **common)
     except (ValueError, FileNotFoundError) as e:
         _fail("plan", str(e))
@@ -357,7 +360,8 @@ def _run_bench(args: argparse.Namespace) -> int:
                       micro_batch=_given(args.micro_batch, BenchConfig.micro_batch),
                       accumulation=args.accumulation, steps=args.steps, warmup=args.warmup, strategy=args.strategy,
                       outer_strategy=args.outer_strategy, dp_replicate=args.dp_replicate, tp=args.tp,
-                      sequence_parallel=args.sequence_parallel, precision=args.precision, fp8=_none(args.fp8),
+                      sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel,
+                      precision=args.precision, fp8=_none(args.fp8),
                       activation_checkpointing=args.ac, offload=_none(args.offload), gpu=args.gpu, json=args.json)
     try:
         nproc = None if under_torchrun() else resolve_nproc(args.nproc)

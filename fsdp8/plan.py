@@ -38,6 +38,7 @@ class Setup:
     cp: int
     tp: int
     sequence_parallel: bool
+    loss_parallel: bool
     precision: str
     fp8: Optional[str]
     activation_checkpointing: str
@@ -63,7 +64,8 @@ class Setup:
     def describe(self) -> str:
         mesh = f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x tp {self.tp}"
         extra = [f"outer {self.outer_strategy.label}" if self.dp_replicate > 1 else "",
-                 "sequence parallel" if self.sequence_parallel else "", f"offload {self.offload}" if self.offload else ""]
+                 "sequence parallel" if self.sequence_parallel else "", "loss parallel" if self.loss_parallel else "",
+                 f"offload {self.offload}" if self.offload else ""]
         return (f"{mesh}, {self.strategy.label}{''.join(', ' + x for x in extra if x)}, {self.precision}"
                 f"{', fp8 ' + self.fp8 if self.fp8 else ''}, AC {self.activation_checkpointing}")
 
@@ -77,7 +79,7 @@ def _positive(name: str, value) -> int:
 def make_setup(spec: ModelSpec, cluster: Cluster, *, seq_len: int, micro_batch: int = 1,
                global_batch: Optional[int] = None, strategy="optim_grads_params", outer_strategy="no_shard",
                dp_replicate: int = 1, cp: int = 1, tp: int = 1, sequence_parallel: bool = False,
-               precision: str = "bf16", fp8: Optional[str] = None, activation_checkpointing: str = "none",
+               loss_parallel: bool = False, precision: str = "bf16", fp8: Optional[str] = None, activation_checkpointing: str = "none",
                offload: Optional[str] = None, efficiency: Optional[Efficiency] = None) -> Setup:
     """A Setup, or a ValueError saying what cannot work and what would."""
     for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("dp_replicate", dp_replicate),
@@ -91,8 +93,9 @@ def make_setup(spec: ModelSpec, cluster: Cluster, *, seq_len: int, micro_batch: 
     if cp > 1 and seq_len % (2 * cp):
         raise ValueError(f"seq_len {seq_len} is not a multiple of 2 x cp = {2 * cp} (context parallelism gives each "
                          f"rank a head and a tail chunk); use a seq_len that is")
-    if sequence_parallel and tp == 1:
-        raise ValueError("sequence_parallel needs tp > 1")
+    for name, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
+        if value and tp == 1:
+            raise ValueError(f"{name} needs tp > 1")
     if sequence_parallel and seq_len % tp:
         raise ValueError(f"sequence parallelism splits every sequence over tp={tp}: seq_len {seq_len} must be a multiple")
     strategy, outer = Strategy.parse(strategy), OuterStrategy.parse(outer_strategy)
@@ -120,7 +123,7 @@ def make_setup(spec: ModelSpec, cluster: Cluster, *, seq_len: int, micro_batch: 
         raise ValueError(f"global batch {global_batch} is not a multiple of micro batch {micro_batch} x {dp} data-parallel "
                          f"ranks = {per_step}; use a global batch of {per_step} x k sequences")
     return Setup(cluster, seq_len, micro_batch, global_batch, strategy, outer, dp_replicate, cp, tp, sequence_parallel,
-                 precision, fp8, activation_checkpointing, offload, efficiency or Efficiency())
+                 loss_parallel, precision, fp8, activation_checkpointing, offload, efficiency or Efficiency())
 
 
 @dataclass(frozen=True)
@@ -208,7 +211,8 @@ def plan_setup(spec: ModelSpec, setup: Setup) -> Plan:
 def plan(model: Union[str, ModelSpec, None] = None, *, gpu: Union[str, GPU] = "h100", nodes: int = 1,
          gpus_per_node: int = 8, seq_len: int = 2048, micro_batch: int = 1, global_batch: Optional[int] = None,
          strategy="optim_grads_params", outer_strategy="no_shard", dp_replicate: int = 1, cp: int = 1, tp: int = 1,
-         sequence_parallel: bool = False, precision: str = "bf16", fp8: Optional[str] = None,
+         sequence_parallel: bool = False, loss_parallel: bool = False, precision: str = "bf16",
+         fp8: Optional[str] = None,
          activation_checkpointing: str = "none", offload: Optional[str] = None,
          efficiency: Optional[Efficiency] = None, **sizes) -> Plan:
     """Predict memory per rank, communication and step time of training ``model`` on
@@ -218,19 +222,17 @@ def plan(model: Union[str, ModelSpec, None] = None, *, gpu: Union[str, GPU] = "h
     or None with every size given; ``sizes`` (layers, hidden, ffn, heads, kv_heads, vocab, tied)
     override the model's. ``gpu``: a name of ``fsdp8.plan_hw.GPUS`` or a GPU. ``micro_batch``:
     sequences per data-parallel rank per micro-batch; ``global_batch``: sequences per step
-    (default: one micro-batch per rank, no accumulation). ``fp8``: a recipe name
+    (default: one micro-batch per rank, no accumulation). ``loss_parallel``: the head's logits
+    stay vocabulary-sharded over tp (ParallelConfig's, with the loss computed inside
+    torch's ``loss_parallel()``). ``fp8``: a recipe name
     (current, delayed, block, mxfp8). Raises ValueError for a configuration that cannot run."""
     spec = model_spec(model, **sizes)
     cluster = Cluster(gpu if isinstance(gpu, GPU) else gpu_named(gpu), nodes, gpus_per_node)
     setup = make_setup(spec, cluster, seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
                        strategy=strategy, outer_strategy=outer_strategy, dp_replicate=dp_replicate, cp=cp, tp=tp,
-                       sequence_parallel=sequence_parallel, precision=precision, fp8=fp8,
+                       sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, precision=precision, fp8=fp8,
                        activation_checkpointing=activation_checkpointing, offload=offload, efficiency=efficiency)
     return plan_setup(spec, setup)
-
-
-def _gib(n: float) -> str:
-    return f"{n / GIB:10.2f}"
 
 
 def _header(p: Plan) -> List[str]:

@@ -96,24 +96,30 @@ class Efficiency:
     ``gemm``/``fp8_gemm``: dense GEMMs of transformer shapes; ``attention``: torch SDPA's
     flash/efficient kernels, forward and backward; ``hbm``: elementwise and copy kernels;
     ``link``: NCCL bus bandwidth against the per-direction peak (NVLink, network, PCIe alike).
-    ``latency_us``: the fixed cost of one collective. ``allocator``: the caching allocator's
-    reserve above the peak of live tensors; ``runtime_gib``: memory outside torch's allocator
-    (CUDA context, cuBLAS workspaces, NCCL buffers)."""
+    ``latency_us``: the fixed cost of one collective. The host, which launches eager kernels
+    one by one: ``host_op_us`` per op, ``sac_op_us`` more per op of a forward pass under
+    selective checkpointing (its policy runs in Python), ``fp8_linear_host_ms`` per FP8 linear's
+    forward and backward. ``allocator``: the caching allocator's reserve above the peak of live
+    tensors; ``runtime_gib``: memory outside torch's allocator (CUDA context, cuBLAS workspaces,
+    NCCL buffers). The defaults are fitted to one H200 (docs/PLANNING.md)."""
 
-    gemm: float = 0.70
+    gemm: float = 0.65
     fp8_gemm: float = 0.55
-    attention: float = 0.40
-    hbm: float = 0.80
+    attention: float = 0.30
+    hbm: float = 0.70
     link: float = 0.80
     latency_us: float = 20.0
+    host_op_us: float = 10.0
+    sac_op_us: float = 110.0
+    fp8_linear_host_ms: float = 0.8
     allocator: float = 0.10
     runtime_gib: float = 1.0
 
     def __post_init__(self):
+        fractions = ("gemm", "fp8_gemm", "attention", "hbm", "link")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, (int, float)) or value < 0 or (f.name not in ("allocator", "runtime_gib",
-                                                                                    "latency_us") and not value <= 1):
+            if not isinstance(value, (int, float)) or value < 0 or (f.name in fractions and not 0 < value <= 1):
                 raise ValueError(f"Efficiency.{f.name}={value!r} is out of range")
 
 

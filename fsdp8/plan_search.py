@@ -25,6 +25,7 @@ class Candidate:
     cp: int
     tp: int
     sequence_parallel: bool
+    loss_parallel: bool
     strategy: str
     outer_strategy: str
     activation_checkpointing: str
@@ -43,7 +44,7 @@ class Candidate:
         from .config import ParallelConfig
 
         fields = dict(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp,
-                      sequence_parallel=self.sequence_parallel, strategy=self.strategy,
+                      sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel, strategy=self.strategy,
                       outer_strategy=self.outer_strategy, activation_checkpointing=self.activation_checkpointing,
                       offload=self.offload)
         return ParallelConfig(**dict(fields, **overrides))
@@ -55,7 +56,7 @@ class Candidate:
 
 def _candidate(p: Plan) -> Candidate:
     s = p.setup
-    return Candidate(s.dp_replicate, s.dp_shard, s.cp, s.tp, s.sequence_parallel, s.strategy.label,
+    return Candidate(s.dp_replicate, s.dp_shard, s.cp, s.tp, s.sequence_parallel, s.loss_parallel, s.strategy.label,
                      s.outer_strategy.label, s.activation_checkpointing, s.offload, s.micro_batch, s.accumulation, p)
 
 
@@ -65,7 +66,8 @@ def _divisors(n: int) -> List[int]:
 
 def _plans(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, precision: str, fp8: Optional[str],
            efficiency: Optional[Efficiency], strategies: Sequence[str], tps: Iterable[int], cps: Iterable[int],
-           ac_modes: Sequence[str], offloads: Sequence[Optional[str]], max_micro_batch: int) -> List[Plan]:
+           ac_modes: Sequence[str], offloads: Sequence[Optional[str]], max_micro_batch: int,
+           loss_parallel: bool) -> List[Plan]:
     """A prediction for every valid configuration of the space (fitting or not)."""
     world, found = cluster.world, []
     for tp, cp in itertools.product(tps, cps):
@@ -85,7 +87,8 @@ def _plans(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, p
                 try:
                     setup = make_setup(spec, cluster, seq_len=seq_len, micro_batch=micro, global_batch=global_batch,
                                        strategy=strategy, outer_strategy=outer, dp_replicate=replicate, cp=cp, tp=tp,
-                                       sequence_parallel=sp, precision=precision, fp8=fp8,
+                                       sequence_parallel=sp, loss_parallel=loss_parallel and tp > 1,
+                                       precision=precision, fp8=fp8,
                                        activation_checkpointing=ac, offload=offload, efficiency=efficiency)
                 except ValueError:
                     continue
@@ -99,20 +102,21 @@ def search(model: Union[str, ModelSpec, None] = None, *, gpu: Union[str, GPU] = 
            strategies: Sequence[str] = STRATEGY_NAMES, tps: Optional[Iterable[int]] = None,
            cps: Iterable[int] = (1,), ac_modes: Sequence[str] = AC_MODES,
            offloads: Optional[Sequence[Optional[str]]] = None, max_micro_batch: int = 64,
-           top: Optional[int] = None, **sizes) -> List[Candidate]:
+           loss_parallel: bool = False, top: Optional[int] = None, **sizes) -> List[Candidate]:
     """The configurations of ``model`` on the cluster that fit, fastest (predicted tokens/s/GPU)
     first: strategies x outer strategies x dp_replicate x tp x cp x activation checkpointing x
     micro-batch (within ``global_batch``, default one sequence per GPU) x offload x sequence
     parallelism. ``tps`` defaults to the divisors of gpus_per_node (TP inside a node), ``cps``
-    to 1 (fsdp8.ParallelConfig does not take cp > 1 yet). Raises ValueError, saying what
-    would help, when nothing fits."""
+    to 1 (fsdp8.ParallelConfig does not take cp > 1 yet). ``loss_parallel=True`` keeps the
+    logits vocabulary-sharded wherever tp > 1 (for a loss computed inside torch's
+    ``loss_parallel()``). Raises ValueError, saying what would help, when nothing fits."""
     spec = model_spec(model, **sizes)
     cluster = Cluster(gpu if isinstance(gpu, GPU) else gpu_named(gpu), nodes, gpus_per_node)
     global_batch = cluster.world if global_batch is None else global_batch
     offloads = offloads if offloads is not None else ((None,) if fp8 else (None, "optim"))
     tps = tuple(tps) if tps is not None else tuple(_divisors(gpus_per_node))
     plans = _plans(spec, cluster, seq_len, global_batch, precision, fp8, efficiency, strategies, tps, tuple(cps),
-                   ac_modes, offloads, max_micro_batch)
+                   ac_modes, offloads, max_micro_batch, loss_parallel)
     if not plans:
         raise ValueError(f"no configuration of the search space can run {spec.name} on {cluster.world} GPUs with "
                          f"global batch {global_batch} (tp {tps}, cp {tuple(cps)}): the global batch must be a "
@@ -154,7 +158,8 @@ def _more_gpus(spec: ModelSpec, cluster: Cluster, setup: Setup) -> str:
 def _settings(setup: Setup, **overrides) -> dict:
     values = dict(seq_len=setup.seq_len, micro_batch=setup.micro_batch, global_batch=setup.global_batch,
                   strategy=setup.strategy, outer_strategy=setup.outer_strategy, dp_replicate=setup.dp_replicate,
-                  cp=setup.cp, tp=setup.tp, sequence_parallel=setup.sequence_parallel, precision=setup.precision,
+                  cp=setup.cp, tp=setup.tp, sequence_parallel=setup.sequence_parallel,
+                  loss_parallel=setup.loss_parallel, precision=setup.precision,
                   fp8=setup.fp8, activation_checkpointing=setup.activation_checkpointing, offload=setup.offload,
                   efficiency=setup.efficiency)
     return dict(values, **overrides)

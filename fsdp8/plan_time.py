@@ -17,7 +17,7 @@ waits for. Tensor- and context-parallel collectives run on the compute stream: a
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Tuple
 
 from .config import OuterStrategy, Strategy
 from .plan_memory import MAIN_BYTES, REDUCE_BYTES, UnitPlan, chunk_plan, expands_kv
@@ -106,6 +106,8 @@ class Compute:
     root_fwd: float
     root_bwd: float
     flops: float
+    host_layer: float  # the host's time to issue one layer's forward and backward
+    host_root: float
 
 
 def _elementwise_bytes(spec: ModelSpec, setup: "Setup") -> float:
@@ -119,6 +121,11 @@ def _elementwise_bytes(spec: ModelSpec, setup: "Setup") -> float:
     return 2 * (32 + 2 * e) * d + 9 * e * (q + kv) + gqa + 6 * e * d + 5 * e * f
 
 
+# Kernels an eager forward of one Llama block launches (norms in fp32, rotary, the linears,
+# attention, SwiGLU, residuals; counted in fsdp8.models.llama), of the root (embedding, final
+# norm, head, loss), and the engine's per unit and pass (gather, copy-out, pack, reduce, land).
+LAYER_OPS, ROOT_OPS, ENGINE_OPS = 48, 15, 10
+
 # Matmuls whose outputs selective checkpointing recomputes: every second one of the block
 # (wq, wk, wv, wo, w1, w3, w2 in order; parallel/checkpointing.py keeps the odd ones).
 _SELECTIVE_RECOMPUTED = ("wk", "wo", "w3")
@@ -131,7 +138,7 @@ def compute(spec: ModelSpec, setup: "Setup") -> Compute:
     hbm = gpu.hbm_gbps * 1e9 * eff.hbm
     dense = (gpu.bf16_tflops if e == 2 else gpu.fp32_tflops) * 1e12 * eff.gemm
     fp8_rate = gpu.fp8_tflops * 1e12 * eff.fp8_gemm
-    gemm, recompute_gemm, quant, mm_flops, recompute_flops = 0.0, 0.0, 0.0, 0.0, 0.0
+    gemm, recompute_gemm, quant, mm_flops, recompute_flops, fp8_linears = 0.0, 0.0, 0.0, 0.0, 0.0, 0
     for p in spec.block_params():
         if not p.linear:
             continue
@@ -146,6 +153,7 @@ def compute(spec: ModelSpec, setup: "Setup") -> Compute:
             recompute_flops += flops
         if fp8:  # quantize x and dy, and transpose both for the weight gradient
             quant += (e + 3) * (out + inp) * t / hbm
+            fp8_linears += 1
     # Causal attention: QK^T and PV over half the score matrix; backward recomputes the
     # scores (5 matmuls to forward's 2).
     attn_flops = 2 * setup.micro_batch * setup.seq_len ** 2 * spec.q_dim / (setup.cp * tp)
@@ -157,12 +165,20 @@ def compute(spec: ModelSpec, setup: "Setup") -> Compute:
 
     v_local = -(-spec.vocab // tp)
     head = 2 * t * spec.hidden * v_local / dense
-    loss = (32 + 2 * e) * spec.vocab * t / hbm  # logits to fp32, log-softmax and its backward
+    # Logits to fp32, log-softmax and its backward (on this rank's vocabulary under loss parallelism).
+    loss = (32 + 2 * e) * (v_local if setup.loss_parallel else spec.vocab) * t / hbm
     norm = (32 + 2 * e) * spec.hidden * t / hbm
     flops = spec.layers * (3 * mm_flops + recompute_flops + 3.5 * attn_flops + (attn_flops if ac == "full" else 0)) \
         + 3 * 2 * t * spec.hidden * v_local
+    # The host issues every op of forward, backward and recomputation; an FP8 linear costs more
+    # (its forward's share again when recomputed), and selective checkpointing's policy runs
+    # in Python for every op of forward and of the recomputation.
+    passes = 3 + (ac != "none")
+    host_layer = (passes * LAYER_OPS + 2 * ENGINE_OPS) * eff.host_op_us * 1e-6 \
+        + fp8_linears * eff.fp8_linear_host_ms * 1e-3 * (1 + (ac != "none") / 3) \
+        + (2 * LAYER_OPS * eff.sac_op_us * 1e-6 if ac == "selective" else 0.0)
     return Compute(layer_fwd, layer_bwd, root_fwd=head + loss / 3 + norm, root_bwd=2 * head + 2 * loss / 3 + 2 * norm,
-                   flops=flops)
+                   flops=flops, host_layer=host_layer, host_root=(3 * ROOT_OPS + 2 * ENGINE_OPS) * eff.host_op_us * 1e-6)
 
 
 # -- communication and the step ----------------------------------------------------------------
@@ -273,8 +289,9 @@ def _model_parallel(spec: ModelSpec, setup: "Setup", g: Groups) -> List[Transfer
         else:
             calls = 2 * layers * (2 + (ac != "none"))
             out.append(Transfer("TP all-reduce activations", "all_reduce", g.tp, act, "compute", calls + 2))
-        logits = t * -(-spec.vocab // setup.tp) * setup.tp * e
-        out.append(Transfer("TP all-gather logits", "all_gather", g.tp, logits, "compute"))
+        if not setup.loss_parallel:  # replicated logits are gathered; loss parallelism keeps them sharded
+            logits = t * -(-spec.vocab // setup.tp) * setup.tp * e
+            out.append(Transfer("TP all-gather logits", "all_gather", g.tp, logits, "compute"))
     if g.cp.size > 1:
         kv = 2 * t * setup.cp * spec.kv_dim / setup.tp * e  # K and V of the whole sequence
         out += [Transfer("CP all-gather K/V", "all_gather", g.cp, kv, "compute", layers * (1 + (ac != "none"))),
@@ -286,7 +303,8 @@ def _model_parallel(spec: ModelSpec, setup: "Setup", g: Groups) -> List[Transfer
 class StepTime:
     """Seconds of one optimizer step on one rank, by kind, and the collectives behind them."""
 
-    compute: float  # every micro-batch's compute and the engine's copies (casts, packs)
+    compute: float  # every micro-batch's compute and the engine's copies (casts, packs), on the GPU
+    host: float  # the host issuing it all: the step waits for the slower of the two
     model_parallel: float  # TP and CP collectives, on the compute stream
     exposed: float  # data-parallel communication the overlap schedule leaves exposed
     optimizer: float
@@ -295,7 +313,7 @@ class StepTime:
 
     @property
     def step(self) -> float:
-        return self.compute + self.model_parallel + self.exposed + self.optimizer
+        return max(self.compute, self.host) + self.model_parallel + self.exposed + self.optimizer
 
 
 def step_time(spec: ModelSpec, setup: "Setup", units: List[UnitPlan]) -> StepTime:
@@ -355,7 +373,8 @@ def step_time(spec: ModelSpec, setup: "Setup", units: List[UnitPlan]) -> StepTim
         step_level.append(Transfer("all-reduce FP8 amaxes", "all_reduce", world, 4 * amaxes, "compute"))
     issued += step_level
     exposed += sum(_seconds(x, setup) for x in step_level)
-    return StepTime(compute_s, sum(_seconds(x, setup) for x in mp), exposed, optimizer,
+    host = setup.accumulation * (spec.layers * c.host_layer + c.host_root)
+    return StepTime(compute_s, host, sum(_seconds(x, setup) for x in mp), exposed, optimizer,
                     c.flops * setup.accumulation, tuple(_summarize(issued, setup)))
 
 

