@@ -112,6 +112,16 @@ class Precision:
 
 
 AC_MODES = ("none", "full", "selective")
+
+
+def check_checkpointing_with_cp(mode: str, cp: int) -> None:
+    """Raise for the checkpointing modes context parallelism cannot run under yet."""
+    if mode == "selective" and cp > 1:
+        raise NotImplementedError(
+            f"activation_checkpointing='selective' with cp={cp}: the context-parallel attention builds its causal "
+            "mask (torch's causal_lower_right, a tensor subclass) inside the checkpointed forward, which the "
+            "selective policy's dispatch mode cannot create; use activation_checkpointing='full' with cp > 1"
+        )
 _MESH_SIZES = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -121,8 +131,10 @@ class ParallelConfig:
 
     Mesh sizes, ordered ``(dp_replicate, dp_shard, cp, tp)`` as ``fsdp8.make_mesh`` lays
     them out; one of them may be ``-1`` (by default ``dp_shard``): it takes what the world
-    leaves. The batch is split over ``dp_replicate x dp_shard``; the ranks of one tensor-
-    parallel group see the same rows.
+    leaves. The batch's rows are split over ``dp_replicate x dp_shard``; the ranks of one
+    tensor-parallel group see the same rows, and the ``cp`` ranks of one context-parallel
+    group the same rows cut along the sequence (``fsdp8.parallel.cp``: each holds two of
+    ``2 x cp`` chunks of every sequence, and attention all-gathers keys and values).
 
     - ``tp``, ``sequence_parallel``, ``loss_parallel``, ``tp_plan``: tensor parallelism as
       ``fsdp8.tensor_parallel`` applies it; ``tp_plan`` (``{"module pattern":
@@ -188,6 +200,7 @@ class ParallelConfig:
                 f"ParallelConfig.activation_checkpointing={self.activation_checkpointing!r}: use one of "
                 f"{', '.join(map(repr, AC_MODES))}"
             )
+        check_checkpointing_with_cp(self.activation_checkpointing, self.cp)
         self._check_compile()
         self._check_types()
         if self.offload not in (None, "optim"):
@@ -209,11 +222,6 @@ class ParallelConfig:
             raise ValueError(
                 f"only one mesh size may be -1 (inferred), got {' and '.join(inferred)}; dp_shard defaults to -1, "
                 "so give it a size when another one is -1"
-            )
-        if self.cp != 1:
-            raise NotImplementedError(
-                f"cp={self.cp}: context parallelism is not implemented in fsdp8 yet; use cp=1 (split long "
-                "sequences over tensor-parallel ranks with tp=N, sequence_parallel=True meanwhile)"
             )
 
     def _check_tensor_parallel(self) -> None:

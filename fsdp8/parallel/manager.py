@@ -4,11 +4,13 @@
 1. Every check that needs only the config, the model's structure and the world size, on
    every rank alike, so a mistake raises everywhere before any rank communicates.
 2. ``make_mesh``: the world mesh ``(dp_replicate, dp_shard, cp, tp)``.
-3. Tensor parallelism (``tensor_parallel``): it must come first, because the engine takes
-   a TP parameter as a DTensor and shards its local piece.
-4. ``fully_shard`` over the data-parallel dims, converting linears to FP8 inside; it picks
-   the units.
-5. Activation checkpointing, then ``torch.compile``, of each unit's forward: the units are
+3. Tensor parallelism (``tensor_parallel``): it must come before sharding, because the
+   engine takes a TP parameter as a DTensor and shards its local piece.
+4. Context parallelism (``context_parallel``): the attention of each rank's sequence chunks.
+5. ``fully_shard`` over the data-parallel dims (``dp_shard`` flattened with ``cp``: cp ranks
+   hold different tokens of the same rows, so they share parameter shards like dp ranks),
+   converting linears to FP8 inside; it picks the units.
+6. Activation checkpointing, then ``torch.compile``, of each unit's forward: the units are
    exactly the engine's, and both wrap the instance's ``forward``, inside the engine's
    hooks (checkpointing.py [Note: checkpointing inside the engine's hooks]). Wrapping a
    forward changes no module, name or parameter, so doing it after sharding is the same as
@@ -28,10 +30,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..config import ParallelConfig, Precision
+from ..config import ParallelConfig, Precision, check_checkpointing_with_cp
 from ..engine.model import ShardedModel, fully_shard
+from ..models.llama import Llama
 from . import hf
 from .checkpointing import checkpoint_units
+from .cp import context_parallel, loss_divisor, shard_sequence
 from .mesh import init_distributed, make_mesh, mesh_dims, tp_mesh
 from .tp import _family_plan, tensor_parallel
 
@@ -42,6 +46,7 @@ class _Layout:
     config: ParallelConfig
     dp_rank: int
     dp_size: int
+    cp: int
 
 
 class ParallelizedModel:
@@ -65,7 +70,7 @@ class ParallelizedModel:
     @property
     def device_mesh(self) -> DeviceMesh:
         """The world mesh, dimensions named ``dp_replicate``, ``dp_shard``, ``cp``, ``tp`` (sizes > 1;
-        ``dp_shard`` always)."""
+        ``dp_shard`` always); e.g. ``model.device_mesh["cp"]`` for the context-parallel group."""
         return self._fsdp8_parallel.mesh
 
     @property
@@ -77,9 +82,16 @@ class ParallelizedModel:
         rows ``[dp_rank * b, (dp_rank + 1) * b)`` of every tensor, ``b = rows / dp_size``
         (views: nothing is copied or moved). A tensor with one row beside larger ones (HF
         ``position_ids`` of shape ``(1, seq)``) is broadcast over the batch and passed whole,
-        as are numbers, strings, None and 0-d tensors."""
-        # Context parallelism (a later issue) will cut each row's sequence after this.
-        return take_rows(batch, self.dp_rank, self.dp_size)
+        as are numbers, strings, None and 0-d tensors.
+
+        With context parallelism, each row's sequence is then cut into this rank's chunks
+        (``fsdp8.parallel.cp.shard_sequence``: Hugging Face labels shifted before the cut,
+        global ``position_ids`` added), and ``num_items_in_batch`` is added (the global
+        batch's valid labels over the data-parallel x cp ranks: one all-reduce, so every rank
+        must call this) for the loss to be the mean over the whole global batch."""
+        rows = take_rows(batch, self.dp_rank, self.dp_size)
+        layout = self._fsdp8_parallel
+        return cut_sequences(rows, layout.mesh, layout.config.sequence_parallel) if layout.cp > 1 else rows
 
 
 _PASSED_WHOLE = (int, float, bool, str, type(None))
@@ -118,11 +130,22 @@ def take_rows(batch: Mapping[str, Any], rank: int, size: int) -> Dict[str, Any]:
     return out
 
 
+def cut_sequences(rows: Dict[str, Any], mesh: DeviceMesh, sequence_parallel: bool) -> Dict[str, Any]:
+    """This cp rank's chunks of the sequences of ``rows`` and the loss divisor that goes with them."""
+    sequences = {k: v for k, v in rows.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    out = {k: v for k, v in rows.items() if k not in sequences}
+    out.update(shard_sequence(sequences, mesh, sequence_parallel))
+    labels = out.get("labels", out.get("targets"))  # this rank's, shifted for HF models
+    if labels is not None and "num_items_in_batch" not in out:
+        out["num_items_in_batch"] = loss_divisor(labels, mesh)
+    return out
+
+
 def parallelize(model: nn.Module, config: Optional[ParallelConfig] = None) -> ShardedModel:
     """Lay ``model`` out over every rank as ``config`` says and return it sharded, in place.
 
-    Builds the world mesh, applies tensor (and sequence) parallelism, shards parameters,
-    gradients and optimizer state over the data-parallel ranks (FP8 conversion inside),
+    Builds the world mesh, applies tensor (and sequence) and context parallelism, shards
+    parameters, gradients and optimizer state over the data-parallel ranks (FP8 conversion inside),
     and checkpoints and compiles each unit; see [Note: the order of parallelize]. Hugging
     Face causal LMs need nothing else: their decoder layers are the units and their
     ``base_model_tp_plan`` the TP plan. The result is a ShardedModel that is also a
@@ -136,13 +159,22 @@ def parallelize(model: nn.Module, config: Optional[ParallelConfig] = None) -> Sh
     _check_model(model, config, is_hf)
     init_distributed()
     sizes = mesh_dims(dist.get_world_size(), config.dp_replicate, config.dp_shard, config.cp, config.tp)
-    tp = sizes.get("tp", 1)
+    tp, cp = sizes.get("tp", 1), sizes.get("cp", 1)
     _check_tensor_parallel(model, config, tp, is_hf)
+    check_checkpointing_with_cp(config.activation_checkpointing, cp)  # cp=-1 resolved
+    if cp > 1 and not (is_hf or isinstance(model, Llama)):
+        raise ValueError(
+            f"context parallelism (cp={cp}) replaces the attention of fsdp8's Llama and of Hugging Face models, not "
+            f"of {type(model).__name__}; use cp=1, or build the world mesh yourself and call "
+            "fsdp8.parallel.cp.ContextAttention from your model's attention"
+        )
     offload = _offload_kwargs(config)
 
     mesh = make_mesh(config.dp_replicate, config.dp_shard, config.cp, config.tp)
     if tp > 1:
         _apply_tensor_parallel(model, config, tp_mesh(mesh), is_hf)
+    if cp > 1:
+        context_parallel(model, mesh, config.sequence_parallel)
     precision = config.precision or _automatic_precision(mesh)
     units = config.units if config.units is not None else (hf.decoder_layers(model) if is_hf else None)
     sharded = fully_shard(model, mesh=mesh, units=units, strategy=config.strategy,
@@ -158,7 +190,7 @@ def parallelize(model: nn.Module, config: Optional[ParallelConfig] = None) -> Sh
     if config.skip_packed_sequence_check:
         hf.skip_packed_sequence_check()
     dp_rank, dp_size = _data_parallel_place(mesh)
-    sharded._fsdp8_parallel = _Layout(mesh, config, dp_rank, dp_size)
+    sharded._fsdp8_parallel = _Layout(mesh, config, dp_rank, dp_size, cp)
     sharded.__class__ = _parallelized_class(type(sharded))
     return sharded
 
@@ -179,11 +211,14 @@ def _check_model(model: nn.Module, config: ParallelConfig, is_hf: bool) -> None:
             f"skip_packed_sequence_check replaces a check of Hugging Face attention, but {type(model).__name__} is "
             "not a transformers model; drop the option"
         )
-    if is_hf and config.activation_checkpointing != "none" and getattr(model, "is_gradient_checkpointing", False):
+    # transformers 5.2x renamed the property (the old name warns).
+    hf_checkpointing = next((name for name in ("is_activation_checkpointing", "is_gradient_checkpointing")
+                             if hasattr(type(model), name)), None)
+    if config.activation_checkpointing != "none" and hf_checkpointing and getattr(model, hf_checkpointing):
         raise ValueError(
             "the model has Hugging Face gradient checkpointing enabled as well as "
             f"activation_checkpointing={config.activation_checkpointing!r}, which would recompute twice; call "
-            "model.gradient_checkpointing_disable() and let parallelize checkpoint"
+            f"model.{hf_checkpointing[3:]}_disable() and let parallelize checkpoint"
         )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,8 @@ VARIANTS = {
     "full": {"activation_checkpointing": "full"},
     "selective": {"activation_checkpointing": "selective"},
     "sp": {"sequence_parallel": True, "loss_parallel": True, "activation_checkpointing": "selective"},
+    "offload": {"offload": "optim", "activation_checkpointing": "full"},
+    "sp_full": {"sequence_parallel": True, "loss_parallel": True, "activation_checkpointing": "full"},
 }
 HF_FAMILIES = {  # family -> (config class, model class, config overrides)
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -154,7 +156,7 @@ def parallel_run(model: nn.Module, family: str, config: fsdp8.ParallelConfig, re
     tied = not hasattr(model, "lm_head") or not model.config.tie_word_embeddings or (
         model.lm_head.weight is model.get_input_embeddings().weight)
     return {"errors": worst, "gathers": gathers, "layer_calls": recomputed, "dp": (model.dp_rank, model.dp_size),
-            "tied": tied, "class": type(model).__name__}
+            "tied": tied, "class": type(model).__name__, "offloaded": getattr(model.memory_report(), "offloaded", None)}
 
 
 def parity(family: str, layout: dict, variants: List[str]) -> dict:
@@ -168,7 +170,8 @@ def parity(family: str, layout: dict, variants: List[str]) -> dict:
 
 def families(names: List[str]) -> dict:
     """Every installed family of ``names`` at dp 2 x tp 2, sequence parallel and selective
-    checkpointing (the most that must fit together); families transformers lacks are left out."""
+    checkpointing (the most that must fit together), or the error of a family for which the
+    installed transformers gives no usable plan; families transformers lacks are left out."""
     import transformers
 
     out = {}
@@ -177,8 +180,11 @@ def families(names: List[str]) -> dict:
             continue
         initial = build(family)
         reference = reference_run(copy.deepcopy(initial), family)
-        out[family] = parallel_run(copy.deepcopy(initial), family, fsdp8.ParallelConfig(tp=2, **VARIANTS["sp"]),
-                                   reference)
+        try:
+            out[family] = parallel_run(copy.deepcopy(initial), family,
+                                       fsdp8.ParallelConfig(tp=2, **VARIANTS["sp"]), reference)
+        except ValueError as e:
+            out[family] = {"no plan": str(e)}
     return out
 
 
@@ -237,6 +243,7 @@ def from_checkpoint_directory(path: str, family: str = "qwen2") -> dict:
     direct = fsdp8.parallelize(transformers.AutoModelForCausalLM.from_pretrained(path), fsdp8.ParallelConfig(tp=2))
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
+    torch.manual_seed(0)  # meta init draws on every rank (rank 0 drew more for the saved model)
     meta = fsdp8.parallelize(meta, fsdp8.ParallelConfig(tp=2))
     fsdp8.load_pretrained(meta, path)
     out = {}
@@ -276,17 +283,21 @@ def packed_sequence_check() -> dict:
         flash_utils._is_packed_sequence = original
 
 
-def bad_world(kwargs: dict, family: str = "builtin") -> Optional[str]:
-    """The error parallelize raises for a config that fits no world of this size (or None),
-    and whether the model's parameters were left untouched."""
-    model = build(family) if family != "mlp" else nn.Sequential(nn.Linear(8, 8)).to(common.device())
-    before = [id(p) for p in model.parameters()]
-    try:
-        fsdp8.parallelize(model, fsdp8.ParallelConfig(**kwargs))
-        message = None
-    except (ValueError, TypeError, NotImplementedError) as e:
-        message = str(e)
-    return message, [id(p) for p in model.parameters()] == before
+def bad_worlds(cases: List[tuple]) -> List[tuple]:
+    """For each ``(family, ParallelConfig kwargs)`` that this world cannot run: parallelize's
+    error (or None) and whether the model's parameters were left as they were (nothing was
+    distributed before the error)."""
+    out = []
+    for family, kwargs in cases:
+        model = nn.Sequential(nn.Linear(8, 8)).to(common.device()) if family == "mlp" else build(family)
+        before = [id(p) for p in model.parameters()]
+        try:
+            fsdp8.parallelize(model, fsdp8.ParallelConfig(**kwargs))
+            message = None
+        except (ValueError, TypeError) as e:
+            message = str(e)
+        out.append((message, [id(p) for p in model.parameters()] == before))
+    return out
 
 
 def compiled(family: str, options: dict) -> dict:

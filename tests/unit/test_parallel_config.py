@@ -25,6 +25,7 @@ def test_defaults_and_normalised_strategies():
     assert ok.outer_strategy is OuterStrategy.OPTIM
     # tp inferred: sequence parallel is checked against the world's tp at parallelize time.
     assert ParallelConfig(dp_shard=2, tp=-1, sequence_parallel=True).tp == -1
+    assert ParallelConfig(cp=2, activation_checkpointing="full").cp == 2
 
 
 BAD = [
@@ -33,7 +34,8 @@ BAD = [
     (dict(tp=True), ValueError, "ParallelConfig.tp must be a positive int"),
     (dict(dp_shard=2.0), ValueError, "dp_shard must be a positive int"),
     (dict(tp=-1), ValueError, "only one mesh size may be -1 (inferred), got dp_shard and tp; dp_shard defaults to -1"),
-    (dict(cp=2), NotImplementedError, "cp=2: context parallelism is not implemented in fsdp8 yet; use cp=1"),
+    (dict(cp=2, activation_checkpointing="selective"), NotImplementedError,
+     "activation_checkpointing='selective' with cp=2: the context-parallel attention builds its causal mask"),
     (dict(sequence_parallel=True), ValueError,
      "sequence_parallel need tensor parallelism, but tp=1; set tp=N (N > 1 dividing the world) or drop sequence_parallel"),
     (dict(loss_parallel=True, sequence_parallel=True), ValueError, "sequence_parallel and loss_parallel need tensor"),
@@ -110,3 +112,17 @@ def test_take_rows_errors(batch, size, error, message):
     with pytest.raises(error) as info:
         take_rows(batch, 0, size)
     assert message in str(info.value)
+
+
+def test_hf_gradient_checkpointing_and_ours_together_are_refused():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    model = transformers.LlamaForCausalLM(config)
+    # transformers 5.2x renamed gradient_checkpointing_* to activation_checkpointing_*.
+    name = "activation_checkpointing" if hasattr(model, "activation_checkpointing_enable") else "gradient_checkpointing"
+    getattr(model, f"{name}_enable")()
+    with pytest.raises(ValueError, match="Hugging Face gradient checkpointing enabled as well as "
+                                         "activation_checkpointing='full', which would recompute twice; call "
+                                         f"model.{name}_disable\\(\\)"):
+        fsdp8.parallelize(model, ParallelConfig(activation_checkpointing="full"))
