@@ -44,9 +44,11 @@ class GPU:
 # - B200 in HGX B200 (NVIDIA HGX B200 datasheet, per GPU): FP8 4.5 PFLOP/s, BF16 2.25,
 #   FP32 75 TFLOP/s, 180 GB HBM3e at 7.7 TB/s, NVLink 5 1.8 TB/s (900 GB/s each way).
 # Network: one 400 Gb/s NIC (ConnectX-7) per GPU, as in DGX/HGX H100, H200 and B200 nodes:
-# 50 GB/s each way. Memory: what torch sees, a little under the datasheet's GB
-# (torch.cuda.get_device_properties on the lent H100 and H200; B200 from nvidia-smi's
-# 183,359 MiB). Host bandwidth: a two-socket node's ~320 GB/s of DRAM bandwidth shared by 8 GPUs.
+# 50 GB/s each way. Memory: what torch sees. H200: torch.cuda.get_device_properties on the
+# lent H200 (150,109,880,320 bytes, 615 MiB under nvidia-smi's 143,771 MiB); H100: nvidia-smi's
+# 81,559 MiB on the lent H100 less the same 615 MiB; B200: 179, what a provider's HGX B200
+# documentation reports (not measured here). Host bandwidth: a two-socket node's ~320 GB/s of
+# DRAM bandwidth shared by 8 GPUs (an assumption, used only with CPU offload).
 GPUS = {
     "h100": GPU("h100", 79.1, 989.0, 1979.0, 67.0, 3350.0, 450.0, 50.0, 64.0, 40.0),
     "h200": GPU("h200", 139.8, 989.0, 1979.0, 67.0, 4800.0, 450.0, 50.0, 64.0, 40.0),
