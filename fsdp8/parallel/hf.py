@@ -1,4 +1,4 @@
-"""Hugging Face specifics of parallelize: decoder-layer units, per-head norms under TP, KV caches, the packed-sequence check.
+"""Hugging Face specifics of parallelize: decoder-layer units, per-head norms under TP, KV caches, packed sequences.
 
 Nothing here imports transformers unless the model is one of its models.
 """

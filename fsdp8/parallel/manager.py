@@ -183,7 +183,7 @@ def parallelize(model: nn.Module, config: Optional[ParallelConfig] = None) -> Sh
     unit_modules = [unit.module for unit in sharded._fsdp8.units]
     if config.activation_checkpointing != "none":
         checkpoint_units(unit_modules, config.activation_checkpointing, hf.without_cache if is_hf else None)
-    if config.compile:
+    if config.compile is not False:  # True, or a dict of torch.compile options ({} too)
         options = {} if config.compile is True else dict(config.compile)
         for module in unit_modules:
             module.forward = torch.compile(module.forward, **options)

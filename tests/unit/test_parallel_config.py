@@ -37,7 +37,8 @@ BAD = [
     (dict(cp=2, activation_checkpointing="selective"), NotImplementedError,
      "activation_checkpointing='selective' with cp=2: the context-parallel attention builds its causal mask"),
     (dict(sequence_parallel=True), ValueError,
-     "sequence_parallel need tensor parallelism, but tp=1; set tp=N (N > 1 dividing the world) or drop sequence_parallel"),
+     "sequence_parallel need tensor parallelism, but tp=1; set tp=N (N > 1 dividing the world) or drop "
+     "sequence_parallel"),
     (dict(loss_parallel=True, sequence_parallel=True), ValueError, "sequence_parallel and loss_parallel need tensor"),
     (dict(tp_plan={"head": ColwiseParallel()}), ValueError, "tp_plan need tensor parallelism, but tp=1"),
     (dict(tp=2, tp_plan={"head": "colwise"}), TypeError,
