@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel

@@ -334,7 +334,8 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool
         model.register_forward_pre_hook(_llama_pre_forward(context, model.config.max_seq_len), prepend=True,
                                         with_kwargs=True)
         return model
-    from .cp_hf import context_parallel_hf, is_hf_model
+    from .cp_hf import context_parallel_hf
+    from .hf import is_hf_model
 
     if is_hf_model(model):
         return context_parallel_hf(model, context)

@@ -22,18 +22,9 @@ from __future__ import annotations
 
 import itertools
 
-import torch
 import torch.nn as nn
 
 _names = itertools.count()
-
-
-def is_hf_model(model: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return False
-    return isinstance(model, PreTrainedModel)
 
 
 def _check_attention(model: nn.Module) -> None:

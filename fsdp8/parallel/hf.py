@@ -1,4 +1,4 @@
-"""Hugging Face specifics of parallelize: decoder-layer units, per-head norms under TP, KV caches, packed sequences.
+"""Hugging Face specifics of parallelize: decoder-layer units, KV caches, packed sequences.
 
 Nothing here imports transformers unless the model is one of its models.
 """
@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import functools
 import sys
-from fnmatch import fnmatchcase
-from typing import Callable, Dict, Optional
+from typing import Callable, Optional
 
 import torch.nn as nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
 # Keyword arguments of a decoder layer that carry the KV cache (5.x name, 4.5x name).
 _CACHE_KWARGS = ("past_key_values", "past_key_value")
@@ -45,33 +43,6 @@ def without_cache(kwargs: dict) -> dict:
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
     return kwargs
-
-
-def per_head_norm_plan(model: nn.Module, plan: Dict[str, ParallelStyle]) -> Dict[str, ParallelStyle]:
-    """Styles for norms that see attention heads (Qwen3's and Gemma 3's ``q_norm``/``k_norm``)
-    inside a module whose projections ``plan`` column-shards.
-
-    Such a norm gets this rank's heads only, so its replicated weight's gradient is a
-    partial sum over tp (transformers calls the style ``replicated_with_grad_allreduce``).
-    ``SequenceParallel(sequence_dim=0)`` says just that to DTensor: the weight becomes a
-    ``Replicate`` DTensor and the input a piece of a tensor whose rows (here: heads) differ
-    between ranks, so the norm over the last dim stays local, the output is handed back as
-    the local tensor, and the weight's gradient comes out ``Partial``, which the engine sums
-    over tp. Left plain, each tp rank would update it from its own heads and the ranks'
-    copies would drift apart."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    modules = dict(model.named_modules())
-    owners = {name.rsplit(".", 1)[0] for name in modules
-              if "." in name and any(fnmatchcase(name, p) and isinstance(s, ColwiseParallel) for p, s in plan.items())}
-    styles: Dict[str, ParallelStyle] = {}
-    for name, module in modules.items():
-        params = list(module.parameters())
-        # A head's width, not the hidden size: a norm on the residual stream is not one of these.
-        per_head = params and all(p.shape[-1] == head_dim != config.hidden_size for p in params)
-        if per_head and "norm" in type(module).__name__.lower() and any(name.startswith(o + ".") for o in owners):
-            styles[name] = SequenceParallel(sequence_dim=0, use_local_output=True)
-    return styles
 
 
 def skip_packed_sequence_check() -> None:

@@ -37,7 +37,7 @@ from . import hf
 from .checkpointing import checkpoint_units
 from .cp import context_parallel, loss_divisor, shard_sequence
 from .mesh import init_distributed, make_mesh, mesh_dims, tp_mesh
-from .tp import _family_plan, tensor_parallel
+from .tp import family_plan, tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ def parallelize(model: nn.Module, config: Optional[ParallelConfig] = None) -> Sh
 
     mesh = make_mesh(config.dp_replicate, config.dp_shard, config.cp, config.tp)
     if tp > 1:
-        _apply_tensor_parallel(model, config, tp_mesh(mesh), is_hf)
+        _apply_tensor_parallel(model, config, tp_mesh(mesh))
     if cp > 1:
         context_parallel(model, mesh, config.sequence_parallel)
     precision = config.precision or _automatic_precision(mesh)
@@ -229,7 +229,7 @@ def _check_tensor_parallel(model: nn.Module, config: ParallelConfig, tp: int, is
             raise ValueError(f"{' and '.join(wanting)} need tensor parallelism, but tp came out as 1 on "
                              f"{dist.get_world_size()} ranks; give tp a size > 1 or drop {' and '.join(wanting)}")
         return
-    if config.tp_plan is None and _family_plan(model, config.sequence_parallel, config.loss_parallel) is None:
+    if config.tp_plan is None and family_plan(model, config.sequence_parallel, config.loss_parallel) is None:
         hint = ("its config has no base_model_tp_plan naming its modules" if is_hf
                 else "fsdp8 knows the plans of its own Llama and of Hugging Face models")
         raise ValueError(
@@ -239,13 +239,9 @@ def _check_tensor_parallel(model: nn.Module, config: ParallelConfig, tp: int, is
         )
 
 
-def _apply_tensor_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, is_hf: bool) -> None:
-    plan = config.tp_plan
-    if plan is None and is_hf:
-        family = _family_plan(model, config.sequence_parallel, config.loss_parallel)
-        plan = hf.per_head_norm_plan(model, family.styles) or None
+def _apply_tensor_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> None:
     try:
-        tensor_parallel(model, mesh, plan=plan, sequence_parallel=config.sequence_parallel,
+        tensor_parallel(model, mesh, plan=config.tp_plan, sequence_parallel=config.sequence_parallel,
                         loss_parallel=config.loss_parallel)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{e} (parallelize passes ParallelConfig.tp_plan as tensor_parallel's plan)") from None

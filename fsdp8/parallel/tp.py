@@ -96,7 +96,7 @@ def llama_plan(config, sequence_parallel: bool = False, loss_parallel: bool = Fa
     return FamilyPlan(styles, heads=heads, vocab_modules=("embed", "head"))
 
 
-def _family_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> Optional[FamilyPlan]:
+def family_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> Optional[FamilyPlan]:
     from ..models.llama import Llama
     from .tp_hf import hf_plan
 
@@ -305,7 +305,7 @@ def tensor_parallel(
             f"{type(model).__name__} already has DTensor parameters ({', '.join(distributed[:3])}, ...); apply "
             "tensor_parallel once, to the plain model, before fully_shard"
         )
-    family = _family_plan(model, sequence_parallel, loss_parallel)
+    family = family_plan(model, sequence_parallel, loss_parallel)
     if family is None and plan is None:
         raise ValueError(
             f"no automatic tensor-parallel plan for {type(model).__name__} (there is one for fsdp8's Llama and for "

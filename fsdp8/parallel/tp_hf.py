@@ -98,6 +98,11 @@ def hf_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool):
             count = text.num_attention_heads
         if count is not None and isinstance(style, ColwiseParallel):
             heads.append((field, count, pattern))
+    per_head = per_head_norm_plan(model, styles)
+    styles.update(per_head)
+    # transformers' "replicated_with_grad_allreduce" on q/k norms is what the per-head styles do.
+    unsupported = {pattern: kind for pattern, kind in unsupported.items()
+                   if not any(fnmatchcase(name, pattern) for name in per_head)}
     if sequence_parallel:
         styles.update(_residual_norms(model, names, styles))
     seq = Shard(1) if sequence_parallel else None
@@ -119,7 +124,11 @@ def _residual_norms(model: nn.Module, names, styles: Dict[str, ParallelStyle]) -
     """SequenceParallel for the norms on the residual stream: every norm module (by class
     name, as HF names them: ``*RMSNorm``, ``*LayerNorm``) outside the modules that own a
     sharded projection (a q/k norm inside attention sees heads, not sequence shards)."""
-    sharded = [name for name in names if any(fnmatchcase(name, pattern) for pattern in styles)]
+    # Owners of split projections (attention, MLP); an embedding the plan names (transformers
+    # >= 5.1x's "embedding_rowwise") would make the whole base model an owner.
+    modules = dict(model.named_modules())
+    sharded = [name for name in names if any(fnmatchcase(name, pattern) for pattern in styles)
+               and not isinstance(modules[name], nn.Embedding)]
     owners = {name.rsplit(".", 1)[0] for name in sharded if "." in name}
     norms = {}
     for name, module in model.named_modules():
@@ -129,3 +138,30 @@ def _residual_norms(model: nn.Module, names, styles: Dict[str, ParallelStyle]) -
             continue
         norms[name] = SequenceParallel()
     return norms
+
+
+def per_head_norm_plan(model: nn.Module, plan: Dict[str, ParallelStyle]) -> Dict[str, ParallelStyle]:
+    """Styles for norms that see attention heads (Qwen3's and Gemma 3's ``q_norm``/``k_norm``)
+    inside a module whose projections ``plan`` column-shards.
+
+    Such a norm gets this rank's heads only, so its replicated weight's gradient is a
+    partial sum over tp (transformers calls the style ``replicated_with_grad_allreduce``).
+    ``SequenceParallel(sequence_dim=0)`` says just that to DTensor: the weight becomes a
+    ``Replicate`` DTensor and the input a piece of a tensor whose rows (here: heads) differ
+    between ranks, so the norm over the last dim stays local, the output is handed back as
+    the local tensor, and the weight's gradient comes out ``Partial``, which the engine sums
+    over tp. Left plain, each tp rank would update it from its own heads and the ranks'
+    copies would drift apart."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    modules = dict(model.named_modules())
+    owners = {name.rsplit(".", 1)[0] for name in modules
+              if "." in name and any(fnmatchcase(name, p) and isinstance(s, ColwiseParallel) for p, s in plan.items())}
+    styles: Dict[str, ParallelStyle] = {}
+    for name, module in modules.items():
+        params = list(module.parameters())
+        # A head's width, not the hidden size: a norm on the residual stream is not one of these.
+        per_head = params and all(p.shape[-1] == head_dim != config.hidden_size for p in params)
+        if per_head and "norm" in type(module).__name__.lower() and any(name.startswith(o + ".") for o in owners):
+            styles[name] = SequenceParallel(sequence_dim=0, use_local_output=True)
+    return styles

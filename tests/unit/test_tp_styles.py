@@ -22,3 +22,21 @@ def test_style_strings(sp):
     assert isinstance(_style("embedding_colwise", sp), ColwiseParallel)
     assert isinstance(_style("sequence_parallel", sp), SequenceParallel)
     assert _style("packed_colwise", sp) is None  # no torch equivalent: reported by tensor_parallel
+
+
+def test_embedding_in_the_plan_keeps_sequence_parallel_norms():
+    # transformers 5.17 adds "embed_tokens": "embedding_rowwise" to a tied model's plan; that
+    # must not make the base model an "owner" of split projections and strip its norms.
+    transformers = pytest.importorskip("transformers")
+    from fsdp8.parallel.tp import family_plan
+
+    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      tie_word_embeddings=True)
+    model = transformers.Qwen2ForCausalLM(config)
+    plan = dict(config.base_model_tp_plan)
+    plan["embed_tokens"] = "embedding_rowwise"
+    config.base_model_tp_plan = plan
+    styles = family_plan(model, sequence_parallel=True, loss_parallel=False).styles
+    norms = [n for n, s in styles.items() if isinstance(s, SequenceParallel)]
+    assert "model.norm" in norms and "model.layers.0.input_layernorm" in norms, norms
