@@ -161,21 +161,26 @@ def hf_spec(path: str) -> ModelSpec:
         raise FileNotFoundError(f"hf:{path}: no config.json there; give a Hugging Face model directory")
     with open(file) as f:
         config = json.load(f)
+    return hf_spec_of(config, os.path.basename(os.path.normpath(path)), f"hf:{path}")
+
+
+def hf_spec_of(config: dict, name: str = "", where: str = "the model") -> ModelSpec:
+    """A ModelSpec from a Hugging Face config as a dict (config.json, or ``config.to_dict()``)."""
     config = config.get("text_config", config)
     kind = config.get("model_type", "?")
     if kind not in HF_TYPES:
-        raise ValueError(f"hf:{path}: model_type {kind!r} is not a Llama-family decoder the planner knows "
+        raise ValueError(f"{where}: model_type {kind!r} is not a Llama-family decoder the planner knows "
                          f"({', '.join(HF_TYPES)}); give the sizes with --layers --hidden --ffn --heads --vocab instead")
     try:
         heads = config["num_attention_heads"]
         spec = ModelSpec(
-            name=os.path.basename(os.path.normpath(path)) or kind, layers=config["num_hidden_layers"],
+            name=name or kind, layers=config["num_hidden_layers"],
             hidden=config["hidden_size"], ffn=config["intermediate_size"], heads=heads,
             kv_heads=config.get("num_key_value_heads") or heads, vocab=config["vocab_size"],
             head_dim=config.get("head_dim") or 0, tied=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=bool(config.get("attention_bias", False)), family="hf")
     except KeyError as e:
-        raise ValueError(f"hf:{path}: config.json has no {e.args[0]!r}") from None
+        raise ValueError(f"{where}: its config has no {e.args[0]!r}") from None
     return replace(spec, **HF_TYPES[kind])
 
 

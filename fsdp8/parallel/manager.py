@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Union
 
 import torch
 import torch.distributed as dist
@@ -141,7 +141,7 @@ def cut_sequences(rows: Dict[str, Any], mesh: DeviceMesh, sequence_parallel: boo
     return out
 
 
-def parallelize(model: nn.Module, config: Optional[ParallelConfig] = None) -> ShardedModel:
+def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = None) -> ShardedModel:
     """Lay ``model`` out over every rank as ``config`` says and return it sharded, in place.
 
     Builds the world mesh, applies tensor (and sequence) and context parallelism, shards
@@ -151,10 +151,17 @@ def parallelize(model: nn.Module, config: Optional[ParallelConfig] = None) -> Sh
     ``base_model_tp_plan`` the TP plan. The result is a ShardedModel that is also a
     ``ParallelizedModel``: feed it ``model.shard_batch(global_batch)``, and use
     ``model.dp_rank`` / ``model.dp_size`` for samplers. Any torch optimizer works on
-    ``model.parameters()``."""
+    ``model.parameters()``. ``config="auto"`` takes the layout fsdp8.plan.search predicts
+    fastest on this job's GPUs (one 2048-token sequence per GPU); ``model.parallel_config``
+    says which."""
     config = ParallelConfig() if config is None else config
+    if isinstance(config, str) and config == "auto":
+        from .auto import auto_config
+
+        init_distributed()
+        config = auto_config(model)
     if not isinstance(config, ParallelConfig):
-        raise TypeError(f"parallelize takes a fsdp8.ParallelConfig, got {type(config).__name__}")
+        raise TypeError(f"parallelize takes a fsdp8.ParallelConfig or 'auto', got {config!r}")
     is_hf = hf.is_hf_model(model)
     _check_model(model, config, is_hf)
     init_distributed()

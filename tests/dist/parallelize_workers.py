@@ -306,3 +306,27 @@ def compiled(family: str, options: dict) -> dict:
     reference = reference_run(copy.deepcopy(initial), family)
     config = fsdp8.ParallelConfig(tp=2, activation_checkpointing="selective", compile=options)
     return parallel_run(copy.deepcopy(initial), family, config, reference)
+
+
+def auto_layout(family: str = "builtin") -> dict:
+    """parallelize(model, "auto"): the layout fsdp8.plan.search ranks first here, the same on
+    every rank, and training with it equal to one process."""
+    from fsdp8.parallel.auto import auto_config
+
+    model = build(family)
+    reference = reference_run(copy.deepcopy(model), family)
+    expected = auto_config(model)
+    sharded = fsdp8.parallelize(model, "auto")
+    opt = torch.optim.SGD(sharded.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        loss = loss_of(sharded, sharded.shard_batch(batch(family, step)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    dp_loss = torch.tensor(losses)
+    torch.distributed.all_reduce(dp_loss)
+    chosen = sharded.parallel_config
+    return {"chosen": repr(chosen), "matches_search": chosen == expected,
+            "loss_error": float(((dp_loss / torch.distributed.get_world_size()) - torch.tensor(reference["loss"])).abs().max())}

@@ -210,3 +210,10 @@ def test_checkpointing_recomputes_what_the_mode_says(mode, recomputed):
     assert all(torch.equal(a, b) for a, b in zip(grads, expected))
     with torch.no_grad():
         assert torch.equal(wrapped(x), plain(x))  # no checkpoint where no backward follows
+
+
+def test_auto_layout():
+    # Every rank plans alike and gets the search's first configuration; it trains as one process.
+    results = run_on_ranks(4, workers.auto_layout)
+    assert len({r["chosen"] for r in results}) == 1 and all(r["matches_search"] for r in results)
+    assert results[0]["loss_error"] < 1e-5

@@ -1,0 +1,42 @@
+"""parallelize(model, "auto"): the layout the planner predicts fastest for this model here."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def model_spec_of(model: nn.Module):
+    """The planner's ModelSpec of a built-in Llama or a Hugging Face Llama-family model."""
+    from ..models.llama import Llama
+    from ..plan_model import ModelSpec, hf_spec_of
+
+    if isinstance(model, Llama):
+        c = model.config
+        return ModelSpec("model", c.n_layers, c.dim, c.ffn_dim, c.n_heads, c.n_kv_heads, c.vocab_size,
+                         tied=c.tie_embeddings)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        return hf_spec_of(config.to_dict(), type(model).__name__, type(model).__name__)
+    raise ValueError(f"parallelize(model, 'auto') plans fsdp8's Llama and Hugging Face Llama-family models, not "
+                     f"{type(model).__name__}; pass a fsdp8.ParallelConfig")
+
+
+def auto_config(model: nn.Module, seq_len: int = 2048, global_batch: int = 0):
+    """The fastest configuration that fits (fsdp8.plan.search) for ``model`` on this job's GPUs
+    (one sequence of ``seq_len`` per GPU unless ``global_batch`` says otherwise). Every rank
+    computes the same answer from the same inputs, so no collective is needed. On CPUs the
+    planner's H100 figures stand in for the hardware (only the ranking matters there)."""
+    from ..bench import detect_gpu
+    from ..plan_hw import gpu_named
+    from ..plan_search import search
+
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    gpu = detect_gpu(None) if torch.cuda.is_available() else gpu_named("h100")
+    best = search(model_spec_of(model), gpu=gpu, nodes=max(1, world // local), gpus_per_node=local,
+                  seq_len=seq_len, global_batch=global_batch or world, top=1)[0]
+    return best.parallel_config()
