@@ -23,7 +23,7 @@ from .launch import launch, resolve_nproc, under_torchrun
 from .models.llama import PRESETS
 from .plan import plan
 from .plan_hw import GPUS
-from .train import PRECISIONS, TrainConfig, find_checkpoint, run_dir_of, train
+from .train import HF_PREFIX, OFFLOAD_MODES, PRECISIONS, TrainConfig, check_run, find_checkpoint, run_dir_of, train
 
 # What a run writes into --out; an earlier run's are never overwritten unasked.
 OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "loss.png")
@@ -39,28 +39,55 @@ class _Parser(argparse.ArgumentParser):
 
 def _train_parser(sub) -> None:
     d = TrainConfig()
-    p = sub.add_parser("train", help="train the built-in Llama on the built-in corpus",
-                       description="Train the built-in Llama on the built-in corpus: all local GPUs, or "
-                                   "2 gloo worker processes on a CPU-only machine. Works under torchrun too. "
-                                   "SIGINT or SIGTERM stops after the current step with the outputs written "
-                                   "(and a checkpoint with --save-every); a second one stops at once.",
+    p = sub.add_parser("train", help="train the built-in Llama or a Hugging Face model on a text corpus",
+                       description="Train the built-in Llama (or a Hugging Face model, --model hf:DIR) on the built-in "
+                                   "corpus (or --data FILE): all local GPUs, or 2 gloo worker processes on a CPU-only "
+                                   "machine. Works under torchrun too. The workers are laid out as --dp-replicate x "
+                                   "data-parallel shards x --cp x --tp (fsdp8.parallelize). SIGINT or SIGTERM stops "
+                                   "after the current step with the outputs written (and a checkpoint with "
+                                   "--save-every); a second one stops at once.",
                        argument_default=argparse.SUPPRESS)  # only the flags given: a resume fills in the rest
 
     def flag(name: str, help: str, **kwargs) -> None:
         default = getattr(d, name[2:].replace("-", "_"))
         p.add_argument(name, help=f"{help} (default: {default})", **kwargs)
 
+    def switch(name: str, help: str) -> None:
+        # --no-NAME too: a resumed run remembers the switch, and this turns it off.
+        p.add_argument(name, action=argparse.BooleanOptionalAction, help=f"{help} (default: off)")
+
     flag("--steps", "optimizer steps of the run", type=int)
     flag("--preset", "size of the built-in Llama", choices=sorted(PRESETS))
+    p.add_argument("--model", metavar="hf:DIR",
+                   help="train a Hugging Face causal LM instead of the built-in Llama: DIR is a local model directory "
+                        "with a config.json, its weights if it has *.safetensors files (else a fresh init) and its "
+                        "tokenizer for the data if it has one (else bytes). A preset name is the same as --preset "
+                        "(default: the built-in Llama of --preset)")
+    p.add_argument("--data", metavar="FILE",
+                   help="a text file to train on (the last 5%% for validation), read as bytes or with --model's "
+                        "tokenizer (default: the corpus shipped in the package)")
     flag("--strategy", "what is sharded: no_shard (DDP), optim (ZeRO-1), optim_grads (ZeRO-2), "
                        "optim_grads_params (ZeRO-3)", choices=STRATEGY_NAMES)
     flag("--precision", "compute dtype; auto = bf16 on GPUs, fp32 on CPUs; fp8-* = bf16 with FP8 GEMMs and "
                         "8-bit weight all-gathers in the blocks (main weights stay fp32)", choices=PRECISIONS)
     p.add_argument("--nproc", type=int, help="worker processes (default: all GPUs, or 2 on CPU; under torchrun, "
                                              "torchrun's)")
+    flag("--tp", "tensor-parallel degree: each layer split over N neighbouring ranks, which share a batch", type=int)
+    flag("--dp-replicate", "HSDP: R replicas of the model, each sharded over nproc / (R x cp x tp) "
+                           "data-parallel ranks", type=int)
+    flag("--cp", "context-parallel degree: each sequence cut over N ranks, which share a batch (--seq-len a "
+                 "multiple of 2 x N)", type=int)
+    switch("--sequence-parallel", "with --tp: norms and residuals on sequence shards (--seq-len a multiple of tp)")
+    switch("--loss-parallel", "with --tp: keep the logits vocabulary-sharded through the loss")
+    flag("--ac", "activation checkpointing of each block: none, selective (op-level policy; not with --cp) or "
+                 "full (recompute the block)", choices=AC_MODES)
+    switch("--compile", "torch.compile each block")
+    flag("--offload", "optim: main weights, gradients and optimizer state in host memory, the optimizer step on "
+                      "the CPU", choices=OFFLOAD_MODES)
     flag("--out", "directory for metrics.jsonl, loss.png, summary.json and checkpoints/")
-    flag("--batch-size", "sequences per rank per step", type=int)
-    flag("--seq-len", "tokens per sequence, at most the preset's positions ("
+    flag("--batch-size", "sequences per data-parallel rank per step: the ranks of one tp x cp group share "
+                         "theirs, so a step trains on batch-size x nproc / (tp x cp) sequences", type=int)
+    flag("--seq-len", "tokens per sequence, at most the model's positions (presets: "
                       + ", ".join(f"{name}: {c.max_seq_len}" for name, c in PRESETS.items()) + ")", type=int)
     flag("--micro-batches", "gradient-accumulation micro-batches per step (they split --batch-size)", type=int)
     flag("--lr", "peak learning rate: linear warm-up, then cosine decay to a tenth over the run", type=float)
@@ -205,11 +232,18 @@ def _resume(cfg: TrainConfig, given: Collection[str]) -> TrainConfig:
         raise ValueError(f"--resume: cannot continue from {checkpoint}: {'; '.join(wrong)}")
     extra = _saved_extra(checkpoint)
     saved = extra.get("config", {})
-    if "preset" in saved and "preset" in given and saved["preset"] != cfg.preset:
-        raise ValueError(f"--resume: {checkpoint} holds the {saved['preset']!r} preset, not {cfg.preset!r}; "
-                         f"drop --preset or pass --preset {saved['preset']}")
+    if "preset" in saved and {"model", "preset"} & set(given):
+        was = saved.get("model", "")
+        if was != cfg.model or (not was and saved["preset"] != cfg.preset):
+            held = was or f"the {saved['preset']!r} preset"
+            again = f"--model {was}" if was else f"--preset {saved['preset']}"
+            raise ValueError(f"--resume: {checkpoint} holds {held}, not {cfg.model or repr(cfg.preset)}; drop "
+                             f"--model and --preset or pass {again}")
     remembered = {k: v for k, v in saved.items()
                   if k in {f.name for f in fields(TrainConfig)} - PER_INVOCATION - set(given)}
+    if "tp" in given and cfg.tp == 1:  # a layout without tensor parallelism: the switches of tp go with it
+        for name in ("sequence_parallel", "loss_parallel"):
+            remembered.pop(name, None)
     run_dir = run_dir_of(checkpoint)
     if "out" not in given and run_dir is not None:
         remembered["out"] = run_dir
@@ -260,14 +294,31 @@ def _fail(command: str, message: str):
     raise SystemExit(2)
 
 
+def _model_settings(settings: dict) -> None:
+    """``--model NAME`` of a preset is ``--preset NAME``; ``--model hf:DIR`` replaces the built-in Llama."""
+    model = settings.get("model")
+    if model is None or model.startswith(HF_PREFIX):
+        if model is not None and "preset" in settings:
+            raise ValueError(f"--preset sizes the built-in Llama, which --model {model} replaces; pass one of them")
+        return
+    if model not in PRESETS:
+        raise ValueError(f"--model takes hf:DIR (a Hugging Face model directory) or a built-in preset "
+                         f"({', '.join(PRESETS)}), got {model!r}")
+    if settings.setdefault("preset", model) != model:
+        raise ValueError(f"--model {model} and --preset {settings['preset']} name different presets; pass one of them")
+    del settings["model"]
+
+
 def _run_train(args: argparse.Namespace) -> int:
-    given = {k for k in vars(args) if k not in ("command", "nproc")}
-    settings = {k: v for k, v in vars(args).items() if k in given}
-    if "resume" in given:
-        settings["resume"] = args.resume or settings.get("out", TrainConfig.out)
+    settings = {k: v for k, v in vars(args).items() if k not in ("command", "nproc")}
     try:
+        _model_settings(settings)
+        given = set(settings)
+        if "resume" in given:
+            settings["resume"] = args.resume or settings.get("out", TrainConfig.out)
         cfg = plan_run(TrainConfig(**settings), given)
         nproc = None if under_torchrun() else resolve_nproc(getattr(args, "nproc", None))
+        check_run(cfg, int(os.environ["WORLD_SIZE"]) if nproc is None else nproc)
     except (ValueError, FileNotFoundError) as e:
         _fail("train", str(e))
     if cfg.overwrite and int(os.environ.get("RANK", "0")) == 0:

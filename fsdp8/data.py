@@ -1,20 +1,33 @@
-"""Byte-level data: the packaged corpus and world-size-independent, per-rank batches."""
+"""Token data: the packaged byte corpus or a text file, tokenized as bytes or with a tokenizer,
+and world-size-independent batches of it."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 from importlib import resources
+from typing import Optional
 
 import torch
 
-VOCAB_SIZE = 256
+VOCAB_SIZE = 256  # of byte data
 VAL_FRACTION = 0.05
+
+
+def _read(path: Optional[str]) -> bytes:
+    if path is None:
+        return (resources.files("fsdp8") / "assets" / "corpus.txt").read_bytes()
+    with open(path, "rb") as f:
+        raw = f.read()
+    if not raw:
+        raise ValueError(f"--data {path} is empty; give a text file to train on")
+    return raw
 
 
 def load_corpus() -> torch.Tensor:
     """The packaged corpus (fsdp8/assets/corpus.txt) as a 1-D uint8 tensor of bytes."""
-    raw = (resources.files("fsdp8") / "assets" / "corpus.txt").read_bytes()
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(_read(None)), dtype=torch.uint8)
 
 
 def encode(text: str) -> torch.Tensor:
@@ -29,25 +42,54 @@ def decode(tokens: torch.Tensor) -> str:
     return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
 
 
+def has_tokenizer(model_dir: str) -> bool:
+    """Whether a Hugging Face model directory holds a tokenizer (what AutoTokenizer loads)."""
+    return any(os.path.isfile(os.path.join(model_dir, name))
+               for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
+
+
+def load_tokenizer(model_dir: str):
+    """The tokenizer of a local Hugging Face model directory, read from it alone (no network)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    # The whole file is encoded at once and cut into windows afterwards: the model never sees
+    # a sequence longer than --seq-len, so the "longer than the model's maximum" warning the
+    # tokenizer would print for the whole file is wrong here.
+    tokenizer.model_max_length = sys.maxsize
+    return tokenizer
+
+
+def load_tokens(path: Optional[str] = None, tokenizer=None) -> torch.Tensor:
+    """A text file (``None``: the packaged corpus) as a 1-D tensor of token ids: its bytes
+    (uint8), or int32 ids from ``tokenizer`` (a transformers tokenizer; no special tokens added)."""
+    raw = _read(path)
+    if tokenizer is None:
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    ids = tokenizer.encode(raw.decode("utf-8", errors="replace"), add_special_tokens=False)
+    return torch.tensor(ids, dtype=torch.int32)
+
+
 def _step_seed(seed: int, step: int) -> int:
     # A hash rather than seed * K + step, so distinct (seed, step) pairs never collide.
     digest = hashlib.sha256(f"fsdp8-data:{seed}:{step}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1  # torch takes seeds below 2**63 everywhere
 
 
-class ByteCorpus:
-    """Random windows of a byte corpus, split into train (first 95%) and val (last 5%).
+_INTEGER_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+class TokenCorpus:
+    """Random windows of a 1-D tensor of token ids, split into train (first 95%) and val (last 5%).
 
     The global batch of a step depends only on (seed, step, global batch size), never on
     how it is split across ranks, so runs at different world sizes see the same data.
     """
 
-    def __init__(self, data: torch.Tensor | None = None, split: str = "train"):
-        data = load_corpus() if data is None else data
-        if data.dim() != 1 or data.dtype != torch.uint8:
-            raise ValueError(
-                f"data must be a 1-D uint8 tensor, got {data.dtype} of shape {tuple(data.shape)}"
-            )
+    def __init__(self, data: torch.Tensor, split: str = "train"):
+        if data.dim() != 1 or data.dtype not in _INTEGER_DTYPES:
+            raise ValueError(f"data must be a 1-D tensor of integer token ids, got {data.dtype} of shape "
+                             f"{tuple(data.shape)}")
         n_val = int(data.numel() * VAL_FRACTION)
         if split == "train":
             self.data = data[: data.numel() - n_val]
@@ -65,7 +107,9 @@ class ByteCorpus:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), int64 [batch_per_rank, seq_len]: rank's rows of the step's global batch.
 
-        targets[i, t] is the byte after inputs[i, t].
+        targets[i, t] is the token after inputs[i, t]. ``rank`` and ``world_size`` are the
+        data-parallel rank and size: ranks that must see the same rows (one tensor- or
+        context-parallel group) pass the same rank.
         """
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -79,8 +123,8 @@ class ByteCorpus:
             raise ValueError(f"step must be >= 0, got {step}")
         if seq_len + 1 > len(self):
             raise ValueError(
-                f"seq_len={seq_len} needs {seq_len + 1} bytes per window but the {self.split} split "
-                f"has only {len(self)}; use a shorter seq_len"
+                f"seq_len={seq_len} needs {seq_len + 1} tokens per window but the {self.split} split "
+                f"has only {len(self)}; use a shorter seq_len or more data"
             )
         generator = torch.Generator().manual_seed(_step_seed(seed, step))
         n_rows = world_size * batch_per_rank
@@ -88,3 +132,15 @@ class ByteCorpus:
         mine = starts[rank * batch_per_rank : (rank + 1) * batch_per_rank]
         windows = self.data[mine[:, None] + torch.arange(seq_len + 1)].long()
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+class ByteCorpus(TokenCorpus):
+    """A TokenCorpus of bytes (token ids 0..255): by default the packaged corpus."""
+
+    def __init__(self, data: torch.Tensor | None = None, split: str = "train"):
+        data = load_corpus() if data is None else data
+        if data.dim() != 1 or data.dtype != torch.uint8:
+            raise ValueError(
+                f"data must be a 1-D uint8 tensor, got {data.dtype} of shape {tuple(data.shape)}"
+            )
+        super().__init__(data, split)
