@@ -58,7 +58,9 @@ FP8_STACKS = ("fsdp8-fp8-current", "fsdp8-fp8-delayed", "fsdp8-fp8-block", "fsdp
               "fsdp8-compile", "fsdp8-fp8-current-compile", "fsdp8-fp8-block-compile", "torchao", "torchao-compile")
 # HSDP stacks: a (replicate, shard) mesh of --hsdp-replicate x world/R ranks; see hsdp_mesh_shape.
 HSDP_STACKS = ("fsdp8-hsdp-noshard", "fsdp8-hsdp-optim", "fsdp2-hsdp")
-ALL_STACKS = STACKS + FP8_STACKS + HSDP_STACKS
+# fsdp8's one call (fsdp8.parallelize: units and plan found by itself) and CPU offload, run with --stacks.
+MANAGER_STACKS = ("fsdp8-parallelize", "fsdp8-parallelize-compile", "fsdp8-offload")
+ALL_STACKS = STACKS + FP8_STACKS + HSDP_STACKS + MANAGER_STACKS
 FLOPS_FORMULA = (
     "FLOPs/token = 6*N + 12*L*H*S (N = all parameters incl. embedding and lm_head, L layers, H hidden, S seq)"
 )
@@ -355,6 +357,25 @@ def build_fsdp8(model: torch.nn.Module, ctx: Context, mesh=None, outer_strategy:
     return plain_optimizer(model, ctx)
 
 
+def build_fsdp8_parallelize(model: torch.nn.Module, ctx: Context, compile_units: bool = False) -> Built:
+    """fsdp8.parallelize with what a user passes for bf16 ZeRO-3 on this world: no units, no plan."""
+    import fsdp8
+
+    config = fsdp8.ParallelConfig(precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                                  compile=compile_units)
+    return plain_optimizer(fsdp8.parallelize(model, config), ctx)
+
+
+def build_fsdp8_offload(model: torch.nn.Module, ctx: Context) -> Built:
+    """fsdp8 ZeRO-3 with main weights, gradients and AdamW state in pinned host memory; the
+    optimizer steps on the CPU (foreach: torch's fused AdamW is for GPU tensors)."""
+    import fsdp8
+
+    model = fsdp8.fully_shard(model, mesh=ctx.mesh, units=[decoder_layer_cls()], offload="optim",
+                              precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    return Built(model, make_adamw(model.parameters(), ctx, fused=False))
+
+
 def build_fsdp2(model: torch.nn.Module, ctx: Context, mesh=None) -> Built:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -524,6 +545,9 @@ BUILDERS = {
     "fsdp8-hsdp-noshard": lambda m, c: build_fsdp8_hsdp(m, c, "no_shard"),
     "fsdp8-hsdp-optim": lambda m, c: build_fsdp8_hsdp(m, c, "optim"),
     "fsdp2-hsdp": build_fsdp2_hsdp,
+    "fsdp8-parallelize": build_fsdp8_parallelize,
+    "fsdp8-parallelize-compile": lambda m, c: build_fsdp8_parallelize(m, c, compile_units=True),
+    "fsdp8-offload": build_fsdp8_offload,
 }
 
 
