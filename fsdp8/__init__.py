@@ -1,4 +1,4 @@
-"""fsdp8: sharded data-parallel training (ZeRO-1/2/3, HSDP) with first-class FP8."""
+"""fsdp8: sharded data-parallel training (ZeRO-1/2/3, HSDP) with first-class FP8, tensor and context parallelism."""
 
 from .config import ParallelConfig, Precision, Strategy, OuterStrategy
 from .engine.grads import NonFiniteGradError, check_finite, clip_grad_norm_, nonfinite_grads
@@ -7,6 +7,7 @@ from .engine.check import DesyncError
 from .engine.state_dict import StateDictError
 from .parallel.mesh import data_parallel_mesh, init_distributed, make_mesh, tp_mesh
 from .parallel.tp import tensor_parallel
+from .parallel.cp import context_parallel, loss_divisor, shard_sequence
 from .parallel.manager import ParallelizedModel, parallelize
 from .fp8.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from .fp8.linear import Float8Linear
@@ -56,6 +57,9 @@ __all__ = [
     "data_parallel_mesh",
     "tp_mesh",
     "tensor_parallel",
+    "context_parallel",
+    "loss_divisor",
+    "shard_sequence",
     "plan",
 ]
 __version__ = "0.1.0"

@@ -45,3 +45,12 @@ def test_readme_quickstart_runs(tmp_path):
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tensors, e.g. embed.weight" in proc.stdout and "memory per rank" in proc.stdout
+
+
+def test_readme_parallelize_example_runs(tmp_path):
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "parallelize.py")
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 1.0, proc.stdout  # it learns
+    assert "tp=2" in proc.stdout and "memory per rank" in proc.stdout
