@@ -113,8 +113,9 @@ class TrainConfig:
         wanting = [f"--{name.replace('_', '-')}" for name in ("sequence_parallel", "loss_parallel")
                    if getattr(self, name)]
         if wanting and self.tp == 1:
-            raise ValueError(f"{' and '.join(wanting)} need tensor parallelism: pass --tp N (N > 1) too, or drop "
-                             f"{' and '.join(wanting)}")
+            flags = " and ".join(wanting)
+            raise ValueError(f"{flags} need{'s' if len(wanting) == 1 else ''} tensor parallelism: pass --tp N "
+                             f"(N > 1) too, or drop {flags}")
         if self.ac == "selective" and self.cp > 1:
             raise ValueError(f"--ac selective does not work with --cp {self.cp} yet (the selective policy cannot "
                              "create the context-parallel attention's causal mask); use --ac full")
@@ -267,9 +268,9 @@ def _weight_files(directory: str) -> List[str]:
 
 def check_run(cfg: TrainConfig, world: int) -> None:
     """What the launching process checks before any worker starts, beyond the flags
-    themselves: the layout against the ``world`` size, the model directory, the data file,
-    the data's vocabulary against the model's, and the tensor-parallel shapes. Raises
-    ValueError saying what to change."""
+    themselves: the layout against the ``world`` size, the data file, the model directory, the
+    tensor-parallel shapes, and the data's vocabulary against the model's. Raises ValueError
+    saying what to change."""
     degree = cfg.dp_replicate * cfg.cp * cfg.tp
     if world % degree:
         raise ValueError(f"{world} worker processes do not divide into groups of --dp-replicate {cfg.dp_replicate} x "
@@ -277,29 +278,29 @@ def check_run(cfg: TrainConfig, world: int) -> None:
                          "change those degrees")
     if cfg.data and not os.path.isfile(cfg.data):
         raise ValueError(f"--data {cfg.data}: no such file; give a text file to train on")
-    data = f"--data {cfg.data}" if cfg.data else "the packaged corpus"
-    vocab, tokenizer = preset(cfg.preset).vocab_size, None
+    vocab = preset(cfg.preset).vocab_size
     if cfg.model:
-        text_config = _check_hf_dir(cfg)
-        vocab = text_config.vocab_size
-        if has_tokenizer(cfg.hf_dir):
-            tokenizer = load_tokenizer(cfg.hf_dir)
-    if tokenizer is not None and len(tokenizer) > vocab:
-        raise ValueError(f"the tokenizer in {cfg.hf_dir} has {len(tokenizer)} tokens, more than the model's vocabulary "
-                         f"of {vocab} (config.json vocab_size); give the directory a config and tokenizer that agree")
-    if tokenizer is None:
-        if vocab < VOCAB_SIZE:
-            raise ValueError(f"{data} is read as bytes ({VOCAB_SIZE} token ids), but {cfg.model_name} has a vocabulary "
-                             f"of {vocab}; use a model with vocab_size >= {VOCAB_SIZE}, or put a tokenizer in its "
-                             "directory")
-        if cfg.data:
-            val = int(os.path.getsize(cfg.data) * VAL_FRACTION)
-            if val < cfg.seq_len + 1:
-                raise ValueError(f"{data} is too short: its validation part (the last {VAL_FRACTION:.0%}, {val} bytes) "
-                                 f"holds no sequence of --seq-len {cfg.seq_len} (+1 target); give more text or a "
-                                 "shorter --seq-len")
+        vocab = _check_hf_dir(cfg).vocab_size
     if cfg.tp > 1:
         _check_tensor_parallel(cfg)
+    if cfg.model and has_tokenizer(cfg.hf_dir):
+        tokenizer = load_tokenizer(cfg.hf_dir)
+        if len(tokenizer) > vocab:
+            raise ValueError(f"the tokenizer in {cfg.hf_dir} has {len(tokenizer)} tokens, more than the model's "
+                             f"vocabulary of {vocab} (config.json vocab_size); give the directory a config and "
+                             "tokenizer that agree")
+        return
+    data = f"--data {cfg.data}" if cfg.data else "the packaged corpus"
+    if vocab < VOCAB_SIZE:
+        raise ValueError(f"{data} is read as bytes ({VOCAB_SIZE} token ids), but {cfg.model_name} has a vocabulary "
+                         f"of {vocab}; use a model with vocab_size >= {VOCAB_SIZE}, or put a tokenizer in its "
+                         "directory")
+    if cfg.data:
+        val = int(os.path.getsize(cfg.data) * VAL_FRACTION)
+        if val < cfg.seq_len + 1:
+            raise ValueError(f"{data} is too short: its validation part (the last {VAL_FRACTION:.0%}, {val} bytes) "
+                             f"holds no sequence of --seq-len {cfg.seq_len} (+1 target); give more text or a "
+                             "shorter --seq-len")
 
 
 def _check_hf_dir(cfg: TrainConfig):

@@ -70,6 +70,27 @@ def test_overwrite_deletes_the_earlier_run_and_says_so(tmp_path, capsys, launche
     (["--nproc", "0"], "--nproc must be >= 1, got 0"),
     (["--nproc", "-2"], "--nproc must be >= 1, got -2"),
     (["--resume", "--overwrite"], "pass one of them"),
+    # Layouts: the world size, the model's shapes and the sequence length against the degrees.
+    (["--nproc", "3", "--tp", "2"], "3 worker processes do not divide into groups of --dp-replicate 1 x --cp 1 x "
+                                    "--tp 2 = 2; run a multiple of 2 workers (--nproc)"),
+    (["--nproc", "8", "--dp-replicate", "2", "--cp", "3", "--seq-len", "120"], "--dp-replicate 2 x --cp 3 x --tp 1 = 6"),
+    (["--nproc", "3", "--tp", "3"], "--tp 3: tensor_parallel: n_heads=4 is not divisible by tp=3"),
+    (["--nproc", "4", "--cp", "2", "--seq-len", "30"], "--seq-len 30 is not a multiple of 4: --cp 2 cuts each "
+                                                       "sequence into 2 x 2 equal chunks; pass --seq-len 28"),
+    (["--nproc", "8", "--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-len", "36"],
+     "--seq-len 36 is not a multiple of 8"),
+    (["--nproc", "2", "--tp", "2", "--sequence-parallel", "--seq-len", "33"], "--seq-len 33 is not a multiple of 2"),
+    (["--loss-parallel"], "--loss-parallel needs tensor parallelism: pass --tp N"),
+    (["--tp", "0"], "--tp must be >= 1, got 0"),
+    (["--nproc", "4", "--cp", "2", "--ac", "selective"], "--ac selective does not work with --cp 2 yet"),
+    (["--offload", "optim", "--strategy", "no_shard"], "--strategy no_shard shards nothing"),
+    (["--offload", "optim", "--precision", "fp8-current"], "--offload optim does not work with --precision fp8-current"),
+    # The model and the data.
+    (["--data", "missing.txt"], "--data missing.txt: no such file"),
+    (["--model", "llama"], "--model takes hf:DIR (a Hugging Face model directory) or a built-in preset"),
+    (["--model", "small", "--preset", "tiny"], "--model small and --preset tiny name different presets"),
+    (["--model", "hf:nowhere"], "--model hf:nowhere: nowhere is not a directory"),
+    (["--model", "hf:run"], "--model hf:run: run has no config.json"),
 ])
 def test_bad_arguments_are_one_line_before_anything_starts(tmp_path, monkeypatch, capsys, launched, args, message):
     monkeypatch.chdir(tmp_path)
@@ -79,6 +100,42 @@ def test_bad_arguments_are_one_line_before_anything_starts(tmp_path, monkeypatch
         cli.main(["train", "--out", "run", *args] if "--out" not in args else ["train", *args])
     assert exit_info.value.code == 2 and launched == []
     assert message in _error_line(capsys)
+
+
+def test_model_names_a_preset_too(tmp_path, launched):
+    assert cli.main(["train", "--model", "small", "--out", str(tmp_path / "run")]) == 0
+    assert (launched[0].preset, launched[0].model) == ("small", "")
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    """A Hugging Face Llama config directory (no weights, no tokenizer) with a vocabulary of 100."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=256).save_pretrained(str(tmp_path / "hf"))
+    return tmp_path / "hf"
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "the packaged corpus is read as bytes (256 token ids), but hf:{dir} has a vocabulary of 100; use a model "
+         "with vocab_size >= 256, or put a tokenizer in its directory"),
+    (["--preset", "small"], "--preset sizes the built-in Llama, which --model hf:{dir} replaces; pass one of them"),
+    (["--seq-len", "512"], "--seq-len 512 exceeds the 256 positions of hf:{dir}"),
+    (["--nproc", "3", "--tp", "3"], "--tp 3: tensor_parallel: num_attention_heads=4 is not divisible by tp=3"),
+])
+def test_bad_hf_model_runs_are_one_line(tmp_path, capsys, launched, hf_dir, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--model", f"hf:{hf_dir}", "--out", str(tmp_path / "run"), *args])
+    assert exit_info.value.code == 2 and launched == []
+    assert message.format(dir=hf_dir) in _error_line(capsys)
+
+
+def test_hf_weights_must_be_safetensors(tmp_path, capsys, launched, hf_dir):
+    (hf_dir / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--model", f"hf:{hf_dir}", "--out", str(tmp_path / "run")])
+    assert f"the weights in {hf_dir} are not safetensors files" in _error_line(capsys)
 
 
 def _train_help(capsys) -> dict:
