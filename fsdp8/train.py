@@ -558,10 +558,11 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
             last = mb == cfg.micro_batches - 1
             with model.no_sync() if not last else contextlib.nullcontext(), _loss_context(cfg):
                 loss = _loss(model, part, hf)
-                if "num_items_in_batch" not in part:  # a mean over the micro-batch's tokens
+                # A mean over the micro-batch's tokens, except with cp: there it is their sum over
+                # the divisor of the whole step (cp.loss_divisor), so the micro-batches already add
+                # up to the step's loss.
+                if "num_items_in_batch" not in part:
                     loss = loss / cfg.micro_batches
-                # else the tokens' sum over the step's divisor (cp.loss_divisor): the micro-batches
-                # already add up to the step's loss
                 if _nan_fault(step, rank):
                     loss = loss * float("nan")
                 loss.backward()

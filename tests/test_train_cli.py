@@ -73,7 +73,8 @@ def test_overwrite_deletes_the_earlier_run_and_says_so(tmp_path, capsys, launche
     # Layouts: the world size, the model's shapes and the sequence length against the degrees.
     (["--nproc", "3", "--tp", "2"], "3 worker processes do not divide into groups of --dp-replicate 1 x --cp 1 x "
                                     "--tp 2 = 2; run a multiple of 2 workers (--nproc)"),
-    (["--nproc", "8", "--dp-replicate", "2", "--cp", "3", "--seq-len", "120"], "--dp-replicate 2 x --cp 3 x --tp 1 = 6"),
+    (["--nproc", "8", "--dp-replicate", "2", "--cp", "3", "--seq-len", "120"],
+     "--dp-replicate 2 x --cp 3 x --tp 1 = 6"),
     (["--nproc", "3", "--tp", "3"], "--tp 3: tensor_parallel: n_heads=4 is not divisible by tp=3"),
     (["--nproc", "4", "--cp", "2", "--seq-len", "30"], "--seq-len 30 is not a multiple of 4: --cp 2 cuts each "
                                                        "sequence into 2 x 2 equal chunks; pass --seq-len 28"),
@@ -84,7 +85,8 @@ def test_overwrite_deletes_the_earlier_run_and_says_so(tmp_path, capsys, launche
     (["--tp", "0"], "--tp must be >= 1, got 0"),
     (["--nproc", "4", "--cp", "2", "--ac", "selective"], "--ac selective does not work with --cp 2 yet"),
     (["--offload", "optim", "--strategy", "no_shard"], "--strategy no_shard shards nothing"),
-    (["--offload", "optim", "--precision", "fp8-current"], "--offload optim does not work with --precision fp8-current"),
+    (["--offload", "optim", "--precision", "fp8-current"],
+     "--offload optim does not work with --precision fp8-current"),
     # The model and the data.
     (["--data", "missing.txt"], "--data missing.txt: no such file"),
     (["--model", "llama"], "--model takes hf:DIR (a Hugging Face model directory) or a built-in preset"),
