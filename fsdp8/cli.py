@@ -75,6 +75,8 @@ def _train_parser(sub) -> None:
     flag("--tp", "tensor-parallel degree: each layer split over N neighbouring ranks, which share a batch", type=int)
     flag("--dp-replicate", "HSDP: R replicas of the model, each sharded over nproc / (R x cp x tp) "
                            "data-parallel ranks", type=int)
+    flag("--outer-strategy", "HSDP: what is sharded across the replicas: no_shard (gradients all-reduced), optim "
+                             "(main weights and optimizer state too)", choices=("no_shard", "optim"))
     flag("--cp", "context-parallel degree: each sequence cut over N ranks, which share a batch (--seq-len a "
                  "multiple of 2 x N)", type=int)
     switch("--sequence-parallel", "with --tp: norms and residuals on sequence shards (--seq-len a multiple of tp)")

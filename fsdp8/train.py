@@ -48,6 +48,7 @@ class TrainConfig:
     precision: str = "auto"  # bf16 on GPUs, fp32 on CPUs
     tp: int = 1
     dp_replicate: int = 1
+    outer_strategy: str = "no_shard"  # HSDP: what is sharded across the replicas
     cp: int = 1
     sequence_parallel: bool = False
     loss_parallel: bool = False
@@ -116,6 +117,9 @@ class TrainConfig:
             flags = " and ".join(wanting)
             raise ValueError(f"{flags} need{'s' if len(wanting) == 1 else ''} tensor parallelism: pass --tp N "
                              f"(N > 1) too, or drop {flags}")
+        if self.outer_strategy != "no_shard" and self.dp_replicate == 1:
+            raise ValueError(f"--outer-strategy {self.outer_strategy} shards across HSDP replicas, but there are none; "
+                             "pass --dp-replicate R (R > 1) too, or drop --outer-strategy")
         if self.ac == "selective" and self.cp > 1:
             raise ValueError(f"--ac selective does not work with --cp {self.cp} yet (the selective policy cannot "
                              "create the context-parallel attention's causal mask); use --ac full")
@@ -159,7 +163,8 @@ class TrainConfig:
             dp_replicate=self.dp_replicate, cp=self.cp, tp=self.tp, sequence_parallel=self.sequence_parallel,
             loss_parallel=self.loss_parallel, activation_checkpointing=self.ac, compile=self.compile, fp8=fp8,
             precision=Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else Precision(),
-            strategy=self.strategy, offload=None if self.offload == "none" else self.offload)
+            strategy=self.strategy, outer_strategy=self.outer_strategy,
+            offload=None if self.offload == "none" else self.offload)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -83,6 +83,7 @@ def test_overwrite_deletes_the_earlier_run_and_says_so(tmp_path, capsys, launche
     (["--nproc", "2", "--tp", "2", "--sequence-parallel", "--seq-len", "33"], "--seq-len 33 is not a multiple of 2"),
     (["--loss-parallel"], "--loss-parallel needs tensor parallelism: pass --tp N"),
     (["--tp", "0"], "--tp must be >= 1, got 0"),
+    (["--outer-strategy", "optim"], "--outer-strategy optim shards across HSDP replicas, but there are none"),
     (["--nproc", "4", "--cp", "2", "--ac", "selective"], "--ac selective does not work with --cp 2 yet"),
     (["--offload", "optim", "--strategy", "no_shard"], "--strategy no_shard shards nothing"),
     (["--offload", "optim", "--precision", "fp8-current"],
