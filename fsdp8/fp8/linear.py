@@ -62,16 +62,15 @@ def fp8_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, recipe: Recipe, f
                          f"{b.data.stride()}")
     if not _native_ok(a, b, recipe):
         # Emulation: exact dequantization, then one matmul (bf16 for MX on CUDA: power-of-two
-        # scales keep the dequantized values exact in bf16; fp32 elsewhere on CUDA). On CPUs
-        # the matmul runs in fp64, where each product of two dequantized FP8 values (4 and 24
-        # significant bits times 4 and 24) is nearly exact, so the fp32 result no longer
-        # depends on the order of the sum: a compiled graph, a tensor-parallel split of the
-        # reduction or another BLAS kernel produce the same bytes, and tests can compare them
-        # without a rounding difference flipping an FP8 byte downstream.
-        if a.data.is_cuda:
-            dtype = torch.bfloat16 if a.granularity is Granularity.MX_1x32 else torch.float32
+        # scales keep the dequantized values exact in bf16; fp32 otherwise, as the FP8 GEMMs
+        # accumulate). A model computing in fp64 gets fp64 products, each of two dequantized
+        # FP8 values nearly exact, so its result does not depend on the order of the sum (a
+        # compiled graph or another BLAS kernel gives the same bytes: the compiled-block tests
+        # run so, where an fp32 ulp of difference could flip an FP8 byte downstream).
+        if a.data.is_cuda and a.granularity is Granularity.MX_1x32:
+            dtype = torch.bfloat16
         else:
-            dtype = torch.float64
+            dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
         return (a.dequantize(dtype) @ b.dequantize(dtype).t()).to(out_dtype)
     mat_b = b.data.t()  # column-major (K, N) view of the row-major (N, K) operand
     if a.granularity is Granularity.TENSOR:

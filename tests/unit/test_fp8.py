@@ -214,7 +214,7 @@ RECIPES = [Float8CurrentScaling(), DelayedScaling(amax_history_len=8), Float8Blo
 
 
 def _emulated_reference(x, w, b, dy, recipe, state=None):
-    """Out, dx, dw from explicitly quantized operands and fp64 matmuls (the CPU emulation's)."""
+    """Out, dx, dw from explicitly quantized operands and fp32 matmuls (the emulation's)."""
     xg, wg, gg = recipe.x_granularity, recipe.w_granularity, recipe.g_granularity
     f, bw = recipe.fwd_dtype, recipe.bwd_dtype
 
@@ -227,7 +227,7 @@ def _emulated_reference(x, w, b, dy, recipe, state=None):
     qw = q(w, f, wg, 1)
     qwt = (quantize(qw.dequantize().t().contiguous(), f, wg) if wg is Granularity.MX_1x32 else qw.t().contiguous())
     qdy, qdyt = q(dy, bw, gg, 2), q(dy.t().contiguous(), bw, gg, 2)
-    deq = lambda t: t.dequantize(torch.float64)  # noqa: E731
+    deq = lambda t: t.dequantize(torch.float32)  # noqa: E731
     out = (deq(qx) @ deq(qw).t()).to(x.dtype) + b
     dx = (deq(qdy) @ deq(qwt).t()).to(x.dtype)
     dw = (deq(qdyt) @ deq(qxt).t()).to(x.dtype)
