@@ -424,7 +424,8 @@ def fully_shard(
         fp8_slots = [s for s in slots if _fp8_weight_owner(s) is not None]
         if fp8_slots:
             delayed = {id(s): _fp8_weight_owner(s).delayed_state(device) for s in fp8_slots if recipe.delayed}
-            primary = any(is_fp8_primary(originals[id(s)]) for s in fp8_slots)
+            primary = any(is_fp8_primary(originals[id(s)]) or getattr(_fp8_weight_owner(s), "fp8_primary", False)
+                          for s in fp8_slots)
             built[name] = Float8Unit(*args, reshard_after_forward=reshard_after_forward and name != "", offload=False,
                                      recipe=recipe, fp8_slots=fp8_slots, delayed=delayed, primary=primary)
         else:

@@ -211,6 +211,9 @@ def make_fp8_primary(linear: nn.Linear, recipe: Recipe) -> Float8Linear:
     weight = nn.Parameter(Float8Tensor(data, q_scale_inv, recipe.w_granularity, w.dtype), requires_grad=w.requires_grad)
     weight._hp_init = hp  # set on the Parameter itself: Parameter() detaches its input
     linear.weight = weight
+    # Tensor-parallel styles re-make the weight as a DTensor of plain pieces: the module
+    # remembers that its weight is meant to stay FP8.
+    linear.fp8_primary = True
     return linear
 
 

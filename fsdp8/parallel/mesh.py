@@ -36,11 +36,13 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) ->
 
 def _start_default_group(backend: Optional[str], timeout_s: float) -> None:
     env = os.environ
-    if "RANK" not in env or "WORLD_SIZE" not in env:
-        # A group of one on a fresh port (a MASTER_PORT inherited from a parent is in use).
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
-    use_cuda = torch.cuda.is_available() and backend in (None, "nccl")
     kwargs = {}
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        # A group of one on a fresh port (a MASTER_PORT inherited from a parent is in use),
+        # without writing torchrun's variables into the environment: code that later asks
+        # whether it runs under torchrun (fsdp8 train's launcher) must still be told no.
+        kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    use_cuda = torch.cuda.is_available() and backend in (None, "nccl")
     if use_cuda:
         local_rank = int(env.get("LOCAL_RANK", "0"))
         if local_rank >= torch.cuda.device_count():

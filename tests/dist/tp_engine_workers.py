@@ -185,17 +185,21 @@ def parity(strategy: str, mesh_shape=(2, 2), outer: str = "no_shard", sequence_p
 
 # -- checkpoints across (dp_replicate, dp_shard, tp) ----------------------------------------------
 def _layout_model(mesh_shape, vocab: int, seed: int = 0, strategy: str = "optim_grads_params",
-                  sequence_parallel: bool = False):
-    """A Stack placed on (dp_replicate, dp_shard, tp) and sharded; tp 1 means no TP at all."""
+                  sequence_parallel: bool = False, fp8: Optional[str] = None):
+    """A Stack placed on (dp_replicate, dp_shard, tp) and sharded; tp 1 means no TP at all.
+    With ``fp8`` (a recipe name) its block linears are FP8, at FP8-friendly widths."""
+    from fsdp8.fp8.recipes import recipe_from_name
+
     dp_replicate, dp_shard, tp = mesh_shape
-    model = build(vocab, seed=seed)
+    recipe = recipe_from_name(fp8) if fp8 else None
+    model = build(vocab, seed=seed, **({"dim": 32, "hidden": 64} if fp8 else {}))
     if tp == 1:
         mesh = fsdp8.make_mesh(dp_replicate=dp_replicate, dp_shard=dp_shard)
-        sharded = fsdp8.fully_shard(model, mesh=mesh, strategy=strategy)
+        sharded = fsdp8.fully_shard(model, mesh=mesh, strategy=strategy, fp8=recipe)
         return sharded, mesh
     mesh = fsdp8.make_mesh(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
     place(model, mesh["tp"], sequence_parallel)
-    return fsdp8.fully_shard(model, mesh=mesh, strategy=strategy), mesh
+    return fsdp8.fully_shard(model, mesh=mesh, strategy=strategy, fp8=recipe), mesh
 
 
 def _snapshot(model, opt) -> Dict[str, torch.Tensor]:
@@ -209,10 +213,10 @@ def _snapshot(model, opt) -> Dict[str, torch.Tensor]:
 
 
 def checkpoint_hop(path_in: Optional[str], path_out: str, mesh_shape, vocab: int = 18, train_steps: int = 2,
-                   first_step: int = 0):
+                   first_step: int = 0, fp8: Optional[str] = None):
     """Load ``path_in`` (if given) into a model of layout ``mesh_shape``, snapshot, train, save."""
     # A later hop starts from another init: everything must come from the file.
-    model, mesh = _layout_model(tuple(mesh_shape), vocab, seed=1 if path_in is None else 100)
+    model, mesh = _layout_model(tuple(mesh_shape), vocab, seed=1 if path_in is None else 100, fp8=fp8)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     loaded = None
     if path_in is not None:
@@ -227,9 +231,9 @@ def checkpoint_hop(path_in: Optional[str], path_out: str, mesh_shape, vocab: int
         fsdp8.clip_grad_norm_(model, 1.0)
         opt.step()
         opt.zero_grad()
-    saved = _snapshot(model, opt)
     fsdp8.save(path_out, model, opt, extra={"step": first_step + train_steps})
-    return loaded, saved
+    # After the save: it agrees delayed scaling's pending amaxes over all ranks first.
+    return loaded, _snapshot(model, opt)
 
 
 def checkpoint_reference(steps: int, vocab: int = 18):
@@ -464,3 +468,26 @@ def bad_tp_inputs():
 
     attempt(two_meshes)
     return messages
+
+
+def fp8_primary_tp(recipe_name: str = "fp8-current", steps: int = 3, vocab: int = 32):
+    """fp8_init (FP8 primary weights) with TP at dp 2 x tp 2: the units keep FP8 shards and
+    train as the same model converted after construction does."""
+    from fsdp8.fp8.convert import fp8_init
+    from fsdp8.fp8.recipes import recipe_from_name
+
+    recipe = recipe_from_name(recipe_name)
+    mesh = fsdp8.make_mesh(dp_shard=2, tp=2)
+    torch.manual_seed(0)
+    with torch.device("meta"), fp8_init(recipe):
+        primary = Stack(vocab, dim=32, hidden=64)
+    place(primary, mesh["tp"])
+    torch.manual_seed(0)  # meta weights are drawn inside fully_shard from this RNG state
+    a = fsdp8.fully_shard(primary, mesh=mesh)
+    plain = build(vocab, dim=32, hidden=64)
+    fsdp8.convert_to_fp8(plain, recipe, filter=lambda n, m: True)  # every linear, as fp8_init
+    place(plain, mesh["tp"])
+    b = fsdp8.fully_shard(plain, mesh=mesh)
+    for model in (a, b):
+        train(model, mesh, steps, vocab=vocab)
+    return errors(full_state(a), full_state(b)), [getattr(u, "primary", None) for u in a._fsdp8.all_units]
