@@ -36,6 +36,7 @@ class BenchConfig:
     strategy: str = "optim_grads_params"
     outer_strategy: str = "no_shard"
     dp_replicate: int = 1
+    cp: int = 1
     tp: int = 1
     sequence_parallel: bool = False
     loss_parallel: bool = False
@@ -72,7 +73,7 @@ class BenchConfig:
         from .config import ParallelConfig
         from .fp8.recipes import recipe_from_name
 
-        return ParallelConfig(dp_replicate=self.dp_replicate, tp=self.tp, sequence_parallel=self.sequence_parallel,
+        return ParallelConfig(dp_replicate=self.dp_replicate, cp=self.cp, tp=self.tp, sequence_parallel=self.sequence_parallel,
                               loss_parallel=self.loss_parallel,
                               activation_checkpointing=self.activation_checkpointing, strategy=self.strategy,
                               outer_strategy=self.outer_strategy, offload=self.offload,
@@ -91,10 +92,10 @@ class BenchConfig:
         return Precision()
 
     def setup(self, spec: ModelSpec, cluster: Cluster, efficiency: Optional[Efficiency] = None):
-        dp = cluster.world // self.tp
+        dp = cluster.world // (self.tp * self.cp)
         return make_setup(spec, cluster, seq_len=self.seq_len, micro_batch=self.micro_batch,
                           global_batch=self.micro_batch * self.accumulation * dp, strategy=self.strategy,
-                          outer_strategy=self.outer_strategy, dp_replicate=self.dp_replicate, tp=self.tp,
+                          outer_strategy=self.outer_strategy, dp_replicate=self.dp_replicate, cp=self.cp, tp=self.tp,
                           sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel,
                           precision=self.compute_precision(), fp8=self.fp8,
                           activation_checkpointing=self.activation_checkpointing, offload=self.offload,
@@ -196,30 +197,40 @@ def exposed_seconds(events, cuda: bool) -> float:
 
 
 def _build(cfg: BenchConfig, spec: ModelSpec):
-    """The model on the meta device, and how to get its loss from (inputs, targets)."""
+    """The model on the meta device, and whether it is a Hugging Face model."""
     if cfg.model is not None and cfg.model.startswith("hf:"):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(cfg.model[3:])
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-        return model, lambda m, x, y: m(input_ids=x, labels=y).loss
+        return model, True
     from .models.llama import Llama, LlamaConfig
 
     config = LlamaConfig(vocab_size=spec.vocab, dim=spec.hidden, n_layers=spec.layers, n_heads=spec.heads,
                          n_kv_heads=spec.kv_heads, ffn_dim=spec.ffn, max_seq_len=cfg.seq_len, tie_embeddings=spec.tied)
     with torch.device("meta"):
         model = Llama(config)
-    return model, lambda m, x, y: m(x, y)
+    return model, False
 
 
-def bench(cfg: BenchConfig) -> Optional[dict]:
+def without_network(cluster: Cluster, efficiency: Efficiency) -> Tuple[Cluster, Efficiency]:
+    """The same machine with communication of infinite speed and no latency: what the planner
+    predicts for a run whose collectives are local copies (benchmarks/loopback.py)."""
+    infinite = 1e12  # GB/s
+    gpu = replace(cluster.gpu, nvlink_gbps=infinite, network_gbps=infinite)
+    return replace(cluster, gpu=gpu), replace(efficiency, latency_us=0.0)
+
+
+def bench(cfg: BenchConfig, network: bool = True) -> Optional[dict]:
     """Run on every rank (spawned by fsdp8.launch or under torchrun); rank 0 prints the result
-    (a table, or JSON with ``cfg.json``) and returns it."""
+    (a table, or JSON with ``cfg.json``) and returns it. ``network=False``: the collectives
+    are known to cost nothing (a loopback world on one GPU), so the prediction leaves them out."""
     from torch.distributed.tensor.parallel import loss_parallel
 
     from .parallel.manager import parallelize
     from .parallel.mesh import init_distributed
+    from .train import micro_batches, model_loss
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -229,21 +240,28 @@ def bench(cfg: BenchConfig) -> Optional[dict]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     measured_cpu = None if cuda else measure_cpu(world)
     spec = cfg.spec()
-    setup = cfg.setup(spec, _cluster_here(world, cfg.gpu, measured_cpu), None if cuda else CPU_EFFICIENCY)
+    cluster, efficiency = _cluster_here(world, cfg.gpu, measured_cpu), Efficiency() if cuda else CPU_EFFICIENCY
+    if not network:
+        cluster, efficiency = without_network(cluster, efficiency)
+    setup = cfg.setup(spec, cluster, efficiency)
     torch.manual_seed(cfg.seed)
-    model, loss_of = _build(cfg, spec)
+    model, hf = _build(cfg, spec)
     model = parallelize(model, cfg.parallel_config())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
 
     def step(i: int) -> None:
         g = torch.Generator().manual_seed(cfg.seed * 100003 + i)
         rows = cfg.micro_batch * cfg.accumulation * model.dp_size
-        tokens = torch.randint(0, spec.vocab, (rows, cfg.seq_len + 1), generator=g)
-        batch = model.shard_batch({"x": tokens[:, :-1], "y": tokens[:, 1:]})
-        for mb, (x, y) in enumerate(zip(batch["x"].chunk(cfg.accumulation), batch["y"].chunk(cfg.accumulation))):
+        tokens = torch.randint(0, spec.vocab, (rows, cfg.seq_len + 1), generator=g).to(device)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        # As fsdp8 train feeds them: HF models shift their labels themselves.
+        batch = model.shard_batch({"input_ids": x, "labels": x} if hf else {"tokens": x, "targets": y})
+        for mb, part in enumerate(micro_batches(batch, cfg.accumulation)):
             with model.no_sync() if mb < cfg.accumulation - 1 else contextlib.nullcontext(), \
                     loss_parallel() if cfg.loss_parallel else contextlib.nullcontext():
-                (loss_of(model, x.to(device), y.to(device)) / cfg.accumulation).backward()
+                loss = model_loss(model, part, hf)
+                # With cp the loss is already a sum over the step's divisor (see fsdp8 train).
+                (loss if "num_items_in_batch" in part else loss / cfg.accumulation).backward()
         clip_grad_norm_(model, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -288,7 +306,9 @@ def report(cfg: BenchConfig, predicted: Plan, step_s: float, peak: float, expose
                 # What the measurement can see: data-parallel collectives left exposed, and on GPUs
                 # (every NCCL kernel) the tensor-parallel ones too.
                 "exposed_comm_ms": (t.exposed + (t.model_parallel if cuda else 0.0)) * 1e3}
-    ratio = {k: (measured[k] / expected[k] if measured[k] is not None and expected[k] else None) for k in measured}
+    # No ratio to a prediction of (about) nothing: a loopback world's free communication.
+    ratio = {k: (measured[k] / expected[k] if measured[k] is not None and expected[k] > 1e-6 else None)
+             for k in measured}
     return {"config": asdict(replace(cfg, sizes=dict(cfg.sizes))), "model": predicted.spec.describe(),
             "setup": s.describe(), "world": s.cluster.world, "hardware": s.cluster.gpu.name,
             "device": "cuda" if cuda else "cpu", "measured": measured, "predicted": expected, "ratio": ratio,

@@ -146,6 +146,7 @@ def _layout_flags(p) -> None:
     p.add_argument("--outer-strategy", default="no_shard", choices=("no_shard", "optim"),
                    help="HSDP: what is sharded across replicas (default: %(default)s)")
     p.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (default: %(default)s)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree (default: %(default)s)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: %(default)s)")
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism with tp (default: off)")
     p.add_argument("--loss-parallel", action="store_true",
@@ -175,7 +176,6 @@ def _plan_parser(sub) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per machine (default: %(default)s)")
     p.add_argument("--global-batch", type=int,
                    help="sequences per optimizer step (default: micro batch x data-parallel ranks; --search: one per GPU)")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel degree (default: %(default)s)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="compute dtype (default: %(default)s)")
     _layout_flags(p)
     p.add_argument("--search", action="store_true",
@@ -407,15 +407,20 @@ def _search_table(found) -> str:
     return "\n".join(lines)
 
 
+def bench_config(args: argparse.Namespace) -> BenchConfig:
+    """The BenchConfig of parsed ``fsdp8 bench`` flags."""
+    return BenchConfig(model=args.model, sizes={k: v for k, v in _sizes(args).items() if v is not None},
+                       seq_len=_given(args.seq_len, BenchConfig.seq_len),
+                       micro_batch=_given(args.micro_batch, BenchConfig.micro_batch),
+                       accumulation=args.accumulation, steps=args.steps, warmup=args.warmup, strategy=args.strategy,
+                       outer_strategy=args.outer_strategy, dp_replicate=args.dp_replicate, cp=args.cp,
+                       tp=args.tp, sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel,
+                       precision=args.precision, fp8=_none(args.fp8),
+                       activation_checkpointing=args.ac, offload=_none(args.offload), gpu=args.gpu, json=args.json)
+
+
 def _run_bench(args: argparse.Namespace) -> int:
-    cfg = BenchConfig(model=args.model, sizes={k: v for k, v in _sizes(args).items() if v is not None},
-                      seq_len=_given(args.seq_len, BenchConfig.seq_len),
-                      micro_batch=_given(args.micro_batch, BenchConfig.micro_batch),
-                      accumulation=args.accumulation, steps=args.steps, warmup=args.warmup, strategy=args.strategy,
-                      outer_strategy=args.outer_strategy, dp_replicate=args.dp_replicate, tp=args.tp,
-                      sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel,
-                      precision=args.precision, fp8=_none(args.fp8),
-                      activation_checkpointing=args.ac, offload=_none(args.offload), gpu=args.gpu, json=args.json)
+    cfg = bench_config(args)
     try:
         nproc = None if under_torchrun() else resolve_nproc(args.nproc)
         cfg.check(int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc)

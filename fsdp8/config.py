@@ -154,14 +154,16 @@ class ParallelConfig:
       fp32 on CPUs (as ``fsdp8 train --precision auto``). ``units=None`` takes a Hugging
       Face model's decoder layers (its ``_no_split_modules`` classes), else every child of
       every ``nn.ModuleList``.
-    - ``skip_packed_sequence_check`` (Hugging Face models): replace transformers'
-      ``_is_packed_sequence`` with ``False``. transformers' flash-attention path calls it in
-      every attention layer at batch size 1, and it reads position ids on the host (a
-      device synchronisation per layer per forward, and per recomputation). Off by default
-      because it is only right when no batch packs several sequences into one row: packed
-      rows fed without an attention mask would then attend across sequence boundaries and
-      train on wrong results. The replacement is process-wide (transformers keeps the
-      function in a module), as NeMo AutoModel's is."""
+    - ``skip_packed_sequence_check`` (Hugging Face models): answer transformers' packed-
+      sequence checks with "not packed" without reading the position ids. transformers'
+      flash-attention path calls ``_is_packed_sequence`` in every attention layer at batch
+      size 1, and its mask code calls ``find_packed_sequence_indices`` once per forward (any
+      attention, any batch size) when no attention mask is given; both read position ids on
+      the host, a device synchronisation per layer (and per recomputation) or per forward.
+      Off by default because it is only right when no batch packs several sequences into one
+      row: packed rows fed without an attention mask would then attend across sequence
+      boundaries and train on wrong results. The replacement is process-wide (transformers
+      keeps the functions in modules), as NeMo AutoModel's is for the first."""
 
     dp_replicate: int = 1
     dp_shard: int = -1

@@ -362,7 +362,7 @@ def _rank_batch(model, corpus: TokenCorpus, step: int, cfg: TrainConfig, seed: i
     return cut_sequences(batch, model.device_mesh, cfg.sequence_parallel) if cfg.cp > 1 else batch
 
 
-def _micro_batches(batch: Dict[str, object], n: int) -> List[Dict[str, object]]:
+def micro_batches(batch: Dict[str, object], n: int) -> List[Dict[str, object]]:
     """``n`` micro-batches of ``batch``'s rows; a number (the loss divisor) goes to each whole."""
     parts: List[Dict[str, object]] = [{} for _ in range(n)]
     for key, value in batch.items():
@@ -372,7 +372,7 @@ def _micro_batches(batch: Dict[str, object], n: int) -> List[Dict[str, object]]:
     return parts
 
 
-def _loss(model, batch: Dict[str, object], hf: bool) -> torch.Tensor:
+def model_loss(model, batch: Dict[str, object], hf: bool) -> torch.Tensor:
     if hf:
         return model(**batch, use_cache=False).loss
     return model(batch["tokens"], batch["targets"], num_items_in_batch=batch.get("num_items_in_batch"))
@@ -394,7 +394,7 @@ def _evaluate(model, corpus: TokenCorpus, cfg: TrainConfig, device) -> float:
     with torch.no_grad(), _loss_context(cfg):
         for i in range(cfg.eval_batches):
             batch = _rank_batch(model, corpus, i, cfg, cfg.seed + 1, device)
-            total += _value(_loss(model, batch, bool(cfg.model))).float()
+            total += _value(model_loss(model, batch, bool(cfg.model))).float()
     model.train()
     dist.all_reduce(total)  # averaged over the world as the training loss is (see _train)
     return float(total) / (cfg.eval_batches * dist.get_world_size())
@@ -559,10 +559,10 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
             group["lr"] = lr_at(step, cfg)
         batch = _rank_batch(model, train_data, step, cfg, cfg.seed, device)
         step_loss = torch.zeros((), device=device)
-        for mb, part in enumerate(_micro_batches(batch, cfg.micro_batches)):
+        for mb, part in enumerate(micro_batches(batch, cfg.micro_batches)):
             last = mb == cfg.micro_batches - 1
             with model.no_sync() if not last else contextlib.nullcontext(), _loss_context(cfg):
-                loss = _loss(model, part, hf)
+                loss = model_loss(model, part, hf)
                 # A mean over the micro-batch's tokens, except with cp: there it is their sum over
                 # the divisor of the whole step (cp.loss_divisor), so the micro-batches already add
                 # up to the step's loss.

@@ -9,15 +9,17 @@ import sys
 import pytest
 
 
-def test_bench_tiny_on_two_cpu_workers(tmp_path):
+@pytest.mark.parametrize("layout,mesh", [([], "dp_shard 2 x cp 1"), (["--cp", "2"], "dp_shard 1 x cp 2")])
+def test_bench_tiny_on_two_cpu_workers(tmp_path, layout, mesh):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)
     proc = subprocess.run([sys.executable, "-m", "fsdp8.cli", "bench", "--model", "tiny", "--steps", "2", "--warmup", "1",
-                           "--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+                           "--json", *layout], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert (result["world"], result["device"]) == (2, "cpu")
+    assert mesh in result["setup"], result["setup"]
     measured, predicted, ratio = result["measured"], result["predicted"], result["ratio"]
     for key in ("tokens_per_s_per_gpu", "step_ms", "mfu", "exposed_comm_ms"):
         assert measured[key] > 0 and predicted[key] > 0, key
@@ -32,6 +34,8 @@ def test_bench_tiny_on_two_cpu_workers(tmp_path):
     (["--micro-batch", "0"], "--micro-batch must be >= 1"),
     (["--fp8", "current", "--offload", "optim"], "offload"),
     (["--model", "tiny", "--dp-replicate", "3"], "does not divide the 2 ranks"),
+    (["--cp", "2", "--seq-len", "130"], "seq_len 130 is not a multiple of 2 x cp = 4"),
+    (["--cp", "2", "--ac", "selective"], "selective"),
 ])
 def test_bench_bad_flags_fail_in_one_line(capsys, monkeypatch, argv, message):
     from fsdp8 import cli
@@ -42,3 +46,21 @@ def test_bench_bad_flags_fail_in_one_line(capsys, monkeypatch, argv, message):
         cli.main(["bench", *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("fsdp8 bench: error: ") and message in err[0], err
+
+
+def test_bench_at_a_loopback_world_of_two(tmp_path):
+    """benchmarks/bench_loopback.py: one process plays rank 0 of 2 (gloo-free, loopback
+    collectives); the prediction beside it has no communication."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_loopback.py")
+    proc = subprocess.run([sys.executable, script, "--world", "2", "--model", "tiny", "--steps", "2", "--warmup", "1",
+                           "--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert result["world"] == 2 and "dp_shard 2" in result["setup"]
+    assert result["measured"]["step_ms"] > 0
+    assert result["predicted"]["exposed_comm_ms"] < 1e-3 and result["ratio"]["exposed_comm_ms"] is None
+    comm = result["plan"]["communication"]
+    assert comm and all(c["seconds"] < 1e-9 for c in comm), comm

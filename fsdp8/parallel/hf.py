@@ -46,29 +46,46 @@ def without_cache(kwargs: dict) -> dict:
 
 
 def skip_packed_sequence_check() -> None:
-    """Replace transformers' ``_is_packed_sequence`` by ``False`` (process-wide, once).
+    """Replace transformers' two packed-sequence checks by their answer for unpacked rows
+    (process-wide, once):
 
-    The original compares the position ids with a range and turns the result into a Python
-    bool: a device-to-host synchronisation in every flash-attention layer at batch size 1.
-    ``False`` is its answer for any batch without packed rows; see
+    - ``modeling_flash_attention_utils._is_packed_sequence`` (-> ``False``): compares the
+      position ids with a range and turns the result into a Python bool, a device-to-host
+      synchronisation in every flash-attention layer at batch size 1;
+    - ``masking_utils.find_packed_sequence_indices`` (-> ``None``, where this transformers has
+      it): the same kind of test once per forward, for every attention implementation and
+      batch size, whenever position ids are given or made from the cache positions without an
+      attention mask (what a training step does).
+
+    Those are the answers for any batch without packed rows; see
     ``ParallelConfig.skip_packed_sequence_check`` for why that must hold."""
     try:
         import transformers
         import transformers.modeling_flash_attention_utils as flash_utils
     except ImportError as e:
         raise RuntimeError(f"skip_packed_sequence_check needs transformers: {e}") from None
-    original = getattr(flash_utils, "_is_packed_sequence", None)
-    if original is None:
+    if getattr(flash_utils, "_is_packed_sequence", None) is None:
         raise RuntimeError(
             f"transformers {transformers.__version__} has no modeling_flash_attention_utils._is_packed_sequence to "
             "replace (it appeared in 4.5x); upgrade transformers or drop skip_packed_sequence_check"
         )
+    _replace(flash_utils, "_is_packed_sequence", lambda position_ids, batch_size: False)
+    masking_utils = sys.modules.get("transformers.masking_utils")
+    if masking_utils is None:
+        try:
+            import transformers.masking_utils as masking_utils
+        except ImportError:  # older than masking_utils: only the flash check exists
+            return
+    if getattr(masking_utils, "find_packed_sequence_indices", None) is not None:
+        _replace(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+
+
+def _replace(module, name: str, answer: Callable) -> None:
+    """``module.name`` becomes ``answer`` (wrapping the original, marked, so a second call
+    leaves it)."""
+    original = getattr(module, name)
     if getattr(original, "fsdp8_never_packed", False):
         return
-
-    @functools.wraps(original)
-    def never_packed(position_ids, batch_size):
-        return False
-
-    never_packed.fsdp8_never_packed = True
-    flash_utils._is_packed_sequence = never_packed
+    replacement = functools.wraps(original)(answer)
+    replacement.fsdp8_never_packed = True
+    setattr(module, name, replacement)

@@ -60,9 +60,10 @@ def _start_default_group(backend: Optional[str], timeout_s: float) -> None:
 
 
 def default_device_type() -> str:
-    """``cuda`` when the default group runs NCCL, else ``cpu``."""
+    """``cuda`` when the default group runs NCCL (or torch's "fake" backend, which stands in
+    for any, on a machine with a GPU: benchmarks/loopback.py), else ``cpu``."""
     backend = str(dist.get_backend()) if dist.is_initialized() else ""
-    return "cuda" if "nccl" in backend else "cpu"
+    return "cuda" if "nccl" in backend or ("fake" in backend and torch.cuda.is_available()) else "cpu"
 
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")

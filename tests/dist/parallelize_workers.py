@@ -259,12 +259,16 @@ def from_checkpoint_directory(path: str, family: str = "qwen2") -> dict:
 
 
 def packed_sequence_check() -> dict:
-    """skip_packed_sequence_check at world 1: whether transformers' function was replaced,
-    what both answer for unpacked and packed position ids at batch size 1, and the largest
-    difference of the model's logits before and after (the original is put back at the end)."""
+    """skip_packed_sequence_check at world 1: whether transformers' two checks were replaced,
+    what each answers (original and replacement) for unpacked and packed position ids at
+    batch size 1, and the largest difference of the model's logits before and after (the
+    originals are put back at the end)."""
+    import transformers.masking_utils as masking_utils
     import transformers.modeling_flash_attention_utils as flash_utils
 
-    original = flash_utils._is_packed_sequence
+    checks = {"flash": (flash_utils, "_is_packed_sequence", lambda fn, p: bool(fn(p, 1))),
+              "mask": (masking_utils, "find_packed_sequence_indices", lambda fn, p: fn(p) is not None)}
+    originals = {name: getattr(module, attr) for name, (module, attr, _) in checks.items()}
     model = build("llama")
     tokens = batch("llama", 0, rows=1)["input_ids"]
     unpacked, packed = torch.arange(SEQ)[None], torch.cat([torch.arange(3), torch.arange(SEQ - 3)])[None]
@@ -272,15 +276,18 @@ def packed_sequence_check() -> dict:
         before = model(input_ids=tokens, position_ids=unpacked).logits
     try:
         model = fsdp8.parallelize(model, fsdp8.ParallelConfig(skip_packed_sequence_check=True))
-        patched = flash_utils._is_packed_sequence
         with torch.no_grad():
             after = model(input_ids=tokens, position_ids=unpacked).logits
-        answers = {name: (bool(fn(unpacked, 1)), bool(fn(packed, 1))) for name, fn in
-                   (("original", original), ("patched", patched))}
-        return {"replaced": patched is not original and patched.__wrapped__ is original, "answers": answers,
-                "logits": float((after - before).abs().max())}
+        replaced, answers = {}, {}
+        for name, (module, attr, packed_answer) in checks.items():
+            patched = getattr(module, attr)
+            replaced[name] = patched is not originals[name] and patched.__wrapped__ is originals[name]
+            answers[name] = {how: (packed_answer(fn, unpacked), packed_answer(fn, packed))
+                             for how, fn in (("original", originals[name]), ("patched", patched))}
+        return {"replaced": replaced, "answers": answers, "logits": float((after - before).abs().max())}
     finally:
-        flash_utils._is_packed_sequence = original
+        for name, (module, attr, _) in checks.items():
+            setattr(module, attr, originals[name])
 
 
 def bad_worlds(cases: List[tuple]) -> List[tuple]:

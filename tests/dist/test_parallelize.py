@@ -128,9 +128,11 @@ def test_hf_checkpoint_directory(tmp_path):
 def test_skip_packed_sequence_check():
     pytest.importorskip("transformers")
     out = run_on_ranks(1, workers.packed_sequence_check)[0]
-    assert out["replaced"]
-    # Unpacked rows: the same answer as transformers' check, and the same logits.
-    assert out["answers"] == {"original": (False, True), "patched": (False, False)}
+    assert out["replaced"] == {"flash": True, "mask": True}
+    # Unpacked rows: the same answers as transformers' checks (packed rows: "not packed",
+    # which is why the option is off by default), and the same logits.
+    for name in ("flash", "mask"):
+        assert out["answers"][name] == {"original": (False, True), "patched": (False, False)}, name
     assert out["logits"] == 0.0
 
 

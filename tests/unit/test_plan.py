@@ -267,3 +267,19 @@ def test_memory_numbers_are_bytes():
     p = plan("tiny", gpus_per_node=1)
     assert isinstance(p.memory.report.main_weights, int) and p.memory.capacity == math.floor(79.1 * GIB)
     assert plan_setup(p.spec, p.setup).memory.total == p.memory.total
+
+
+def test_a_loopback_world_is_predicted_without_communication():
+    """fsdp8.bench.without_network: what a loopback world of 2 on one GPU is predicted to take
+    is the same work with every collective free (and nothing else changed)."""
+    from fsdp8.bench import without_network
+
+    spec = model_spec("1b")
+    cluster = Cluster(H100, 1, 2)
+    real = plan_setup(spec, make_setup(spec, cluster, seq_len=2048, micro_batch=2, tp=2))
+    cluster_free, eff_free = without_network(cluster, Efficiency())
+    free = plan_setup(spec, make_setup(spec, cluster_free, seq_len=2048, micro_batch=2, tp=2, efficiency=eff_free))
+    assert real.time.model_parallel > 0 and real.time.exposed >= 0
+    assert free.time.model_parallel < 1e-6 and free.time.exposed < 1e-6
+    assert free.time.compute == real.time.compute and free.memory.allocated == real.memory.allocated
+    assert free.time.step < real.time.step
