@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Union
 
-from .config import AC_MODES, OuterStrategy, Strategy
+from .config import AC_MODES, OuterStrategy, Strategy, check_checkpointing_with_cp
 from .engine.model import MemoryReport
 from .plan_hw import GIB, GPU, Cluster, Efficiency, describe_gpu, gpu_named
 from .plan_memory import Peak, activations, memory_report, optimizer_bytes, peaks, unit_plans
@@ -93,6 +93,10 @@ def make_setup(spec: ModelSpec, cluster: Cluster, *, seq_len: int, micro_batch: 
     if cp > 1 and seq_len % (2 * cp):
         raise ValueError(f"seq_len {seq_len} is not a multiple of 2 x cp = {2 * cp} (context parallelism gives each "
                          f"rank a head and a tail chunk); use a seq_len that is")
+    try:  # what parallelize refuses, the planner does not recommend
+        check_checkpointing_with_cp(activation_checkpointing, cp)
+    except NotImplementedError as e:
+        raise ValueError(str(e)) from None
     for name, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
         if value and tp == 1:
             raise ValueError(f"{name} needs tp > 1")

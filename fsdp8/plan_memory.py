@@ -238,6 +238,10 @@ def peaks(spec: ModelSpec, setup: "Setup", report: MemoryReport, units: List[Uni
     # Unsharded gradients from autograd (compute dtype), and their rank-major pack in the reduce
     # dtype (ZeRO-0/1 pack into their accumulator; one rank with nothing to add packs in place).
     g_layer, g_root = layer.local_numel * e, root.local_numel * e
+    # During the layers' backward the root holds the head's and the final norm's gradients;
+    # an untied embedding's arrives last, when backward reaches the model's input.
+    embedding = 0 if spec.tied else math.prod(local_shape(spec.root_params()[0], setup.tp, 0))
+    g_head = g_root - embedding * e
     in_place = report.grad_accumulation or (chunks == 1 and setup.dp_replicate == 1 and setup.accumulation == 1)
     pack = 0 if in_place else chunks * REDUCE_BYTES
     transpose = layer.fp8_numel  # FP8 weights' transposes: made in backward, freed at reshard
@@ -253,10 +257,10 @@ def peaks(spec: ModelSpec, setup: "Setup", report: MemoryReport, units: List[Uni
         moment("forward, last layer", carried, 0, u_root + u_layer + prefetch, n * saved),
         moment("end of forward (loss)", carried, 0, u_root + u_layer, n * saved + (acts.root + acts.loss_forward) * t),
         moment("loss backward", carried, 0, u_root + u_layer, n * saved + (acts.root + acts.loss_backward) * t),
-        moment("backward of the last layer", carried, g_root + g_layer, u_root + u_layer + prefetch + transpose,
+        moment("backward of the last layer", carried, g_head + g_layer, u_root + u_layer + prefetch + transpose,
                (n - 1) * saved + live),
         moment("backward of the first layer", max(carried, (n - 1) * layer_grads),
-               g_root + 2 * g_layer + pack * layer.layout.trainable_numel, u_root + u_layer + transpose, live),
+               g_head + 2 * g_layer + pack * layer.layout.trainable_numel, u_root + u_layer + transpose, live),
         moment("end of backward", grads, g_root + g_layer + pack * root.layout.trainable_numel, u_root, 0),
     ]
 

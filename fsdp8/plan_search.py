@@ -107,7 +107,8 @@ def search(model: Union[str, ModelSpec, None] = None, *, gpu: Union[str, GPU] = 
     first: strategies x outer strategies x dp_replicate x tp x cp x activation checkpointing x
     micro-batch (within ``global_batch``, default one sequence per GPU) x offload x sequence
     parallelism. ``tps`` defaults to the divisors of gpus_per_node (TP inside a node), ``cps``
-    to 1 (fsdp8.ParallelConfig does not take cp > 1 yet). ``loss_parallel=True`` keeps the
+    to 1: pass context-parallel degrees to weigh them too (worth it for long sequences, whose
+    activations or attention time one rank cannot carry). ``loss_parallel=True`` keeps the
     logits vocabulary-sharded wherever tp > 1 (for a loss computed inside torch's
     ``loss_parallel()``). Raises ValueError, saying what would help, when nothing fits."""
     spec = model_spec(model, **sizes)
