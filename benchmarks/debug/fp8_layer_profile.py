@@ -1,4 +1,4 @@
-"""One compiled HF Llama decoder layer (model B sizes), forward + backward on one GPU: bf16,
+"""One compiled HF Llama decoder layer (model B sizes, or --hidden/--ffn/--heads/--kv-heads), forward + backward on one GPU: bf16,
 fsdp8 FP8 current scaling (traced), torchao float8 tensorwise. No sharding, so the numbers
 separate the layer's compute from the engine's. Prints time, peak memory, what autograd saves
 for backward (grouped by shape and dtype) and the top CUDA kernels of each.
@@ -16,11 +16,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
+SIZES = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8)
+
+
 def build_layer():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+    cfg = LlamaConfig(**SIZES,
                       num_hidden_layers=1, vocab_size=32000, max_position_embeddings=2048)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -117,7 +120,13 @@ def main():
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--kinds", default="bf16,fsdp8-fp8-current,torchao-float8")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=14336)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
     args = p.parse_args()
+    SIZES.update(hidden_size=args.hidden, intermediate_size=args.ffn, num_attention_heads=args.heads,
+                 num_key_value_heads=args.kv_heads)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, tokens {args.tokens}")
     for kind in args.kinds.split(","):
         try:
