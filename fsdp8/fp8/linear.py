@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from .formats import Granularity, amax_to_scale, scale_inv_to_e8m0
 from .kernels import Quantized, amax, cast_transpose, quantize, quantize_1x128_both_ways
-from .recipes import G, W, X, DelayedState, Recipe, update_delayed_states
+from .recipes import G, W, X, DelayedBuffers, DelayedState, Recipe, record_amax, update_delayed_states
 from .tensor import Float8Tensor, transpose_of
 
 
@@ -171,11 +171,15 @@ def _weight_transposed(weight, qw: Quantized) -> Quantized:
 
 class _Float8LinearFn(torch.autograd.Function):
     """out = x @ w.T (+ bias) with FP8 GEMMs. Takes only tensors, the (frozen) recipe and the
-    delayed-scaling state, so torch.compile can trace it when ``state`` is None."""
+    delayed-scaling state, so torch.compile can trace it when ``state`` is None: a compiled
+    graph passes delayed scaling's scale and pending buffers instead (``delayed_scale``,
+    ``delayed_pending``), which it reads and updates in place, in forward and in backward."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: Recipe, state: Optional[DelayedState], qx_data=None, qx_scale_inv=None,
-                tp: Optional[TensorParallelGemm] = None):
+                tp: Optional[TensorParallelGemm] = None, delayed_scale=None, delayed_pending=None):
+        if delayed_pending is not None:
+            state = DelayedBuffers(delayed_scale, delayed_pending)
         x2d = x.reshape(-1, x.shape[-1])
         compute_dtype = x.dtype
         x_shape = x.shape
@@ -211,7 +215,8 @@ class _Float8LinearFn(torch.autograd.Function):
         qx_t = ctx.qx_t
         if qx_t is None:  # the same bytes and scales as quantizing both ways in forward
             x_t = ctx.x.detach().reshape(-1, ctx.x_shape[-1]).t().contiguous()  # fused away when compiled
-            qx_t = quantize(x_t, recipe.fwd_dtype, recipe.x_granularity)
+            x_scale = ctx.state.scale[X] if ctx.state is not None else None
+            qx_t = quantize(x_t, recipe.fwd_dtype, recipe.x_granularity, x_scale)
         dx = fp8_mm(qdy, qw_t, ctx.compute_dtype, recipe)
         dw = fp8_mm(qdy_t, qx_t, ctx.compute_dtype, recipe)
         dbias = dy2d.sum(0) if ctx.has_bias else None
@@ -219,7 +224,7 @@ class _Float8LinearFn(torch.autograd.Function):
         dx = dx.view(ctx.x_shape)
         if tp is not None and tp.gather_dim is not None:
             dx = _reduce_scatter_sum(dx, tp.gather_dim, tp.group)
-        return dx, dw.to(ctx.weight_dtype), dbias, None, None, None, None, None
+        return dx, dw.to(ctx.weight_dtype), dbias, None, None, None, None, None, None, None
 
 
 def _gathered_shape(shape, tp: TensorParallelGemm):
@@ -317,15 +322,23 @@ class Float8Linear(nn.Linear):
             state.history, state.scale, state.pending = self.fp8_amax_history, self.fp8_scale, self.fp8_amax_pending
         return state
 
+    def traced(self) -> bool:
+        """Whether compiled blocks trace this linear: a traceable recipe, and under delayed
+        scaling a state updated outside the block (``external_delayed_update``, as under the
+        engine), since a standalone linear decides at each forward, on the host, whether to
+        update its state first."""
+        return self.recipe.traceable and (not self.recipe.delayed or self.external_delayed_update)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, DTensor):
             from .tp import tensor_parallel_forward
 
             return tensor_parallel_forward(self, x)
-        if not self.recipe.traceable:
+        if not self.traced():
             return self._forward_opaque(x)
+        state = self.delayed_state(x.device)
         if not torch.compiler.is_compiling():
-            return _Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, None)
+            return _Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, state)
         # In a compiled block the quantization becomes part of the compiled graph. The input
         # is quantized out here, not inside the autograd function: linears fed the same
         # input (q/k/v, gate/up) then share one quantization once the compiler merges the
@@ -335,10 +348,26 @@ class Float8Linear(nn.Linear):
         # up outputs), so the compiler saves no copy at all, where an FP8 copy per distinct
         # input cost 104 MiB per layer on model B. Backward quantizes it again (same bytes).
         x2d = x.detach().reshape(-1, x.shape[-1])
-        qx = quantize(x2d, self.recipe.fwd_dtype, self.recipe.x_granularity)
-        return _Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, None, qx.data, qx.scale_inv)
+        if state is None:
+            qx = quantize(x2d, self.recipe.fwd_dtype, self.recipe.x_granularity)
+            return _Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, None, qx.data, qx.scale_inv)
+        # [Note: delayed scaling in a compiled block]
+        # The scales come from the state's scale buffer and every amax (x here; w in forward
+        # and dy in backward inside the function) is folded into its pending buffer with
+        # in-place tensor ops. The compiler functionalizes them and writes the buffer back at
+        # the end of the forward graph and of the backward graph (AOTAutograd keeps input
+        # mutations made in backward, as float8 training needs), so no graph breaks and no
+        # host synchronizes; the step's all-reduce and history roll stay outside, in eager.
+        # The backward folds dy's amax into the pending value its forward left, so the state
+        # must not change in between (the engine's forward-then-backward steps keep to it);
+        # autograd checks the buffers' versions and raises if it did (a second forward of the
+        # same linear, or a state update, before this one's backward).
+        qx = quantize(x2d, self.recipe.fwd_dtype, Granularity.TENSOR, state.scale[X])
+        record_amax(state.pending, X, amax(x2d))
+        return _Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, None, qx.data, qx.scale_inv, None,
+                                     state.scale, state.pending)
 
-    @torch.compiler.disable  # an opaque call in compiled blocks (see Recipe.traceable)
+    @torch.compiler.disable  # an opaque call in compiled blocks (see Float8Linear.traced)
     def _forward_opaque(self, x: torch.Tensor) -> torch.Tensor:
         state = self.delayed_state(x.device)
         if state is not None and not self.external_delayed_update and state.dirty:

@@ -663,6 +663,8 @@ def fp8_compiled_blocks(recipe_name, steps=3):
 
     from fsdp8.models.llama import Block
 
+    from fsdp8.fp8.linear import Float8Linear
+
     recipe = fp8_recipe(recipe_name)
     models = []
     for compiled in (False, True):
@@ -671,12 +673,13 @@ def fp8_compiled_blocks(recipe_name, steps=3):
                                     precision=fsdp8.Precision(param_dtype=torch.float64, reduce_dtype=torch.float64))
         if compiled:
             torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
             for block in sharded.modules():
                 if isinstance(block, Block):
                     block.forward = torch.compile(block.forward, fullgraph=recipe.traceable)
         models.append((sharded, torch.optim.AdamW(sharded.parameters(), lr=1e-3, weight_decay=0.1)))
     (eager, eager_opt), (compiled, compiled_opt) = models
-    errors, eager_losses, compiled_losses = {}, [], []
+    errors, eager_losses, compiled_losses, delayed_errors = {}, [], [], []
     for step in range(steps):
         # Lockstep (as common.lockstep_errors): the compiled model starts each step from the
         # eager one's weights. The compiler's fused reductions round differently (on CUDA), and
@@ -689,8 +692,98 @@ def fp8_compiled_blocks(recipe_name, steps=3):
         compiled_losses += common.train_sharded(compiled, 1, opt=compiled_opt, first_step=step)
         for name, err in common.relative_errors(compiled, eager).items():
             errors[name] = max(errors.get(name, 0.0), err)
+        if recipe.delayed:  # after this step's backward: its amaxes are pending
+            delayed_errors.append(_delayed_differences(eager, compiled))
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    return errors, eager_losses, compiled_losses, frames
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    return {"errors": errors, "eager_losses": eager_losses, "compiled_losses": compiled_losses, "graphs": frames,
+            "graph_breaks": breaks, "delayed_errors": delayed_errors}
+
+
+def _delayed_differences(a, b):
+    """The largest relative difference between the delayed states (amax histories, scales,
+    pending amaxes) of two models with the same Float8Linears; None if they have none."""
+    from fsdp8.fp8.linear import Float8Linear
+
+    def buffers(model):
+        states = [m._delayed for m in model.modules() if isinstance(m, Float8Linear) and m._delayed is not None]
+        return [t for s in states for t in (s.history, s.scale, s.pending)]
+
+    pairs = list(zip(buffers(a), buffers(b)))
+    if not pairs:
+        return None
+    return max(float(((x - y).abs() / y.abs().clamp_min(1e-30)).max()) for x, y in pairs)
+
+
+class _ResidualMLP(torch.nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up = torch.nn.Linear(dim, 2 * dim)
+        self.down = torch.nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _MLPStack(torch.nn.Module):
+    def __init__(self, dim: int = 32, depth: int = 2):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_ResidualMLP(dim) for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def fp8_delayed_compiled_mlp(steps=4):
+    """Delayed scaling under the engine, each block compiled (fullgraph), against the eager
+    engine, on residual MLP blocks computing in fp64: every op of a block is exact or an
+    fp64 GEMM of FP8 values (exact products), so the compiled blocks see the eager run's
+    values and the FP8 bytes, amaxes, histories and scales must be equal bit for bit (a
+    model with an fp32 norm, as the Llama, differs by the compiled norm's ulps). Weights in
+    lockstep as fp8_compiled_blocks; returns per step the largest relative difference of
+    the delayed states (0.0 when equal), the losses and the graph-break count."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1
+    from fsdp8.fp8.recipes import DelayedScaling
+
+    w, r = common.world(), common.rank()
+    models = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = _MLPStack().to(common.device())
+        sharded = fsdp8.fully_shard(model, fp8=DelayedScaling(amax_history_len=4),
+                                    precision=fsdp8.Precision(param_dtype=torch.float64, reduce_dtype=torch.float64))
+        if compiled:
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            for block in sharded.blocks:
+                block.forward = torch.compile(block.forward, fullgraph=True)
+        models.append((sharded, torch.optim.AdamW(sharded.parameters(), lr=1e-2)))
+    (eager, _), (compiled, _) = models
+    differences, losses = [], {False: [], True: []}
+    for step in range(steps):
+        with torch.no_grad():
+            for eager_unit, compiled_unit in zip(eager._fsdp8.units, compiled._fsdp8.units):
+                compiled_unit.main.copy_(eager_unit.main)
+                compiled_unit.mark_stale()
+        x = torch.randn(2 * w, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(step)) * (step + 1)
+        x = common.rank_slice(x, r, w).to(common.device())
+        for is_compiled, (model, opt) in zip((False, True), models):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[is_compiled].append(float(loss.detach()))
+        differences.append(_delayed_differences(eager, compiled))
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    scales = [m._delayed.scale for m in compiled.modules() if getattr(m, "_delayed", None) is not None]
+    return {"differences": differences, "eager_losses": losses[False], "compiled_losses": losses[True],
+            "graph_breaks": breaks, "graphs": graphs, "scaled": bool(scales) and all(s.ne(1).all() for s in scales)}
 
 
 def forward_before_backward():

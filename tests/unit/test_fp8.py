@@ -396,14 +396,17 @@ def _two_linears(recipe=None):
 
 @pytest.mark.parametrize("recipe_name", ["fp8-current", "fp8-block", "fp8-delayed", "fp8-mxfp8"])
 def test_float8_linear_under_torch_compile(recipe_name):
-    """Traceable recipes (current scaling) compile into one graph (fullgraph) and match eager;
-    the others stay opaque calls inside the compiled block and still match. fp32 compute: the compiler quantizes
-    the same values with the same formulas, so the bound is fp32 reordering (1e-6)."""
+    """Traced linears (current and block scaling) compile into one graph (fullgraph) and match
+    eager; the others (MX, and standalone delayed scaling, which updates its state at each
+    forward) stay opaque calls inside the compiled block and still match. fp32 compute: the
+    compiler quantizes the same values with the same formulas, so the bound is fp32 reordering (1e-6)."""
     recipe = recipe_from_name(recipe_name)
     x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1))
     eager_model, compiled_model = _two_linears(recipe), _two_linears(recipe)
+    traced = all(m.traced() for m in compiled_model.modules() if isinstance(m, Float8Linear))
+    assert traced == (recipe.traceable and not recipe.delayed)
     eager_out, eager_grads = _grads_after(eager_model, eager_model.forward, x)
-    out, grads = _grads_after(compiled_model, torch.compile(compiled_model.forward, fullgraph=recipe.traceable), x)
+    out, grads = _grads_after(compiled_model, torch.compile(compiled_model.forward, fullgraph=traced), x)
     assert (out - eager_out).norm() <= 1e-6 * eager_out.norm()
     for got, want in zip(grads, eager_grads):
         assert (got - want).norm() <= 1e-6 * want.norm()
@@ -411,3 +414,75 @@ def test_float8_linear_under_torch_compile(recipe_name):
     plain = _two_linears()
     plain_out, _ = _grads_after(plain, plain.forward, x)
     assert (out - plain_out).norm() > 1e-3 * plain_out.norm()
+
+
+def test_delayed_scaling_traced_under_torch_compile():
+    """Delayed scaling with its states updated between steps (as the engine does) compiles
+    into one graph (fullgraph: a graph break fails) that reads the scale buffers and folds
+    the amaxes of x and w (forward) and dy (backward) into the pending buffers in place.
+    Over four steps (scales from the history from step 1 on) it gives eager's outputs,
+    input and weight gradients, pending amaxes, histories and scales bit for bit. fp64
+    compute, as in the engine's compiled tests: the FP8 bytes are equal, and the emulated
+    GEMMs' fp64 products of FP8 values are exact. The bias gradient is a sum over n = 64
+    rows that the compiler orders differently: each order is within (n - 1) u sum|dy| of the
+    exact sum (u = eps / 2), so the two are within (n - 1) eps sum|dy| of each other."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    recipe = DelayedScaling(amax_history_len=4)
+    models = [_two_linears(recipe).double() for _ in range(2)]
+    for model in models:
+        for m in model.modules():
+            if isinstance(m, Float8Linear):
+                m.external_delayed_update = True
+    eager, compiled = models
+    forwards = (eager.forward, torch.compile(compiled.forward, fullgraph=True))
+    up_dy = []
+    eager.up.register_full_backward_hook(lambda module, grad_in, grad_out: up_dy.append(grad_out[0]))
+
+    def states(model):
+        return [m.delayed_state(torch.device("cpu")) for m in model.modules() if isinstance(m, Float8Linear)]
+
+    for step in range(4):
+        x = torch.randn(2, 32, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(step)) * (step + 1)
+        runs = []
+        for model, forward in zip(models, forwards):
+            x_in = x.clone().requires_grad_(True)
+            out = forward(x_in)
+            out.square().mean().backward()
+            runs.append((out.detach(), x_in.grad, {n: p.grad for n, p in model.named_parameters()},
+                         torch.stack([s.pending for s in states(model)])))
+            update_delayed_states(states(model))
+            model.zero_grad(set_to_none=True)
+        (want_out, want_dx, want_grads, want_pending), (out, dx, grads, pending) = runs
+        assert torch.equal(out, want_out) and torch.equal(dx, want_dx) and torch.equal(pending, want_pending), step
+        assert (pending > 0).all()  # every row recorded: x, w and dy
+        for name, want in want_grads.items():
+            if name == "up.bias":
+                dy = up_dy.pop().reshape(-1, want.numel())
+                bound = (dy.shape[0] - 1) * torch.finfo(torch.float64).eps * dy.abs().sum(0)
+                assert ((grads[name] - want).abs() <= bound).all(), step
+            else:
+                assert torch.equal(grads[name], want), (step, name)
+    for a, b in zip(states(eager), states(compiled)):
+        assert torch.equal(a.history, b.history) and torch.equal(a.scale, b.scale)
+        assert a.scale.ne(1).all()  # scales came from the histories
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_delayed_state_changed_between_compiled_forward_and_backward_raises():
+    """A compiled block's backward folds dy's amax into the pending amaxes its forward left
+    (see the note in Float8Linear.forward); a state update in between would be overwritten,
+    so autograd's version check must refuse it rather than let the amaxes go wrong."""
+    recipe = DelayedScaling(amax_history_len=4)
+    model = _two_linears(recipe).double()
+    linears = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    for m in linears:
+        m.external_delayed_update = True
+    forward = torch.compile(model.forward, fullgraph=True)
+    x = torch.randn(2, 32, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    loss = forward(x).square().mean()
+    update_delayed_states([m._delayed for m in linears])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
