@@ -32,11 +32,11 @@ def build_layer():
 
 
 def convert(layer, kind):
-    if kind == "fsdp8-fp8-current":
+    if kind.startswith("fsdp8-fp8-"):  # fsdp8-fp8-current, -block, -delayed, -mxfp8
         import fsdp8
         from fsdp8.fp8.recipes import recipe_from_name
 
-        fsdp8.convert_to_fp8(layer, recipe_from_name("fp8-current"))
+        fsdp8.convert_to_fp8(layer, recipe_from_name(kind[len("fsdp8-"):]))
     elif kind == "torchao-float8":
         from torchao.float8 import convert_to_float8_training
 
