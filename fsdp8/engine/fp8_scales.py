@@ -18,8 +18,9 @@ from typing import List, Sequence
 import torch
 import torch.distributed as dist
 
+from ..fp8.formats import scale_to_inv
 from ..fp8.kernels import scales_for
-from ..fp8.recipes import W, DelayedState
+from ..fp8.recipes import W, DelayedState, update_states
 from . import comm
 from .fp8_unit import Float8Unit
 
@@ -29,6 +30,7 @@ class ScaleAgreement:
         self.units = list(units)
         self.states = list(states)
         self.group = group
+        self._positions_key, self._positions = None, None
 
     def refresh(self) -> None:
         """Agree on new scales where weights changed (every step under delayed scaling)."""
@@ -43,35 +45,60 @@ class ScaleAgreement:
         flat = torch.cat(pieces)
         if flat.numel():
             comm.all_reduce(flat, self.group, dist.ReduceOp.MAX, "fp8 amax")
-        reduced = list(torch.split(flat, [p.numel() for p in pieces]))
+        sizes = [p.numel() for p in local]
         if delayed:
-            self._roll_histories(units, reduced)
-            for unit in units:
-                unit.set_scales_from_histories()
+            self._roll_histories(units, flat, sizes)
             return
         # Every unit shares the recipe: the scales of all weights in one go, then a slice each.
         recipe = units[0].recipe
-        weights = flat[: sum(p.numel() for p in local)]
+        weights = flat[: sum(sizes)]
         scale, inv = scales_for(weights, recipe.w_granularity, recipe.fwd_dtype)
-        sizes = [p.numel() for p in local]
         for unit, s, i in zip(units, torch.split(scale, sizes), torch.split(inv, sizes)):
             unit.set_scales(s, i)
 
-    def _roll_histories(self, units, reduced) -> None:
+    def _roll_histories(self, units, flat: torch.Tensor, sizes: List[int]) -> None:
         """Every history takes its reduced input and gradient amaxes of the last step and its
-        weight's reduced amax of now (so the weight's scale reflects the weight it quantizes)."""
-        rows = reduced[-1].view(len(self.states), 3)
-        weight_amax = {}
-        for unit, amaxes in zip(units, reduced):
-            for slot in unit.amax_slots():
-                if id(slot) in unit.delayed:
-                    start, stop = unit.amax_range(slot)
-                    weight_amax[id(unit.delayed[id(slot)])] = amaxes[start:stop].max()
-        for state, row in zip(self.states, rows):
-            if id(state) in weight_amax:
-                row = row.clone()
-                row[W] = weight_amax[id(state)]
-            state.update(row)
+        weight's reduced amax of now (so the weight's scale reflects the weight it quantizes);
+        then every weight takes its new scale. Batched over all linears (update_states): a
+        per-linear loop was ~30 launches each, enough to make the step host-bound."""
+        n = len(self.states)
+        rows = flat[sum(sizes):].view(n, 3)
+        states_at, weights_at, owners = self._weight_positions(units, sizes)
+        if owners:
+            rows = rows.clone()
+            rows[states_at, W] = flat[weights_at]
+        scales = update_states(self.states, rows)
+        if owners:
+            weight_scales = scales[states_at, W]
+            inverses = scale_to_inv(weight_scales)
+            torch._foreach_copy_([unit.scale_of(slot) for unit, slot in owners], list(weight_scales.unbind(0)))
+            torch._foreach_copy_([unit.scale_inv_of(slot) for unit, slot in owners], list(inverses.unbind(0)))
+        for unit in units:
+            unit.scales_agreed()
+
+    def _weight_positions(self, units, sizes: List[int]):
+        """(index of each FP8 weight's state, index of its amax in the flat all-reduce buffer,
+        its (unit, slot)), the indices on the device; made once (the layout never changes).
+        Delayed weights are scaled per tensor: one amax each."""
+        key = tuple(id(u) for u in units)
+        if self._positions_key != key:
+            index = {id(state): i for i, state in enumerate(self.states)}
+            states_at, weights_at, owners, offset = [], [], [], 0
+            for unit, size in zip(units, sizes):
+                for slot in unit.amax_slots():
+                    if id(slot) in unit.delayed:
+                        start, stop = unit.amax_range(slot)
+                        if stop - start != 1:
+                            raise AssertionError(f"delayed scaling keeps one amax per weight, {unit.name} has {stop - start}")
+                        states_at.append(index[id(unit.delayed[id(slot)])])
+                        weights_at.append(offset + start)
+                        owners.append((unit, slot))
+                offset += size
+            device = self.states[0].scale.device
+            self._positions = (torch.tensor(states_at, dtype=torch.long, device=device),
+                               torch.tensor(weights_at, dtype=torch.long, device=device), owners)
+            self._positions_key = key
+        return self._positions
 
 
 def delayed_states_of(units: Sequence[Float8Unit]) -> List[DelayedState]:

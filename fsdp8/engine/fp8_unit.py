@@ -21,7 +21,7 @@ import torch
 
 from ..fp8.formats import Granularity, e8m0_to_scale_inv, scale_inv_to_e8m0
 from ..fp8.kernels import amaxes, partial_block_amax, quantize, quantize_pieces, quantize_rows_with_grid
-from ..fp8.recipes import W, DelayedState, Recipe
+from ..fp8.recipes import DelayedState, Recipe
 from ..fp8.tensor import Float8Tensor
 from .layout import UnitLayout, plan_unit
 from .unit import ParamSlot, ShardedUnit, alias_storage
@@ -206,12 +206,9 @@ class Float8Unit(ShardedUnit):
             self._scale_inv_flat.index_copy_(0, self._scale_positions, scale_inv)
         self._scales_agreed()
 
-    def set_scales_from_histories(self) -> None:
-        """Delayed scaling: each weight's scale from its history (which holds the reduced amax)."""
-        for slot in self.amax_slots():
-            state = self.delayed[id(slot)]
-            self.scale_of(slot).copy_(state.scale[W])
-            self.scale_inv_of(slot).copy_(state.scale_inv(W))
+    def scales_agreed(self) -> None:
+        """The scales were written from outside (delayed scaling: ScaleAgreement, from the
+        histories that hold the reduced amaxes)."""
         self._scales_agreed()
 
     def _scales_agreed(self) -> None:

@@ -283,7 +283,26 @@ def partial_block_amax(rows: torch.Tensor, row_start: int, total_rows: int) -> t
         return grid
     first = row_start // 128
     offset = row_start - first * 128  # pad in front so the slice starts on a block boundary
-    padded = torch.nn.functional.pad(rows.detach().float().abs(), (0, 0, offset, 0))
-    local = block_amax(padded, Granularity.BLOCK_128x128)
+    # Each row's amax per 128 columns first (one pass over the rows, no temporary of their
+    # size: this runs on every FP8 weight before every gather), then the 128-row blocks
+    # over that 128x smaller tensor. Maxima of magnitudes are exact in any order.
+    per_row = _row_block_amax(rows.detach())
+    padded = torch.nn.functional.pad(per_row, (0, 0, offset, -(offset + per_row.shape[0]) % 128))
+    local = padded.view(-1, 128, padded.shape[1]).amax(dim=1)
     grid[first : first + local.shape[0]] = local
     return grid
+
+
+def _row_block_amax(x: torch.Tensor) -> torch.Tensor:
+    """(rows, ceil(cols / 128)) fp32: the largest magnitude of each row's 128-column blocks
+    (NaN propagates)."""
+    rows, cols = x.shape
+    whole = cols // 128 * 128
+    inf = float("inf")
+    parts = []
+    if whole:
+        parts.append(torch.linalg.vector_norm(x[:, :whole].reshape(rows, whole // 128, 128), ord=inf, dim=2,
+                                              dtype=torch.float32))
+    if whole < cols:
+        parts.append(torch.linalg.vector_norm(x[:, whole:], ord=inf, dim=1, keepdim=True, dtype=torch.float32))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

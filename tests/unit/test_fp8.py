@@ -486,3 +486,48 @@ def test_delayed_state_changed_between_compiled_forward_and_backward_raises():
     update_delayed_states([m._delayed for m in linears])
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("compute,margin", [("max", 0), ("most_recent", 1)])
+def test_batched_delayed_update_equals_each_state_updated_alone(compute, margin):
+    """recipes.update_states (every linear's history in a few launches) against
+    DelayedState.update one by one: histories, scales and pending bit for bit over steps with
+    zeros, infinities and a NaN among the amaxes."""
+    from fsdp8.fp8.recipes import DelayedScaling, DelayedState, update_states
+
+    recipe = DelayedScaling(amax_history_len=4, amax_compute=compute, margin=margin)
+    alone = [DelayedState(recipe, torch.device("cpu")) for _ in range(5)]
+    batched = [DelayedState(recipe, torch.device("cpu")) for _ in range(5)]
+    g = torch.Generator().manual_seed(0)
+    for step in range(6):
+        amaxes = torch.rand(5, 3, generator=g) * 10 ** torch.randint(-3, 4, (5, 3), generator=g)
+        amaxes[step % 5, step % 3] = (0.0, float("inf"), float("nan"))[step % 3]
+        for state, row in zip(alone, amaxes):
+            state.pending.fill_(1.0)
+            state.update(row)
+        for state in batched:
+            state.pending.fill_(1.0)
+        scales = update_states(batched, amaxes)
+        for a, b, row_scale in zip(alone, batched, scales):
+            for name in ("history", "scale", "pending"):  # bit patterns: NaN included
+                assert torch.equal(getattr(a, name).view(torch.int32), getattr(b, name).view(torch.int32)), (step, name)
+            assert torch.equal(row_scale, b.scale) and (a.steps, a.dirty) == (b.steps, b.dirty)
+
+
+@pytest.mark.parametrize("total,cols,start,n", [(512, 256, 0, 512), (700, 300, 130, 400), (700, 300, 0, 1),
+                                                (300, 128, 257, 43), (256, 1000, 128, 128), (1000, 64, 5, 900)])
+def test_partial_block_amax_is_each_blocks_largest_magnitude(total, cols, start, n):
+    """Rows [start, start + n) of a (total, cols) weight: the 128x128 grid of the whole
+    weight, each touched block's max |x| over these rows (NaN kept), untouched blocks 0,
+    against the definition written block by block."""
+    x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n)) * 3
+    if n > 3:
+        x[2, 5] = float("nan")
+    got = partial_block_amax(x, start, total)
+    want = torch.zeros(-(-total // 128), -(-cols // 128))
+    for r in range(want.shape[0]):
+        for c in range(want.shape[1]):
+            lo, hi = max(r * 128, start), min((r + 1) * 128, start + n)
+            if lo < hi:
+                want[r, c] = x[lo - start: hi - start, c * 128: (c + 1) * 128].abs().amax()
+    assert got.shape == want.shape and torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0))
