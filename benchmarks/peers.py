@@ -54,9 +54,9 @@ if str(REPO_ROOT) not in sys.path:
 
 STACKS = ("fsdp8", "fsdp2", "megatron")
 # FP8 stacks (recipes native on Hopper), run with --stacks; see build_fsdp8_fp8 / build_torchao.
-FP8_STACKS = ("fsdp8-fp8-current", "fsdp8-fp8-delayed", "fsdp8-fp8-block", "fsdp8-fp8-current-primary",
-              "fsdp8-compile", "fsdp8-fp8-current-compile", "fsdp8-fp8-delayed-compile", "fsdp8-fp8-block-compile",
-              "torchao", "torchao-compile")
+FP8_STACKS = ("fsdp8-fp8-current", "fsdp8-fp8-delayed", "fsdp8-fp8-block", "fsdp8-fp8-mxfp8",
+              "fsdp8-fp8-current-primary", "fsdp8-compile", "fsdp8-fp8-current-compile", "fsdp8-fp8-delayed-compile",
+              "fsdp8-fp8-block-compile", "fsdp8-fp8-mxfp8-compile", "torchao", "torchao-compile")
 # HSDP stacks: a (replicate, shard) mesh of --hsdp-replicate x world/R ranks; see hsdp_mesh_shape.
 HSDP_STACKS = ("fsdp8-hsdp-noshard", "fsdp8-hsdp-optim", "fsdp2-hsdp")
 # fsdp8's one call (fsdp8.parallelize: units and plan found by itself) and CPU offload, run with --stacks.
@@ -537,11 +537,13 @@ BUILDERS = {
     "fsdp8-fp8-current": lambda m, c: build_fsdp8_fp8(m, c, "fp8-current"),
     "fsdp8-fp8-delayed": lambda m, c: build_fsdp8_fp8(m, c, "fp8-delayed"),
     "fsdp8-fp8-block": lambda m, c: build_fsdp8_fp8(m, c, "fp8-block"),
+    "fsdp8-fp8-mxfp8": lambda m, c: build_fsdp8_fp8(m, c, "fp8-mxfp8"),
     "fsdp8-fp8-current-primary": lambda m, c: build_fsdp8_fp8(m, c, "fp8-current", primary=True),
     "fsdp8-compile": build_fsdp8_compiled,
     "fsdp8-fp8-current-compile": lambda m, c: build_fsdp8_fp8(m, c, "fp8-current", compile_blocks=True),
     "fsdp8-fp8-delayed-compile": lambda m, c: build_fsdp8_fp8(m, c, "fp8-delayed", compile_blocks=True),
     "fsdp8-fp8-block-compile": lambda m, c: build_fsdp8_fp8(m, c, "fp8-block", compile_blocks=True),
+    "fsdp8-fp8-mxfp8-compile": lambda m, c: build_fsdp8_fp8(m, c, "fp8-mxfp8", compile_blocks=True),
     "torchao": lambda m, c: build_torchao(m, c, compile_blocks=False),
     "torchao-compile": lambda m, c: build_torchao(m, c, compile_blocks=True),
     "fsdp8-hsdp-noshard": lambda m, c: build_fsdp8_hsdp(m, c, "no_shard"),
