@@ -156,6 +156,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default="",
                    help="directory: after timing, profile one more step of each stack and write where its "
                         "GPU time went (benchmarks/step_profile.py; rank 0's trace kept as .json.gz)")
+    p.add_argument("--memory-peak", default="",
+                   help="directory: after timing, record one more step's allocations and write what is alive at "
+                        "its peak, by where it was allocated (benchmarks/memory_peak.py)")
     p.add_argument("--loopback-world", type=int, default=0,
                    help="N > 1: one process plays rank 0 of a world of N with loopback collectives "
                         "(benchmarks/loopback.py): the world-N step minus communication, on one device")
@@ -631,6 +634,8 @@ def measure(spec: ModelSpec, stack: str, ctx: Context, result: Result) -> None:
         result.peak_alloc_gib, result.peak_reserved_gib = (x / GIB for x in _all_reduce(peaks, dist.ReduceOp.MAX, ctx))
     if ctx.args.profile and ctx.device.type == "cuda":
         profile_one_step(spec, stack, built, batches[-1], ctx)
+    if ctx.args.memory_peak and ctx.device.type == "cuda":
+        memory_peak_of_step(spec, stack, built, batches[-1], ctx)
     report = getattr(built.model, "memory_report", None)
     if callable(report):
         result.memory_report = str(report())
@@ -648,6 +653,20 @@ def profile_one_step(spec: ModelSpec, stack: str, built: Built, batch: torch.Ten
                            trace_path=str(base) + ".json.gz" if ctx.rank == 0 else None)
     text = format_summary(f"{stack}, model {spec.name}, rank {ctx.rank} of {ctx.world}", summarize(kernels))
     base.with_suffix(".md").write_text(text + "\n")
+    if ctx.rank == 0:
+        print(text, flush=True)
+
+
+def memory_peak_of_step(spec: ModelSpec, stack: str, built: Built, batch: torch.Tensor, ctx: Context) -> None:
+    """One extra step with the allocator's history recorded: what is alive at its peak."""
+    from memory_peak import format_peak, live_at_peak, record_step
+
+    events, baseline = record_step(lambda: train_step(built, batch, ctx))
+    peak, live = live_at_peak(events, baseline)
+    text = format_peak(f"{stack}, model {spec.name}, rank {ctx.rank} of {ctx.world}", peak, live, baseline)
+    out = Path(ctx.args.memory_peak)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{spec.name}-{stack}-rank{ctx.rank}.md").write_text(text + "\n")
     if ctx.rank == 0:
         print(text, flush=True)
 
