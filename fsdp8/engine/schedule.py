@@ -285,18 +285,23 @@ class Schedule:
         if remaining <= 0:
             self._reduce(unit)
 
-    def _reduce(self, unit: ShardedUnit) -> None:
+    def _reduce(self, unit: ShardedUnit, last: bool = False) -> None:
+        """Reduce ``unit``'s gradients once its backward is done. Its unsharded parameters are
+        freed first (ZeRO-3): nothing reads them any more, and the gradient buffers the
+        reduction allocates then do not stack on top of them at the step's peak. The root
+        keeps them until the ``last`` reduction of the backward (a tied or reused root
+        parameter may still be read before that)."""
         with record_function(f"fsdp8::post_backward[{unit.name}]"):
+            if unit is not self.root_unit or last:
+                unit.reshard()
+                if unit.shards_params:
+                    unit.register(compute=False)
             pending = unit.reduce_grads(self.sync_grads)
             self._reduced.add(unit)
             # Keep at most one reduction in flight: its buffers are released once the
             # compute stream has waited for it (see comm.py [Note: streams and memory]).
             self._release_pending()
             self._pending = pending
-            if unit is not self.root_unit:
-                unit.reshard()
-                if unit.shards_params:
-                    unit.register(compute=False)
 
     def _release_pending(self) -> None:
         if self._pending is not None:
@@ -310,7 +315,7 @@ class Schedule:
                 if used and (unit not in self._reduced or unit.has_unsharded_grads()):
                     self._reduce(unit)
             if self.root_unit is not None and self._forward_calls.get(self.root_unit, 0) > 0:
-                self._reduce(self.root_unit)
+                self._reduce(self.root_unit, last=True)
             self._release_pending()
             self.backward_recorded = True
             self._finish_iteration()
