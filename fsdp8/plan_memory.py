@@ -259,9 +259,15 @@ def peaks(spec: ModelSpec, setup: "Setup", report: MemoryReport, units: List[Uni
         moment("loss backward", carried, 0, u_root + u_layer, n * saved + (acts.root + acts.loss_backward) * t),
         moment("backward of the last layer", carried, g_head + g_layer, u_root + u_layer + prefetch + transpose,
                (n - 1) * saved + live),
-        moment("backward of the first layer", max(carried, (n - 1) * layer_grads),
-               g_head + 2 * g_layer + pack * layer.layout.trainable_numel, u_root + u_layer + transpose, live),
-        moment("end of backward", grads, g_root + g_layer + pack * root.layout.trainable_numel, u_root, 0),
+        # A unit's reduction frees its unsharded parameters (and FP8 transposes) first, then
+        # lands its gradients (a new shard) from their pack; the previous unit's unsharded
+        # gradients stay until this reduction is issued (one reduction in flight).
+        moment("backward of the first layer", max(carried, (n - 1) * layer_grads), g_head + 2 * g_layer,
+               u_root + u_layer + transpose, live),
+        moment("reduction of the first layer", max(carried, n * layer_grads),
+               g_head + 2 * g_layer + pack * layer.layout.trainable_numel, u_root, 0),
+        moment("backward of the root", max(carried, n * layer_grads), g_root + g_layer, u_root, 0),
+        moment("end of backward", grads, g_root + g_layer + pack * root.layout.trainable_numel, 0, 0),
     ]
 
 
