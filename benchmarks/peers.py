@@ -61,7 +61,9 @@ FP8_STACKS = ("fsdp8-fp8-current", "fsdp8-fp8-delayed", "fsdp8-fp8-block", "fsdp
 HSDP_STACKS = ("fsdp8-hsdp-noshard", "fsdp8-hsdp-optim", "fsdp2-hsdp")
 # fsdp8's one call (fsdp8.parallelize: units and plan found by itself) and CPU offload, run with --stacks.
 MANAGER_STACKS = ("fsdp8-parallelize", "fsdp8-parallelize-compile", "fsdp8-offload")
-ALL_STACKS = STACKS + FP8_STACKS + HSDP_STACKS + MANAGER_STACKS
+# FSDP2 as torchtitan applies it (the last layer kept gathered from forward into backward).
+PEER_VARIANTS = ("fsdp2-keep-last",)
+ALL_STACKS = STACKS + FP8_STACKS + HSDP_STACKS + MANAGER_STACKS + PEER_VARIANTS
 FLOPS_FORMULA = (
     "FLOPs/token = 6*N + 12*L*H*S (N = all parameters incl. embedding and lm_head, L layers, H hidden, S seq)"
 )
@@ -329,7 +331,7 @@ def unavailable_reason(stack: str, ctx: Context) -> str | None:
             return f"fsdp8 not importable: {_short(err)}"
         missing = [n for n in ("init_distributed", "fully_shard", "Precision") if not hasattr(fsdp8, n)]
         return f"fsdp8 lacks {', '.join(missing)}" if missing else None
-    if stack == "fsdp2":
+    if stack in ("fsdp2", "fsdp2-keep-last"):
         try:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: F401
         except ImportError as err:
@@ -380,13 +382,16 @@ def build_fsdp8_offload(model: torch.nn.Module, ctx: Context) -> Built:
     return Built(model, make_adamw(model.parameters(), ctx, fused=False))
 
 
-def build_fsdp2(model: torch.nn.Module, ctx: Context, mesh=None) -> Built:
+def build_fsdp2(model: torch.nn.Module, ctx: Context, mesh=None, keep_last: bool = False) -> Built:
+    """torch FSDP2 per decoder layer and at the root. ``keep_last``: the last layer is not
+    resharded after forward (backward starts with it), as torchtitan shards Llama."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = ctx.mesh if mesh is None else mesh
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    layers = list(model.model.layers)
+    for i, layer in enumerate(layers):
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=not (keep_last and i == len(layers) - 1))
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return plain_optimizer(model, ctx)
 
@@ -536,6 +541,7 @@ def build_torchao(model: torch.nn.Module, ctx: Context, compile_blocks: bool) ->
 BUILDERS = {
     "fsdp8": build_fsdp8,
     "fsdp2": build_fsdp2,
+    "fsdp2-keep-last": lambda m, c: build_fsdp2(m, c, keep_last=True),
     "megatron": build_megatron,
     "fsdp8-fp8-current": lambda m, c: build_fsdp8_fp8(m, c, "fp8-current"),
     "fsdp8-fp8-delayed": lambda m, c: build_fsdp8_fp8(m, c, "fp8-delayed"),
