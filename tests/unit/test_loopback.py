@@ -92,3 +92,41 @@ def test_engine_at_loopback_world_two_matches_the_model_it_stands_for():
         """
     )
     assert out.strip().endswith("ok")
+
+
+def test_units_free_their_parameters_before_their_gradients_are_reduced():
+    """ZeRO-3 at a loopback world of 2: in backward each unit's unsharded parameters are
+    freed before its gradients are packed and reduced (the reduction's buffers must not
+    stack on them at the step's peak), the root's at the last reduction."""
+    out = _run(
+        """
+        import torch
+        import loopback
+        loopback.init_loopback(2)
+        import fsdp8
+        from fsdp8.engine.unit import ShardedUnit
+        from fsdp8.models.llama import Llama, preset
+
+        log = []
+        for name in ("reshard", "reduce_grads"):
+            original = getattr(ShardedUnit, name)
+            def logged(self, *a, _original=original, _name=name, **k):
+                if _name == "reduce_grads" or self.state.name != "SHARDED":
+                    log.append((_name, self.name))
+                return _original(self, *a, **k)
+            setattr(ShardedUnit, name, logged)
+        torch.manual_seed(0)
+        model = fsdp8.fully_shard(Llama(preset("tiny")), mesh=fsdp8.make_mesh())
+        x = torch.randint(0, 256, (2, 16))
+        for step in range(2):
+            log.clear()
+            model(x, x).backward()
+        reduced = [unit for op, unit in log if op == "reduce_grads"]
+        assert len(reduced) == 5, log  # four layers and the root
+        for unit in reduced:
+            first_reduce = log.index(("reduce_grads", unit))
+            assert ("reshard", unit) in log[:first_reduce], (unit, log)
+        print("ok")
+        """
+    )
+    assert out.strip().endswith("ok")
