@@ -179,7 +179,8 @@ def _plan_parser(sub) -> None:
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="compute dtype (default: %(default)s)")
     _layout_flags(p)
     p.add_argument("--search", action="store_true",
-                   help="rank every configuration that fits (strategies, HSDP, tp, AC, micro batch, offload) instead")
+                   help="rank every configuration that fits (strategies, HSDP, tp, AC, micro batch, offload) instead; "
+                        "with --cp N also every context-parallel degree dividing N")
     p.add_argument("--top", type=int, default=10, help="configurations --search prints (default: %(default)s)")
 
 
@@ -367,7 +368,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         common = dict(gpu=gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node, seq_len=_given(args.seq_len, 2048),
                       global_batch=args.global_batch, precision=args.precision, fp8=_none(args.fp8), **_sizes(args))
         if args.search:
-            found = search(args.model, top=args.top, loss_parallel=args.loss_parallel, **common)
+            # --cp N: weigh every context-parallel degree that divides N (default 1: none).
+            cps = tuple(d for d in range(1, args.cp + 1) if args.cp % d == 0) if args.cp >= 1 else (args.cp,)
+            found = search(args.model, top=args.top, loss_parallel=args.loss_parallel, cps=cps, **common)
         else:
             result = plan(args.model, micro_batch=_given(args.micro_batch, 1), strategy=args.strategy,
                           outer_strategy=args.outer_strategy, dp_replicate=args.dp_replicate, cp=args.cp, tp=args.tp,

@@ -247,6 +247,11 @@ def test_plan_cli_table_json_and_search(capsys):
     assert cli.main(["plan", "--model", "1b", "--search", "--top", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("fsdp8 plan --search") and len(out) == 5
+    # --search --cp N weighs every cp dividing N (a 64k sequence: only cp > 1 fits a 16 GiB GPU)
+    argv = ["plan", "--model", "1b", "--seq-len", "65536", "--gpu-memory", "16", "--search", "--json", "--top", "50"]
+    assert cli.main(argv + ["--cp", "4"]) == 0
+    cps = {c["setup"]["cp"] for c in json.loads(capsys.readouterr().out)}
+    assert cps and cps <= {2, 4} and 1 not in cps, cps
 
 
 def test_plan_cli_does_not_fit_and_errors(capsys):
