@@ -23,7 +23,8 @@ from .launch import launch, resolve_nproc, under_torchrun
 from .models.llama import PRESETS
 from .plan import plan
 from .plan_hw import GPUS
-from .train import HF_PREFIX, OFFLOAD_MODES, PRECISIONS, TrainConfig, check_run, find_checkpoint, run_dir_of, train
+from .run_log import find_checkpoint, run_dir_of
+from .train import HF_PREFIX, OFFLOAD_MODES, PRECISIONS, TrainConfig, check_run, train
 
 # What a run writes into --out; an earlier run's are never overwritten unasked.
 OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "loss.png")

@@ -4,11 +4,8 @@ text file) on whatever hardware is here, laid out by ``parallelize``."""
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
-import resource
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -22,8 +19,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from .config import AC_MODES, ParallelConfig, Precision
 from .data import VAL_FRACTION, VOCAB_SIZE, TokenCorpus, has_tokenizer, load_tokenizer, load_tokens
-from .checkpoint import latest, load, load_pretrained, save, wait_for_saves
-from .checkpoint.store import METADATA
+from .checkpoint import load, load_pretrained, save, wait_for_saves
 from .engine.grads import clip_grad_norm_
 from .fp8.recipes import recipe_from_name
 from .launch import Stopped, stop_on_signals, stop_requested
@@ -31,7 +27,7 @@ from .models.llama import Llama, preset
 from .parallel.cp import local_multiple
 from .parallel.manager import cut_sequences, parallelize
 from .parallel.mesh import init_distributed
-from .plot import save_line_plot
+from .run_log import RunLog, find_checkpoint, history_of, memory_mib
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp8-delayed", "fp8-current", "fp8-block", "fp8-mxfp8")
 OFFLOAD_MODES = ("none", "optim")
@@ -173,78 +169,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup
     progress = (step - cfg.warmup) / max(1, (cfg.lr_decay_steps or cfg.steps) - cfg.warmup)
     return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-def find_checkpoint(path: str) -> str:
-    """The checkpoint ``path`` names: itself, or the newest complete one in its checkpoints/
-    folder (a run directory) or in it (a checkpoints folder)."""
-    if os.path.isfile(os.path.join(path, METADATA)):
-        return path
-    for folder in (os.path.join(path, "checkpoints"), path):
-        found = latest(folder)
-        if found is not None:
-            return found
-    what = "no such directory" if not os.path.isdir(path) else "no complete checkpoint in it"
-    raise FileNotFoundError(f"{path}: {what}; give a run directory (with checkpoints/), its checkpoints/ "
-                            "folder or one checkpoint")
-
-
-def run_dir_of(checkpoint: str) -> Optional[str]:
-    """The run directory a checkpoint of ``fsdp8 train`` lives in (``<run>/checkpoints/step-N``)."""
-    folder = os.path.dirname(os.path.normpath(checkpoint))
-    return (os.path.dirname(folder) or ".") if os.path.basename(folder) == "checkpoints" else None
-
-
-def _history(checkpoint: str, step: int) -> List[dict]:
-    """The metrics records of the run ``checkpoint`` belongs to, up to its step: a resumed
-    run's outputs cover the whole run (records after the checkpoint are redone)."""
-    run_dir = run_dir_of(checkpoint)
-    path = os.path.join(run_dir, "metrics.jsonl") if run_dir else ""
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return [r for r in records if r["step"] <= step]
-
-
-def _memory_mib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-class Progress:
-    """One status line on rank 0: a bar on a terminal, plain lines otherwise."""
-
-    def __init__(self, total: int, stream=sys.stderr):
-        self.total, self.stream = total, stream
-        self.tty = stream.isatty()
-        self.shown = 0  # characters of the bar now on the terminal line
-
-    def _clear(self) -> str:
-        # "\r" only moves the cursor: a shorter line would leave the longer one's tail behind.
-        return "\r" + " " * self.shown + "\r" if self.shown else ""
-
-    def update(self, step: int, text: str) -> None:
-        done = int(30 * step / self.total)
-        line = f"step {step:>{len(str(self.total))}}/{self.total} [{'#' * done}{'.' * (30 - done)}] {text}"
-        if self.tty:
-            self.stream.write(self._clear() + line)
-            self.shown = len(line)
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def note(self, text: str) -> None:
-        """A line of its own; on a terminal it replaces the bar, which the next update redraws."""
-        self.stream.write(self._clear() + text + "\n")
-        self.shown = 0
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.shown:
-            self.stream.write("\n")
-            self.shown = 0
 
 
 def _hf_config(directory: str):
@@ -400,94 +324,10 @@ def _evaluate(model, corpus: TokenCorpus, cfg: TrainConfig, device) -> float:
     return float(total) / (cfg.eval_batches * dist.get_world_size())
 
 
-# metrics.jsonl key -> TensorBoard tag
-_BOARD_TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-               "tokens_per_s": "perf/tokens_per_s", "max_mem_mib": "perf/max_mem_mib"}
-
-
 def _nan_fault(step: int, rank: int) -> bool:
     """Test seam: FSDP8_FAULT=nan_loss:<step>:<rank> poisons that rank's loss at that step."""
     fault = os.environ.get("FSDP8_FAULT", "")
     return fault == f"nan_loss:{step}:{rank}"
-
-
-class _RunLog:
-    """Rank 0's record of a run: metrics.jsonl, TensorBoard events (with --tensorboard), the
-    progress line, and the series that loss.png and summary.json are made of, starting from
-    the records of a resumed run."""
-
-    def __init__(self, cfg: TrainConfig, history: List[dict]):
-        self.cfg = cfg
-        os.makedirs(cfg.out, exist_ok=True)
-        self.file = open(os.path.join(cfg.out, "metrics.jsonl"), "w")
-        self.file.writelines(json.dumps(r) + "\n" for r in history)
-        self.progress = Progress(cfg.steps)
-        self.steps = [r["step"] for r in history if "loss" in r]
-        self.losses = [r["loss"] for r in history if "loss" in r]
-        self.val = {r["step"]: r["val_loss"] for r in history if "val_loss" in r}
-        self.skipped = [r["step"] for r in history if r.get("skipped")]
-        self.earlier_s = max((r["elapsed_s"] for r in history if "elapsed_s" in r), default=0.0)
-        self.board = None
-        if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # Like metrics.jsonl, the events cover the whole run: purge_step=0 hides what an
-            # earlier process wrote into this folder (the interrupted part of a resumed run, or
-            # a run that --overwrite replaced), and a resumed run's records are written again.
-            self.board = SummaryWriter(cfg.tensorboard, purge_step=0)
-            for record in history:
-                self._to_board(record)
-
-    def _to_board(self, record: dict) -> None:
-        for key, tag in _BOARD_TAGS.items():
-            if isinstance(record.get(key), (int, float)):  # a skipped step's grad_norm is a string
-                self.board.add_scalar(tag, record[key], record["step"])
-
-    def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.board:
-            self._to_board(record)
-            self.board.flush()
-        if "loss" in record:
-            self.steps.append(record["step"])
-            self.losses.append(record["loss"])
-            self.progress.update(record["step"], f"loss {record['loss']:.3f} | {record['tokens_per_s'] / 1e3:.1f}k "
-                                                 f"tok/s | mem {record['max_mem_mib']:.0f} MiB")
-        if "val_loss" in record:
-            self.val[record["step"]] = record["val_loss"]
-        if record.get("skipped"):
-            self.skipped.append(record["step"])
-            self.note(f"step {record['step']}: gradient norm is {record['grad_norm']} (NaN/Inf in a "
-                               "gradient); step skipped, weights unchanged")
-
-    def note(self, text: str) -> None:
-        self.progress.note(text)
-
-    def finish(self, summary: dict, stopped_by: int) -> Optional[dict]:
-        """summary.json (``summary`` plus the losses), loss.png and one line."""
-        cfg = self.cfg
-        self.progress.close()
-        self.file.close()
-        if self.board:
-            self.board.close()
-        if not self.losses:
-            return None
-        val_series = [self.val.get(s, float("nan")) for s in self.steps]
-        save_line_plot(os.path.join(cfg.out, "loss.png"), self.steps, {"train": self.losses, "val": val_series},
-                       title=f"fsdp8 {cfg.model_name} {cfg.strategy}", xlabel="step", ylabel="loss")
-        final_val = self.val[max(self.val)] if self.val else None
-        stopped = signal.Signals(stopped_by).name if stopped_by else None
-        summary = dict(summary, first_loss=self.losses[0], final_loss=self.losses[-1], final_val_loss=final_val,
-                       skipped_steps=self.skipped, stopped_by=stopped)
-        with open(os.path.join(cfg.out, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        head = f"stopped by {stopped} after step {summary['steps_done']} of {cfg.steps}: " if stopped else ""
-        val = f" (val {final_val:.3f})" if final_val is not None else ""
-        print(f"{head}loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f}{val} in {summary['elapsed_s']:.0f}s; "
-              f"wrote {cfg.out}/metrics.jsonl, loss.png, summary.json"
-              + (f" and TensorBoard events to {cfg.tensorboard}" if cfg.tensorboard else ""), file=sys.stderr)
-        return summary
 
 
 def train(cfg: TrainConfig) -> Optional[dict]:
@@ -542,7 +382,7 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
 
     log = None
     if rank == 0:
-        log = _RunLog(cfg, _history(resumed_from, first_step) if resumed_from else [])
+        log = RunLog(cfg, history_of(resumed_from, first_step) if resumed_from else [])
         compute = cfg.precision if parallel.fp8 else ("bf16" if parallel.precision.param_dtype else "fp32")
         print(f"fsdp8 train: {cfg.model_name} ({n_params / 1e6:.2f}M params), {world} x {device.type} as {layout}, "
               f"strategy {cfg.strategy}, {compute} compute, "
@@ -599,7 +439,7 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
             window_start, window_steps, window_applied = now, 0, 0
             if log:
                 log.write({"step": step + 1, "loss": mean_loss, "lr": lr_at(step, cfg), "grad_norm": float(norm),
-                           "tokens_per_s": tok_s, "max_mem_mib": _memory_mib(device), "elapsed_s": now - start})
+                           "tokens_per_s": tok_s, "max_mem_mib": memory_mib(device), "elapsed_s": now - start})
         if (step + 1) % cfg.eval_every == 0 or step + 1 == last_step:  # not when stopping: stop promptly
             val = _evaluate(model, val_data, cfg, device)
             if log:

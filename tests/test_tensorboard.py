@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp8 import cli
-from fsdp8.train import TrainConfig, _RunLog, train
+from fsdp8.run_log import RunLog
+from fsdp8.train import TrainConfig, train
 
 pytest.importorskip("tensorboard")
 
@@ -62,11 +63,11 @@ def test_events_cover_the_whole_run_after_a_resume(tmp_path):
     """A resumed run redoes the steps after its checkpoint: TensorBoard shows the earlier
     records once and the redone steps with their new values, not both runs' points."""
     cfg = TrainConfig(steps=8, out=str(tmp_path / "run"), tensorboard=str(tmp_path / "tb"))
-    first = _RunLog(cfg, [])
+    first = RunLog(cfg, [])
     for step in (2, 4, 6):  # interrupted after step 6; its checkpoint was at step 4
         first.write(_record(step, 10.0 - step))
     first.finish({"elapsed_s": 1.0, "steps_done": 6}, 0)
-    resumed = _RunLog(cfg, [_record(2, 8.0), _record(4, 6.0)])
+    resumed = RunLog(cfg, [_record(2, 8.0), _record(4, 6.0)])
     for step in (6, 8):
         resumed.write(_record(step, 1.0 / step))
     resumed.finish({"elapsed_s": 2.0, "steps_done": 8}, 0)

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from fsdp8 import cli
-from fsdp8.train import Progress
+from fsdp8.run_log import Progress
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
