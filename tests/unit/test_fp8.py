@@ -531,3 +531,22 @@ def test_partial_block_amax_is_each_blocks_largest_magnitude(total, cols, start,
             if lo < hi:
                 want[r, c] = x[lo - start: hi - start, c * 128: (c + 1) * 128].abs().amax()
     assert got.shape == want.shape and torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0))
+
+
+def test_batched_delayed_update_with_several_recipes():
+    """States of different recipes (history lengths, amax rules, margins) in one batch are
+    updated in their own groups and their scales come back in the states' order."""
+    from fsdp8.fp8.recipes import DelayedScaling, DelayedState, update_states
+
+    recipes = [DelayedScaling(amax_history_len=4), DelayedScaling(amax_history_len=8, amax_compute="most_recent", margin=1)]
+    order = [0, 1, 0, 1, 0]
+    alone = [DelayedState(recipes[i], torch.device("cpu")) for i in order]
+    batched = [DelayedState(recipes[i], torch.device("cpu")) for i in order]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        amaxes = torch.rand(5, 3, generator=g) * 100
+        for state, row in zip(alone, amaxes):
+            state.update(row)
+        scales = update_states(batched, amaxes)
+        for a, b, row_scale in zip(alone, batched, scales):
+            assert torch.equal(a.history, b.history) and torch.equal(a.scale, b.scale) and torch.equal(row_scale, b.scale)
