@@ -1,0 +1,256 @@
+"""What a ``fsdp8 train`` run is: its settings (``TrainConfig``, checked as they are made),
+its model on the meta device, and what the launching process checks before any worker
+starts (layout against the world size, data file, model directory, tensor-parallel shapes,
+vocabulary)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import List
+
+import torch
+
+from .config import AC_MODES, ParallelConfig, Precision
+from .data import VAL_FRACTION, VOCAB_SIZE, has_tokenizer, load_tokenizer
+from .fp8.recipes import recipe_from_name
+from .models.llama import Llama, preset
+from .parallel.cp import local_multiple
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp8-delayed", "fp8-current", "fp8-block", "fp8-mxfp8")
+OFFLOAD_MODES = ("none", "optim")
+HF_PREFIX = "hf:"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    preset: str = "tiny"  # the built-in Llama's size
+    model: str = ""  # "hf:DIR": a Hugging Face model directory instead of the built-in Llama ("": none)
+    data: str = ""  # a text file to train on ("": the packaged corpus)
+    strategy: str = "optim_grads_params"
+    precision: str = "auto"  # bf16 on GPUs, fp32 on CPUs
+    tp: int = 1
+    dp_replicate: int = 1
+    outer_strategy: str = "no_shard"  # HSDP: what is sharded across the replicas
+    cp: int = 1
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    ac: str = "none"  # activation checkpointing
+    compile: bool = False
+    offload: str = "none"
+    batch_size: int = 8  # sequences per data-parallel rank per optimizer step
+    seq_len: int = 128
+    micro_batches: int = 1
+    lr: float = 3e-3
+    warmup: int = 20
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 4
+    out: str = "runs/train"
+    save_every: int = 0  # steps between checkpoints (0: none), under <out>/checkpoints
+    keep_last: int = 2
+    resume: str = ""  # a checkpoint, or a run or checkpoints directory to take the latest from ("": start afresh)
+    overwrite: bool = False  # start afresh where an earlier run's outputs are (fsdp8 train deletes them first)
+    stop_at: int = 0  # stop after this step (as if interrupted) with a checkpoint; 0: run to --steps
+    async_save: bool = False
+    lr_decay_steps: int = 0  # the cosine schedule's length (0: steps); a resumed run keeps its checkpoint's
+    tensorboard: str = ""  # a directory for TensorBoard event files of the metrics ("": none)
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.model and (not self.model.startswith(HF_PREFIX) or self.model == HF_PREFIX):
+            raise ValueError(f"--model takes hf:DIR (a Hugging Face model directory), got {self.model!r}")
+        for name in ("steps", "batch_size", "seq_len", "micro_batches", "log_every", "eval_every", "tp",
+                     "dp_replicate", "cp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size % self.micro_batches:
+            raise ValueError(f"--batch-size {self.batch_size} is not divisible by --micro-batches {self.micro_batches}")
+        if self.save_every < 0 or self.stop_at < 0 or self.keep_last < 1:
+            raise ValueError("--save-every and --stop-at must be >= 0 and --keep-last >= 1")
+        if not self.lr > 0 or not math.isfinite(self.lr):
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        max_seq_len = preset(self.preset).max_seq_len
+        if not self.model and self.seq_len > max_seq_len:
+            raise ValueError(f"--seq-len {self.seq_len} exceeds the {self.preset!r} preset's {max_seq_len} positions; "
+                             f"pass --seq-len {max_seq_len} or less, or a larger --preset")
+        self._check_layout()
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues a run and --overwrite deletes it: pass one of them")
+        if self.tensorboard:
+            try:
+                import torch.utils.tensorboard  # noqa: F401  (checked here: before any worker starts)
+            except ImportError as e:
+                raise ValueError(f"--tensorboard needs the tensorboard package ({e}): "
+                                 "pip install tensorboard") from None
+
+    def _check_layout(self) -> None:
+        """The parallel flags among themselves (the world size is ``check_run``'s)."""
+        if self.ac not in AC_MODES:
+            raise ValueError(f"--ac must be one of {', '.join(AC_MODES)}, got {self.ac!r}")
+        if self.offload not in OFFLOAD_MODES:
+            raise ValueError(f"--offload must be one of {', '.join(OFFLOAD_MODES)}, got {self.offload!r}")
+        wanting = [f"--{name.replace('_', '-')}" for name in ("sequence_parallel", "loss_parallel")
+                   if getattr(self, name)]
+        if wanting and self.tp == 1:
+            flags = " and ".join(wanting)
+            raise ValueError(f"{flags} need{'s' if len(wanting) == 1 else ''} tensor parallelism: pass --tp N "
+                             f"(N > 1) too, or drop {flags}")
+        if self.outer_strategy != "no_shard" and self.dp_replicate == 1:
+            raise ValueError(f"--outer-strategy {self.outer_strategy} shards across HSDP replicas, but there are none; "
+                             "pass --dp-replicate R (R > 1) too, or drop --outer-strategy")
+        if self.ac == "selective" and self.cp > 1:
+            raise ValueError(f"--ac selective does not work with --cp {self.cp} yet (the selective policy cannot "
+                             "create the context-parallel attention's causal mask); use --ac full")
+        if self.offload != "none" and self.strategy == "no_shard":
+            raise ValueError("--offload optim moves the sharded main weights and optimizer state to the host, but "
+                             "--strategy no_shard shards nothing; use --strategy optim or higher")
+        if self.offload != "none" and self.precision.startswith("fp8"):
+            raise ValueError(f"--offload optim does not work with --precision {self.precision} yet (FP8 weights "
+                             "are quantized from the main weights on the device); use --precision bf16, or no "
+                             "--offload")
+        split_tp = self.tp if self.sequence_parallel else 1
+        if self.cp > 1:
+            multiple = self.cp * local_multiple(self.cp, split_tp)
+            why = f"--cp {self.cp} cuts each sequence into 2 x {self.cp} equal chunks"
+            if split_tp > 1:
+                why += f" and --sequence-parallel splits each rank's part over --tp {self.tp}"
+        else:
+            multiple, why = split_tp, f"--sequence-parallel splits each sequence over --tp {self.tp}"
+        if self.seq_len % multiple:
+            raise ValueError(f"--seq-len {self.seq_len} is not a multiple of {multiple}: {why}; pass --seq-len "
+                             f"{max(multiple, self.seq_len - self.seq_len % multiple)}")
+        try:  # what parallelize itself refuses, should it refuse more than the checks above
+            self.parallel_config(cuda=False)
+        except (TypeError, ValueError, NotImplementedError) as e:
+            raise ValueError(str(e)) from None
+
+    @property
+    def hf_dir(self) -> str:
+        """The Hugging Face model directory of ``--model hf:DIR`` ("" for the built-in Llama)."""
+        return self.model[len(HF_PREFIX):] if self.model else ""
+
+    @property
+    def model_name(self) -> str:
+        return self.model or f"preset {self.preset}"
+
+    def parallel_config(self, cuda: bool) -> ParallelConfig:
+        """What ``parallelize`` is given: the layout, and the precision on GPUs (``cuda``) or CPUs."""
+        fp8 = recipe_from_name(self.precision) if self.precision.startswith("fp8") else None
+        bf16 = fp8 is not None or self.precision == "bf16" or (self.precision == "auto" and cuda)
+        return ParallelConfig(
+            dp_replicate=self.dp_replicate, cp=self.cp, tp=self.tp, sequence_parallel=self.sequence_parallel,
+            loss_parallel=self.loss_parallel, activation_checkpointing=self.ac, compile=self.compile, fp8=fp8,
+            precision=Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else Precision(),
+            strategy=self.strategy, outer_strategy=self.outer_strategy,
+            offload=None if self.offload == "none" else self.offload)
+
+
+def _hf_config(directory: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(directory)
+
+
+def build_model(cfg: TrainConfig) -> torch.nn.Module:
+    """The run's model on the meta device: nothing is allocated until parallelize
+    materializes each rank's shards (seed the RNG first: every rank draws the same values)."""
+    if not cfg.model:
+        with torch.device("meta"):
+            return Llama(preset(cfg.preset))
+    from transformers import AutoModelForCausalLM
+
+    config = _hf_config(cfg.hf_dir)
+    with torch.device("meta"):
+        # fp32 whatever config.json's dtype: these are the main weights; --precision sets the compute dtype.
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def weight_files(directory: str) -> List[str]:
+    return sorted(name for name in os.listdir(directory) if name.endswith(".safetensors"))
+
+
+def check_run(cfg: TrainConfig, world: int) -> None:
+    """What the launching process checks before any worker starts, beyond the flags
+    themselves: the layout against the ``world`` size, the data file, the model directory, the
+    tensor-parallel shapes, and the data's vocabulary against the model's. Raises ValueError
+    saying what to change."""
+    degree = cfg.dp_replicate * cfg.cp * cfg.tp
+    if world % degree:
+        raise ValueError(f"{world} worker processes do not divide into groups of --dp-replicate {cfg.dp_replicate} x "
+                         f"--cp {cfg.cp} x --tp {cfg.tp} = {degree}; run a multiple of {degree} workers (--nproc), or "
+                         "change those degrees")
+    if cfg.data and not os.path.isfile(cfg.data):
+        raise ValueError(f"--data {cfg.data}: no such file; give a text file to train on")
+    vocab = preset(cfg.preset).vocab_size
+    if cfg.model:
+        vocab = _check_hf_dir(cfg).vocab_size
+    if cfg.tp > 1:
+        _check_tensor_parallel(cfg)
+    if cfg.model and has_tokenizer(cfg.hf_dir):
+        tokenizer = load_tokenizer(cfg.hf_dir)
+        if len(tokenizer) > vocab:
+            raise ValueError(f"the tokenizer in {cfg.hf_dir} has {len(tokenizer)} tokens, more than the model's "
+                             f"vocabulary of {vocab} (config.json vocab_size); give the directory a config and "
+                             "tokenizer that agree")
+        return
+    data = f"--data {cfg.data}" if cfg.data else "the packaged corpus"
+    if vocab < VOCAB_SIZE:
+        raise ValueError(f"{data} is read as bytes ({VOCAB_SIZE} token ids), but {cfg.model_name} has a vocabulary "
+                         f"of {vocab}; use a model with vocab_size >= {VOCAB_SIZE}, or put a tokenizer in its "
+                         "directory")
+    if cfg.data:
+        val = int(os.path.getsize(cfg.data) * VAL_FRACTION)
+        if val < cfg.seq_len + 1:
+            raise ValueError(f"{data} is too short: its validation part (the last {VAL_FRACTION:.0%}, {val} bytes) "
+                             f"holds no sequence of --seq-len {cfg.seq_len} (+1 target); give more text or a "
+                             "shorter --seq-len")
+
+
+def _check_hf_dir(cfg: TrainConfig):
+    """The text config of ``--model hf:DIR``, after checking the directory and the sequence length."""
+    directory = cfg.hf_dir
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        what = "has no config.json" if os.path.isdir(directory) else "is not a directory"
+        raise ValueError(f"--model {cfg.model}: {directory} {what}; give a Hugging Face model directory (config.json, "
+                         "optionally *.safetensors weights and a tokenizer)")
+    try:
+        config = _hf_config(directory)
+    except ImportError as e:
+        raise ValueError(f"--model {cfg.model} needs transformers ({e}): pip install transformers") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {cfg.model}: transformers cannot read {directory}/config.json: "
+                         f"{' '.join(str(e).split())}") from None
+    if not weight_files(directory) and any(name.endswith((".bin", ".pt", ".pth")) for name in os.listdir(directory)):
+        raise ValueError(f"--model {cfg.model}: the weights in {directory} are not safetensors files, which is what "
+                         "fsdp8 reads; save them with save_pretrained(..., safe_serialization=True), or remove them "
+                         "to start from a fresh init")
+    text_config = config.get_text_config()
+    positions = getattr(text_config, "max_position_embeddings", None)
+    if positions and cfg.seq_len > positions:
+        raise ValueError(f"--seq-len {cfg.seq_len} exceeds the {positions} positions of {cfg.model} "
+                         f"(max_position_embeddings); pass --seq-len {positions} or less")
+    return text_config
+
+
+def _check_tensor_parallel(cfg: TrainConfig) -> None:
+    """The model's tensor-parallel plan against --tp, on a meta-device copy (what parallelize checks
+    in every worker, here in one line before they start)."""
+    from .parallel.tp import check_shapes, family_plan, resolve_plan
+
+    model = build_model(cfg)
+    try:
+        family = family_plan(model, cfg.sequence_parallel, cfg.loss_parallel)
+        if family is None:
+            raise ValueError(f"{type(model).__name__} has no automatic tensor-parallel plan (its config has no "
+                             "base_model_tp_plan); use --tp 1")
+        modules = dict(model.named_modules())
+        check_shapes(modules, resolve_plan([name for name in modules if name], family.styles, None), cfg.tp, family)
+    except ValueError as e:
+        raise ValueError(f"--tp {cfg.tp}: {e}") from None
