@@ -46,7 +46,8 @@ import torch.nn as nn
 from torch.profiler import record_function
 
 from . import comm
-from .unit import PendingReduce, ShardedUnit
+from .unit import ShardedUnit
+from .unit_grads import PendingReduce
 
 
 class Phase(enum.Enum):
