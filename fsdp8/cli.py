@@ -277,7 +277,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                       global_batch=args.global_batch, precision=args.precision, fp8=_none(args.fp8), **_sizes(args))
         if args.search:
             # --cp N: weigh every context-parallel degree that divides N (default 1: none).
-            cps = tuple(d for d in range(1, args.cp + 1) if args.cp % d == 0) if args.cp >= 1 else (args.cp,)
+            cps = tuple(d for d in range(1, args.cp + 1) if args.cp % d == 0) or (args.cp,)  # (cp,): its error
             found = search(args.model, top=args.top, loss_parallel=args.loss_parallel, cps=cps, **common)
         else:
             result = plan(args.model, micro_batch=_given(args.micro_batch, 1), strategy=args.strategy,

@@ -240,7 +240,8 @@ def peaks(spec: ModelSpec, setup: "Setup", report: MemoryReport, units: List[Uni
     g_layer, g_root = layer.local_numel * e, root.local_numel * e
     # During the layers' backward the root holds the head's and the final norm's gradients;
     # an untied embedding's arrives last, when backward reaches the model's input.
-    embedding = 0 if spec.tied else math.prod(local_shape(spec.root_params()[0], setup.tp, 0))
+    embed = next(p for p in spec.root_params() if p.name == "embed")
+    embedding = 0 if spec.tied else math.prod(local_shape(embed, setup.tp, 0))
     g_head = g_root - embedding * e
     in_place = report.grad_accumulation or (chunks == 1 and setup.dp_replicate == 1 and setup.accumulation == 1)
     pack = 0 if in_place else chunks * REDUCE_BYTES

@@ -238,13 +238,13 @@ def update_states(states: Sequence[DelayedState], amaxes: torch.Tensor) -> torch
     (model B) spent ~1,400 launches a step on its histories, and the host, not the GPU, set
     the step's pace. Stacked, rolled, reduced and scaled together the values are the same,
     bit for bit: every operation is elementwise or along a history."""
-    scales = torch.empty(len(states), 3, dtype=torch.float32, device=amaxes.device)
     groups = {}
     for i, state in enumerate(states):
         groups.setdefault((state.recipe, state.history.shape), []).append(i)
+    scales = None if len(groups) == 1 else torch.empty(len(states), 3, dtype=torch.float32, device=amaxes.device)
     for (recipe, _), members in groups.items():
         picked = [states[i] for i in members]
-        rows = amaxes if len(members) == len(states) else amaxes[members]
+        rows = amaxes if scales is None else amaxes[members]
         history = torch.roll(torch.stack([s.history for s in picked]), 1, dims=2)
         history[:, :, 0] = rows
         torch._foreach_copy_([s.history for s in picked], list(history.unbind(0)))
@@ -256,8 +256,7 @@ def update_states(states: Sequence[DelayedState], amaxes: torch.Tensor) -> torch
         for state in picked:
             state.dirty = False
             state.steps += 1
-        if len(members) == len(states):
-            scales = new
-        else:
-            scales[members] = new
+        if scales is None:
+            return new
+        scales[members] = new
     return scales

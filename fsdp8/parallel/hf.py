@@ -70,12 +70,10 @@ def skip_packed_sequence_check() -> None:
             "replace (it appeared in 4.5x); upgrade transformers or drop skip_packed_sequence_check"
         )
     _replace(flash_utils, "_is_packed_sequence", lambda position_ids, batch_size: False)
-    masking_utils = sys.modules.get("transformers.masking_utils")
-    if masking_utils is None:
-        try:
-            import transformers.masking_utils as masking_utils
-        except ImportError:  # older than masking_utils: only the flash check exists
-            return
+    try:
+        import transformers.masking_utils as masking_utils
+    except ImportError:  # older than masking_utils: only the flash check exists
+        return
     if getattr(masking_utils, "find_packed_sequence_indices", None) is not None:
         _replace(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
 
