@@ -33,6 +33,7 @@ CPU smoke test (gloo; memory and MFU columns are n/a):
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -43,6 +44,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -54,7 +56,7 @@ if str(REPO_ROOT) not in sys.path:
 
 STACKS = ("fsdp8", "fsdp2", "megatron")
 # FP8 stacks (recipes native on Hopper), run with --stacks; see build_fsdp8_fp8 / build_torchao.
-FP8_STACKS = ("fsdp8-fp8-current", "fsdp8-fp8-delayed", "fsdp8-fp8-block", "fsdp8-fp8-mxfp8",
+FP8_STACKS = ("fsdp8-fp8-current-compile-keep-min1024", "fsdp8-fp8-current-compile-keep-max2048", "fsdp8-fp8-current", "fsdp8-fp8-delayed", "fsdp8-fp8-block", "fsdp8-fp8-mxfp8",
               "fsdp8-fp8-current-primary", "fsdp8-compile", "fsdp8-fp8-current-compile", "fsdp8-fp8-delayed-compile",
               "fsdp8-fp8-block-compile", "fsdp8-fp8-mxfp8-compile", "torchao", "torchao-compile")
 # HSDP stacks: a (replicate, shard) mesh of --hsdp-replicate x world/R ranks; see hsdp_mesh_shape.
@@ -490,10 +492,20 @@ def build_fsdp8_compiled(model: torch.nn.Module, ctx: Context) -> Built:
     return built
 
 
+# Shape rules for which linears stay in bf16 (issue 17: small projections where FP8 may not
+# pay), as fp8_filter(name, linear) -> convert?; stacks "...-keep-<rule>".
+FP8_KEEP_RULES = {
+    "min1024": lambda name, m: min(m.in_features, m.out_features) > 1024,  # K/V projections of A and B
+    "max2048": lambda name, m: max(m.in_features, m.out_features) > 2048,  # all of A's attention
+}
+
+
 def build_fsdp8_fp8(model: torch.nn.Module, ctx: Context, recipe_name: str, primary: bool = False,
-                    compile_blocks: bool = False) -> Built:
-    """fsdp8 ZeRO-3 with FP8 GEMMs and 8-bit weight all-gathers in the decoder layers."""
+                    compile_blocks: bool = False, keep: Optional[str] = None) -> Built:
+    """fsdp8 ZeRO-3 with FP8 GEMMs and 8-bit weight all-gathers in the decoder layers (those
+    ``FP8_KEEP_RULES[keep]`` leaves in bf16 excepted)."""
     import fsdp8
+    from fsdp8.fp8.convert import fp8_friendly
     from fsdp8.fp8.recipes import recipe_from_name
 
     fsdp8.init_distributed()
@@ -511,6 +523,7 @@ def build_fsdp8_fp8(model: torch.nn.Module, ctx: Context, recipe_name: str, prim
         strategy="optim_grads_params",
         precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
         fp8=recipe,
+        fp8_filter=None if keep is None else lambda n, m: fp8_friendly(n, m) and FP8_KEEP_RULES[keep](n, m),
     )
     if compile_blocks:
         _compile_layers(model)
@@ -553,6 +566,9 @@ BUILDERS = {
     "fsdp8-fp8-delayed-compile": lambda m, c: build_fsdp8_fp8(m, c, "fp8-delayed", compile_blocks=True),
     "fsdp8-fp8-block-compile": lambda m, c: build_fsdp8_fp8(m, c, "fp8-block", compile_blocks=True),
     "fsdp8-fp8-mxfp8-compile": lambda m, c: build_fsdp8_fp8(m, c, "fp8-mxfp8", compile_blocks=True),
+    **{f"fsdp8-fp8-current-compile-keep-{rule}": functools.partial(build_fsdp8_fp8, recipe_name="fp8-current",
+                                                                    compile_blocks=True, keep=rule)
+       for rule in FP8_KEEP_RULES},
     "torchao": lambda m, c: build_torchao(m, c, compile_blocks=False),
     "torchao-compile": lambda m, c: build_torchao(m, c, compile_blocks=True),
     "fsdp8-hsdp-noshard": lambda m, c: build_fsdp8_hsdp(m, c, "no_shard"),

@@ -3,7 +3,6 @@ the planner's prediction."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
@@ -14,7 +13,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .engine.grads import clip_grad_norm_
+from .bench_host import measure_host
+from .bench_run import run_steps, trainer
 from .plan import Plan, make_setup, plan_setup
 from .plan_hw import GIB, GPU, GPUS, Cluster, Efficiency, gpu_named
 from .plan_model import ModelSpec, model_spec
@@ -45,6 +45,7 @@ class BenchConfig:
     activation_checkpointing: str = "none"
     offload: Optional[str] = None
     gpu: Optional[str] = None  # the planner's GPU; None: the one found here
+    host_probe: bool = True  # measure this host's cost of issuing the step (fsdp8/bench_host.py)
     json: bool = False
     seed: int = 0
 
@@ -196,24 +197,6 @@ def exposed_seconds(events, cuda: bool) -> float:
     return (sum(end - start for start, end in comm) - _overlap(comm, work)) / 1e6
 
 
-def _build(cfg: BenchConfig, spec: ModelSpec):
-    """The model on the meta device, and whether it is a Hugging Face model."""
-    if cfg.model is not None and cfg.model.startswith("hf:"):
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = AutoConfig.from_pretrained(cfg.model[3:])
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-        return model, True
-    from .models.llama import Llama, LlamaConfig
-
-    config = LlamaConfig(vocab_size=spec.vocab, dim=spec.hidden, n_layers=spec.layers, n_heads=spec.heads,
-                         n_kv_heads=spec.kv_heads, ffn_dim=spec.ffn, max_seq_len=cfg.seq_len, tie_embeddings=spec.tied)
-    with torch.device("meta"):
-        model = Llama(config)
-    return model, False
-
-
 def without_network(cluster: Cluster, efficiency: Efficiency) -> Tuple[Cluster, Efficiency]:
     """The same machine with communication of infinite speed and no latency: what the planner
     predicts for a run whose collectives are local copies (benchmarks/loopback.py)."""
@@ -226,11 +209,7 @@ def bench(cfg: BenchConfig, network: bool = True) -> Optional[dict]:
     """Run on every rank (spawned by fsdp8.launch or under torchrun); rank 0 prints the result
     (a table, or JSON with ``cfg.json``) and returns it. ``network=False``: the collectives
     are known to cost nothing (a loopback world on one GPU), so the prediction leaves them out."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    from .parallel.manager import parallelize
     from .parallel.mesh import init_distributed
-    from .train import micro_batches, model_loss
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -243,40 +222,12 @@ def bench(cfg: BenchConfig, network: bool = True) -> Optional[dict]:
     cluster, efficiency = _cluster_here(world, cfg.gpu, measured_cpu), Efficiency() if cuda else CPU_EFFICIENCY
     if not network:
         cluster, efficiency = without_network(cluster, efficiency)
+    if cfg.host_probe:
+        efficiency = replace(efficiency, host=measure_host(cfg, spec, device))
     setup = cfg.setup(spec, cluster, efficiency)
-    torch.manual_seed(cfg.seed)
-    model, hf = _build(cfg, spec)
-    model = parallelize(model, cfg.parallel_config())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
-
-    def step(i: int) -> None:
-        g = torch.Generator().manual_seed(cfg.seed * 100003 + i)
-        rows = cfg.micro_batch * cfg.accumulation * model.dp_size
-        tokens = torch.randint(0, spec.vocab, (rows, cfg.seq_len + 1), generator=g).to(device)
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        # As fsdp8 train feeds them: HF models shift their labels themselves.
-        batch = model.shard_batch({"input_ids": x, "labels": x} if hf else {"tokens": x, "targets": y})
-        for mb, part in enumerate(micro_batches(batch, cfg.accumulation)):
-            with model.no_sync() if mb < cfg.accumulation - 1 else contextlib.nullcontext(), \
-                    loss_parallel() if cfg.loss_parallel else contextlib.nullcontext():
-                loss = model_loss(model, part, hf)
-                # With cp the loss is already a sum over the step's divisor (see fsdp8 train).
-                (loss if "num_items_in_batch" in part else loss / cfg.accumulation).backward()
-        clip_grad_norm_(model, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-
-    for i in range(cfg.warmup):
-        step(i)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for i in range(cfg.warmup, cfg.warmup + cfg.steps):
-        start = time.perf_counter()
-        step(i)
-        times.append(time.perf_counter() - start)
+    step = trainer(cfg, spec, device)
+    times = [total for _, total in run_steps(step, cfg.warmup, cfg.steps, after_warmup=torch.cuda.reset_peak_memory_stats
+                                             if cuda else None)]
     peak = torch.cuda.max_memory_allocated() if cuda else float("nan")
     from torch.profiler import ProfilerActivity, profile
 
@@ -288,13 +239,17 @@ def bench(cfg: BenchConfig, network: bool = True) -> Optional[dict]:
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     if rank != 0:
         return None
-    result = report(cfg, plan_setup(spec, setup), *worst.tolist(), cuda=cuda)
+    # Beside it, what the planner's fixed per-op host costs would have said.
+    per_op = plan_setup(spec, replace(setup, efficiency=replace(efficiency, host=None))) if cfg.host_probe else None
+    result = report(cfg, plan_setup(spec, setup), *worst.tolist(), cuda=cuda, per_op_model=per_op)
     print(json.dumps(result, indent=2) if cfg.json else format_result(result), flush=True)
     return result
 
 
-def report(cfg: BenchConfig, predicted: Plan, step_s: float, peak: float, exposed: float, cuda: bool) -> dict:
-    """Measurements, predictions and their ratios (None where nothing was measured)."""
+def report(cfg: BenchConfig, predicted: Plan, step_s: float, peak: float, exposed: float, cuda: bool,
+           per_op_model: Optional[Plan] = None) -> dict:
+    """Measurements, predictions and their ratios (None where nothing was measured); with the
+    host probe, the probe's figures and the step the per-op host model predicts."""
     s = predicted.setup
     tokens = s.global_batch * s.seq_len / (step_s * s.cluster.world)
     mfu = predicted.spec.flops_per_token(s.seq_len) * tokens / (s.cluster.gpu.bf16_tflops * 1e12)
@@ -312,7 +267,17 @@ def report(cfg: BenchConfig, predicted: Plan, step_s: float, peak: float, expose
     return {"config": asdict(replace(cfg, sizes=dict(cfg.sizes))), "model": predicted.spec.describe(),
             "setup": s.describe(), "world": s.cluster.world, "hardware": s.cluster.gpu.name,
             "device": "cuda" if cuda else "cpu", "measured": measured, "predicted": expected, "ratio": ratio,
-            "plan": predicted.to_dict()}
+            "plan": predicted.to_dict(), "host": _host_summary(predicted, per_op_model, step_s)}
+
+
+def _host_summary(predicted: Plan, per_op_model: Optional[Plan], step_s: float) -> Optional[dict]:
+    host = predicted.setup.efficiency.host
+    if host is None:
+        return None
+    ms = {k: v * 1e3 for k, v in asdict(host).items()}
+    return {"probe_ms": ms, "step_host_ms": predicted.time.host * 1e3,
+            "per_op_model_step_ms": per_op_model.time.step * 1e3,
+            "per_op_model_ratio": step_s / per_op_model.time.step}
 
 
 def format_result(r: dict) -> str:
@@ -328,6 +293,13 @@ def format_result(r: dict) -> str:
         m, p, q = r["measured"][key], r["predicted"][key], r["ratio"][key]
         lines.append(f"  {label:<26}{(fmt.format(m) if m is not None else 'n/a'):>12}{fmt.format(p):>12}"
                      f"{(f'{q:.2f}' if q is not None else 'n/a'):>8}")
+    h = r.get("host")
+    if h is not None:
+        p = h["probe_ms"]
+        lines.append(f"  host, measured here: {p['layer_fwd']:.2f} + {p['layer_bwd']:.2f} ms per layer (forward + "
+                     f"backward), {p['root_fwd']:.2f} + {p['root_bwd']:.2f} ms root and step, {h['step_host_ms']:.1f} "
+                     f"ms a step; with the per-op host model instead: {h['per_op_model_step_ms']:.1f} ms "
+                     f"(ratio {h['per_op_model_ratio']:.2f})")
     if r["device"] == "cpu":
         lines.append("  (CPU: predicted from this CPU's measured GEMM, copy and gloo rates; peak memory is not "
                      "measured; exposed communication is the time inside fsdp8's collectives)")

@@ -197,6 +197,9 @@ def _bench_parser(sub) -> None:
     p.add_argument("--gpu", choices=sorted(GPUS), help="the planner's GPU (default: the one found here)")
     p.add_argument("--nproc", type=int, help="worker processes (default: all GPUs, or 2 on CPU; under torchrun, "
                                              "torchrun's)")
+    p.add_argument("--no-host-probe", dest="host_probe", action="store_false",
+                   help="predict the host's cost of issuing kernels from fixed per-op costs instead of measuring this "
+                        "machine's on a tiny copy of the configuration first (a few seconds)")
     _layout_flags(p)
 
 
@@ -327,7 +330,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
                        outer_strategy=args.outer_strategy, dp_replicate=args.dp_replicate, cp=args.cp,
                        tp=args.tp, sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel,
                        precision=args.precision, fp8=_none(args.fp8),
-                       activation_checkpointing=args.ac, offload=_none(args.offload), gpu=args.gpu, json=args.json)
+                       activation_checkpointing=args.ac, offload=_none(args.offload), gpu=args.gpu, json=args.json,
+                       host_probe=args.host_probe)
 
 
 def _run_bench(args: argparse.Namespace) -> int:

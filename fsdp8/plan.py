@@ -190,8 +190,9 @@ class Plan:
             "communication": [{"what": c.what, "op": c.op, "group": c.group.name, "ranks": c.group.size,
                                "link": c.group.link, "calls": c.calls, "bytes": c.nbytes, "seconds": c.seconds,
                                "overlapped": c.overlapped} for c in t.collectives],
-            "time": {"compute": t.compute, "model_parallel": t.model_parallel, "exposed": t.exposed,
-                     "optimizer": t.optimizer, "step": t.step},
+            "time": {"compute": t.compute, "compute_forward": t.compute_fwd, "host": t.host, "host_forward": t.host_fwd,
+                     "host_measured": self.setup.efficiency.host is not None, "model_parallel": t.model_parallel,
+                     "exposed": t.exposed, "optimizer": t.optimizer, "step": t.step},
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "mfu": self.mfu,
         }
@@ -294,6 +295,8 @@ def _time_lines(p: Plan) -> List[str]:
         f"  compute: GEMMs at {eff.gemm:.0%} of {gpu.bf16_tflops:g} TFLOP/s (FP8 {eff.fp8_gemm:.0%} of "
         f"{gpu.fp8_tflops:g}), attention at {eff.attention:.0%},",
         ms(f"  other kernels at {eff.hbm:.0%} of {gpu.hbm_gbps:g} GB/s", t.compute),
+        ms(f"host issuing the kernels ({'measured here' if eff.host else 'per-op model'})", t.host),
+        ms("forward + backward, each waiting for the slower", t.issue_bound),
         ms("TP/CP collectives (compute stream)", t.model_parallel),
         ms("data-parallel communication left exposed", t.exposed),
         ms("optimizer step" + (" (on the host)" if p.setup.offload else ""), t.optimizer),

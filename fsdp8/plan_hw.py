@@ -92,6 +92,26 @@ class Cluster:
 
 
 @dataclass(frozen=True)
+class HostCost:
+    """Seconds this machine's host takes to issue one micro-batch's work, by pass: one layer's
+    forward, its backward (recomputation included), the root's forward (embedding, final norm,
+    head, loss) and its backward with the step's per-step work (clipping, the optimizer's
+    launches) spread over the micro-batches. Measured by ``fsdp8 bench`` (fsdp8/bench_host.py);
+    when given, it replaces the per-op host model of :class:`Efficiency`."""
+
+    layer_fwd: float
+    layer_bwd: float
+    root_fwd: float
+    root_bwd: float
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"HostCost.{f.name} must be seconds >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
 class Efficiency:
     """The fractions of peak the planner assumes each kind of work reaches (docs/PLANNING.md).
 
@@ -103,7 +123,8 @@ class Efficiency:
     selective checkpointing (its policy runs in Python), ``fp8_linear_host_ms`` per FP8 linear's
     forward and backward. ``allocator``: the caching allocator's reserve above the peak of live
     tensors; ``runtime_gib``: memory outside torch's allocator (CUDA context, cuBLAS workspaces,
-    NCCL buffers). The defaults are fitted to one H200 (docs/PLANNING.md)."""
+    NCCL buffers). The defaults are fitted to one H200 (docs/PLANNING.md). ``host``: the host's
+    cost measured on this machine, which replaces the three host figures above."""
 
     gemm: float = 0.65
     fp8_gemm: float = 0.55
@@ -116,10 +137,15 @@ class Efficiency:
     fp8_linear_host_ms: float = 0.8
     allocator: float = 0.10
     runtime_gib: float = 1.0
+    host: Optional[HostCost] = None
 
     def __post_init__(self):
         fractions = ("gemm", "fp8_gemm", "attention", "hbm", "link")
+        if self.host is not None and not isinstance(self.host, HostCost):
+            raise ValueError(f"Efficiency.host must be a HostCost or None, got {type(self.host).__name__}")
         for f in dataclasses.fields(self):
+            if f.name == "host":
+                continue
             value = getattr(self, f.name)
             if not isinstance(value, (int, float)) or value < 0 or (f.name in fractions and not 0 < value <= 1):
                 raise ValueError(f"Efficiency.{f.name}={value!r} is out of range")

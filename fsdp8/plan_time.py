@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Dict, List, Tuple
 
 from .config import OuterStrategy, Strategy
+from .plan_hw import HostCost
 from .plan_memory import MAIN_BYTES, REDUCE_BYTES, UnitPlan, chunk_plan, expands_kv
 from .plan_model import ModelSpec, converts_to_fp8, local_shape
 
@@ -106,8 +107,7 @@ class Compute:
     root_fwd: float
     root_bwd: float
     flops: float
-    host_layer: float  # the host's time to issue one layer's forward and backward
-    host_root: float
+    host: HostCost  # the host's time to issue each pass
 
 
 def _elementwise_bytes(spec: ModelSpec, setup: "Setup") -> float:
@@ -170,15 +170,21 @@ def compute(spec: ModelSpec, setup: "Setup") -> Compute:
     norm = (32 + 2 * e) * spec.hidden * t / hbm
     flops = spec.layers * (3 * mm_flops + recompute_flops + 3.5 * attn_flops + (attn_flops if ac == "full" else 0)) \
         + 3 * 2 * t * spec.hidden * v_local
-    # The host issues every op of forward, backward and recomputation; an FP8 linear costs more
-    # (its forward's share again when recomputed), and selective checkpointing's policy runs
-    # in Python for every op of forward and of the recomputation.
-    passes = 3 + (ac != "none")
-    host_layer = (passes * LAYER_OPS + 2 * ENGINE_OPS) * eff.host_op_us * 1e-6 \
-        + fp8_linears * eff.fp8_linear_host_ms * 1e-3 * (1 + (ac != "none") / 3) \
-        + (2 * LAYER_OPS * eff.sac_op_us * 1e-6 if ac == "selective" else 0.0)
     return Compute(layer_fwd, layer_bwd, root_fwd=head + loss / 3 + norm, root_bwd=2 * head + 2 * loss / 3 + 2 * norm,
-                   flops=flops, host_layer=host_layer, host_root=(3 * ROOT_OPS + 2 * ENGINE_OPS) * eff.host_op_us * 1e-6)
+                   flops=flops, host=eff.host or _host_model(eff, ac, fp8_linears))
+
+
+def _host_model(eff, ac: str, fp8_linears: int) -> HostCost:
+    """The host's time per pass when nothing measured it: it issues every op of forward,
+    backward (two passes' worth) and recomputation; an FP8 linear costs more (its forward's
+    share again when recomputed), and selective checkpointing's policy runs in Python for every
+    op of forward and of the recomputation."""
+    op, fp8 = eff.host_op_us * 1e-6, fp8_linears * eff.fp8_linear_host_ms * 1e-3
+    recomputed = ac != "none"
+    sac = LAYER_OPS * eff.sac_op_us * 1e-6 if ac == "selective" else 0.0
+    return HostCost(layer_fwd=(LAYER_OPS + ENGINE_OPS) * op + fp8 / 3 + sac,
+                    layer_bwd=((2 + recomputed) * LAYER_OPS + ENGINE_OPS) * op + fp8 * (2 + recomputed) / 3 + sac,
+                    root_fwd=(ROOT_OPS + ENGINE_OPS) * op, root_bwd=(2 * ROOT_OPS + ENGINE_OPS) * op)
 
 
 # -- communication and the step ----------------------------------------------------------------
@@ -304,16 +310,25 @@ class StepTime:
     """Seconds of one optimizer step on one rank, by kind, and the collectives behind them."""
 
     compute: float  # every micro-batch's compute and the engine's copies (casts, packs), on the GPU
-    host: float  # the host issuing it all: the step waits for the slower of the two
+    host: float  # the host issuing it all
     model_parallel: float  # TP and CP collectives, on the compute stream
     exposed: float  # data-parallel communication the overlap schedule leaves exposed
     optimizer: float
     flops: float  # executed per step (recomputation included)
     collectives: Tuple[Collective, ...]
+    compute_fwd: float = 0.0  # the forward passes' share of ``compute``
+    host_fwd: float = 0.0  # and of ``host``
+
+    @property
+    def issue_bound(self) -> float:
+        """Forward, then backward: each pass waits for the slower of the GPU and the host
+        issuing its kernels (a host ahead in forward cannot lend that time to backward, which
+        starts when the loss does)."""
+        return max(self.compute_fwd, self.host_fwd) + max(self.compute - self.compute_fwd, self.host - self.host_fwd)
 
     @property
     def step(self) -> float:
-        return max(self.compute, self.host) + self.model_parallel + self.exposed + self.optimizer
+        return self.issue_bound + self.model_parallel + self.exposed + self.optimizer
 
 
 def step_time(spec: ModelSpec, setup: "Setup", units: List[UnitPlan]) -> StepTime:
@@ -326,7 +341,7 @@ def step_time(spec: ModelSpec, setup: "Setup", units: List[UnitPlan]) -> StepTim
     chunks = chunk_plan(setup).num_chunks
     zero3 = setup.strategy.shards_params
     issued: List[Transfer] = []
-    compute_s = exposed = 0.0
+    compute_s = compute_fwd = exposed = 0.0
 
     def gather_copies(u: UnitPlan) -> float:  # cast into the send buffer, copy out of the gathered one
         return (u.layout.chunk_numel * MAIN_BYTES + u.wire.chunk_numel * u.wire_bytes
@@ -356,9 +371,10 @@ def step_time(spec: ModelSpec, setup: "Setup", units: List[UnitPlan]) -> StepTim
             exposed += (n - 2) * max(0.0, _busy(bwd_layer + red_layer, setup) - c.layer_bwd)
             exposed += max(0.0, _busy(red_layer, setup) - c.layer_bwd)
         exposed += _busy(red_layer, setup) + _busy(red_root, setup)
-        gathers = (n + (n - 1) * zero3) if gathering else 0
-        compute_s += n * (c.layer_fwd + c.layer_bwd) + c.root_fwd + c.root_bwd + gathering * gather_copies(root) \
-            + gathers * gather_copies(layer) + n * reduce_copies(layer) + reduce_copies(root)
+        forward = n * c.layer_fwd + c.root_fwd + gathering * (gather_copies(root) + n * gather_copies(layer))
+        compute_fwd += forward
+        compute_s += forward + n * c.layer_bwd + c.root_bwd + gathering * (n - 1) * zero3 * gather_copies(layer) \
+            + n * reduce_copies(layer) + reduce_copies(root)
 
     mp = [x.times(setup.accumulation) for x in _model_parallel(spec, setup, g)]
     issued += mp
@@ -373,9 +389,11 @@ def step_time(spec: ModelSpec, setup: "Setup", units: List[UnitPlan]) -> StepTim
         step_level.append(Transfer("all-reduce FP8 amaxes", "all_reduce", world, 4 * amaxes, "compute"))
     issued += step_level
     exposed += sum(_seconds(x, setup) for x in step_level)
-    host = setup.accumulation * (spec.layers * c.host_layer + c.host_root)
+    h, acc = c.host, setup.accumulation
+    host_fwd = acc * (spec.layers * h.layer_fwd + h.root_fwd)
+    host = host_fwd + acc * (spec.layers * h.layer_bwd + h.root_bwd)
     return StepTime(compute_s, host, sum(_seconds(x, setup) for x in mp), exposed, optimizer,
-                    c.flops * setup.accumulation, tuple(_summarize(issued, setup)))
+                    c.flops * acc, tuple(_summarize(issued, setup)), compute_fwd, host_fwd)
 
 
 def _summarize(issued: List[Transfer], setup: "Setup") -> List[Collective]:

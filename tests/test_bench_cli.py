@@ -26,6 +26,15 @@ def test_bench_tiny_on_two_cpu_workers(tmp_path, layout, mesh):
         assert ratio[key] == pytest.approx(measured[key] / predicted[key])
     assert measured["peak_allocated_gib"] is None and ratio["peak_allocated_gib"] is None  # not measured on a CPU
     assert result["plan"]["memory"]["report"]["strategy"] == "optim_grads_params"
+    # The host probe measured this machine; the prediction's host is its figures' sum, and the
+    # per-op model's step is there to compare.
+    host, time = result["host"], result["plan"]["time"]
+    assert time["host_measured"] and host["probe_ms"]["layer_bwd"] > 0
+    probe = host["probe_ms"]
+    layers = result["plan"]["model"]["layers"]
+    assert time["host"] * 1e3 == pytest.approx(layers * (probe["layer_fwd"] + probe["layer_bwd"]) + probe["root_fwd"]
+                                               + probe["root_bwd"])
+    assert host["per_op_model_step_ms"] > 0 and host["per_op_model_step_ms"] != pytest.approx(predicted["step_ms"])
 
 
 @pytest.mark.parametrize("argv,message", [

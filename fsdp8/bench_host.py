@@ -1,0 +1,93 @@
+"""The host's share of a step, measured on this machine for the prediction ``fsdp8 bench`` prints.
+
+Eager PyTorch issues kernels one by one, and a step whose kernels are short (small layers,
+selective checkpointing's Python policy on every op, FP8's eager quantization) waits for the
+host. How fast a host issues them differs from machine to machine: model A under selective
+checkpointing took 201 ms on one H200 machine and 246 ms on another with the same code
+(docs/PLANNING.md), which a fixed cost per op cannot follow. So bench measures it: the probe
+trains the benchmarked configuration (architecture, heads, layout, world, precision, FP8
+recipe, checkpointing, accumulation) with every tensor tiny, so that the device finishes each
+kernel before the host issues the next and each pass takes the host's time. Two depths of
+the model separate one layer's cost from the root's and the step's.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import replace
+from typing import TYPE_CHECKING, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .bench_run import StepTimes, run_steps, trainer
+from .plan_hw import HostCost
+from .plan_model import ModelSpec
+
+if TYPE_CHECKING:
+    from .bench import BenchConfig
+
+PROBE_DEPTHS = (2, 4)  # layers: neither is only first-or-last layers, whose engine work differs
+PROBE_BLOCK = 128  # every tensor-parallel piece a whole scaling block of every FP8 recipe
+
+
+def probe_spec(spec: ModelSpec, layers: int, tp: int) -> ModelSpec:
+    """``spec``'s architecture (heads, K/V heads, family, ties, biases) at ``layers`` layers with
+    tiny widths: every linear dimension, and each rank's piece of it under tensor parallelism,
+    a multiple of 128, so that FP8 converts every linear. A model no wider than that keeps its
+    own widths (its linears may not all suit FP8). Left out: a wide model some of whose
+    linears FP8 skips (pieces that cut a scaling block) probes with them converted."""
+    unit = PROBE_BLOCK * tp
+    head_dim = unit // math.gcd(spec.kv_heads, unit)  # K/V heads x head_dim: a multiple of unit
+    while head_dim < 16:  # rotary halves it; SDPA's kernels want at least 8 per half
+        head_dim *= 2
+    # The fsdp8 Llama derives head_dim from hidden / heads: keep that so (a multiple of unit too).
+    hidden, ffn = spec.heads * head_dim, 2 * unit
+    name = f"{spec.name} (host probe)"
+    if spec.hidden * spec.ffn <= hidden * ffn:
+        return replace(spec, name=name, layers=layers, vocab=min(spec.vocab, 2 * unit))
+    return replace(spec, name=name, layers=layers, hidden=hidden, ffn=ffn, vocab=2 * unit,
+                   head_dim=head_dim if spec.family == "hf" else 0)
+
+
+def probe_config(cfg: "BenchConfig") -> "BenchConfig":
+    """``cfg`` on one sequence per micro-batch, as short as its layout allows."""
+    return replace(cfg, micro_batch=1, seq_len=32 * cfg.cp * cfg.tp)
+
+
+def fit_host_cost(shallow: Tuple[float, float], deep: Tuple[float, float], depths: Tuple[int, int],
+                  accumulation: int) -> HostCost:
+    """One layer's and the root's host seconds per micro-batch, from the (forward, backward)
+    seconds of a step at two depths: a line through the two points, per pass. Backward's root
+    share carries the step's own work (clipping, the optimizer's launches). Noise that makes a
+    share negative reads as 0."""
+    (f1, b1), (f2, b2), (n1, n2) = shallow, deep, depths
+    layer_fwd = max(0.0, (f2 - f1) / (n2 - n1) / accumulation)
+    layer_bwd = max(0.0, (b2 - b1) / (n2 - n1) / accumulation)
+    return HostCost(layer_fwd=layer_fwd, layer_bwd=layer_bwd, root_fwd=max(0.0, f1 / accumulation - n1 * layer_fwd),
+                    root_bwd=max(0.0, b1 / accumulation - n1 * layer_bwd))
+
+
+def _passes(times: List[StepTimes]) -> Tuple[float, float]:
+    """The median step's forward and backward seconds (backward: all but forward)."""
+    forward = statistics.median(f for f, _ in times)
+    return forward, statistics.median(total for _, total in times) - forward
+
+
+def measure_host(cfg: "BenchConfig", spec: ModelSpec, device: torch.device, steps: int = 5) -> HostCost:
+    """This machine's HostCost for ``cfg`` (collective: every rank probes; the slowest host's
+    figures are everyone's, as the slowest rank sets a step's pace)."""
+    small = probe_config(cfg)
+    points = []
+    for depth in PROBE_DEPTHS:
+        step = trainer(small, probe_spec(spec, depth, cfg.tp), device)
+        points.append(_passes(run_steps(step, warmup=2, steps=steps)))
+        del step
+    cost = fit_host_cost(points[0], points[1], PROBE_DEPTHS, cfg.accumulation)
+    figures = torch.tensor([cost.layer_fwd, cost.layer_bwd, cost.root_fwd, cost.root_bwd], dtype=torch.float64,
+                           device=device)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the probe's blocks are not the benchmark's
+    return HostCost(*figures.tolist())

@@ -1,0 +1,73 @@
+"""The host probe of `fsdp8 bench` (fsdp8/bench_host.py) and how the planner uses a measured host:
+the probe's tiny model keeps the architecture and which linears are FP8, the fit recovers a
+layer's and the root's cost, and a measured host sets the step when it is the slower side."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp8.bench import BenchConfig
+from fsdp8.bench_host import PROBE_DEPTHS, fit_host_cost, probe_config, probe_spec
+from fsdp8.cli import bench_config, build_parser
+from fsdp8.plan import plan
+from fsdp8.plan_hw import Efficiency, HostCost
+from fsdp8.plan_model import FP8_RECIPES, converts_to_fp8, model_spec
+
+MODEL_A = dict(layers=16, hidden=2048, ffn=8192, heads=16, kv_heads=8, vocab=32000)
+
+
+@pytest.mark.parametrize("model,sizes", [("tiny", {}), ("1b", {}), ("8b", {}), (None, MODEL_A),
+                                         ("tiny", dict(heads=4, kv_heads=4))])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_probe_model_keeps_the_architecture_and_its_fp8_linears(model, sizes, tp):
+    spec = model_spec(model, **sizes)
+    small = probe_spec(spec, 3, tp)
+    assert (small.layers, small.heads, small.kv_heads, small.tied, small.family) == \
+        (3, spec.heads, spec.kv_heads, spec.tied, spec.family)
+    assert small.hidden == small.q_dim and small.hd % 2 == 0 and small.hd >= 16  # the fsdp8 Llama's head_dim
+    assert small.hidden * small.ffn < spec.hidden * spec.ffn or spec.hidden <= 512
+    for recipe in FP8_RECIPES:
+        for big, little in zip(spec.block_params(), small.block_params()):
+            assert converts_to_fp8(big, recipe, tp, 0) == converts_to_fp8(little, recipe, tp, 0), (recipe, big.name)
+
+
+def test_probe_config_is_one_short_sequence_the_layout_can_split():
+    cfg = probe_config(BenchConfig(seq_len=4096, micro_batch=8, accumulation=3, cp=2, tp=2, sequence_parallel=True))
+    assert (cfg.micro_batch, cfg.accumulation, cfg.seq_len % (2 * 2 * 2)) == (1, 3, 0)
+    assert cfg.seq_len < 4096
+
+
+def test_fit_recovers_layer_and_root_costs_from_two_depths():
+    true, acc = HostCost(layer_fwd=0.004, layer_bwd=0.009, root_fwd=0.002, root_bwd=0.005), 3
+    point = lambda n: (acc * (n * true.layer_fwd + true.root_fwd), acc * (n * true.layer_bwd + true.root_bwd))  # noqa: E731
+    fitted = fit_host_cost(point(PROBE_DEPTHS[0]), point(PROBE_DEPTHS[1]), PROBE_DEPTHS, acc)
+    for name in ("layer_fwd", "layer_bwd", "root_fwd", "root_bwd"):
+        assert getattr(fitted, name) == pytest.approx(getattr(true, name)), name
+    # Noise that makes the deeper model look faster reads as nothing, not as a negative cost.
+    noisy = fit_host_cost((0.010, 0.020), (0.009, 0.030), (2, 4), 1)
+    assert noisy.layer_fwd == 0.0 and noisy.layer_bwd == pytest.approx(0.005) and noisy.root_fwd == pytest.approx(0.010)
+
+
+def test_a_measured_host_replaces_the_per_op_model_and_bounds_each_pass():
+    kw = dict(gpu="h200", gpus_per_node=1, seq_len=2048, micro_batch=4, global_batch=8, **MODEL_A)
+    gpu_bound = plan(None, **kw).time
+    assert gpu_bound.step == pytest.approx(gpu_bound.compute + gpu_bound.exposed + gpu_bound.optimizer)
+    slow_forward = HostCost(layer_fwd=0.02, layer_bwd=0.0, root_fwd=0.001, root_bwd=0.0)
+    t = plan(None, efficiency=Efficiency(host=slow_forward), **kw).time
+    acc, layers = 2, MODEL_A["layers"]
+    assert t.host == pytest.approx(acc * (layers * 0.02 + 0.001)) and t.host_fwd == pytest.approx(t.host)
+    assert t.compute == pytest.approx(gpu_bound.compute)
+    # The host sets forward; backward, with nothing to issue, is the GPU's: a host ahead in
+    # forward does not shorten it.
+    assert t.issue_bound == pytest.approx(t.host + (t.compute - t.compute_fwd))
+    assert t.step == pytest.approx(t.issue_bound + t.exposed + t.optimizer)
+    assert t.step > max(t.host, t.compute) + t.exposed + t.optimizer
+    with pytest.raises(ValueError, match="HostCost.layer_bwd must be seconds >= 0"):
+        HostCost(0.1, -1.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="Efficiency.host must be a HostCost"):
+        Efficiency(host=0.5)
+
+
+def test_bench_flag_turns_the_probe_off():
+    parse = lambda *argv: bench_config(build_parser().parse_args(["bench", *argv]))  # noqa: E731
+    assert parse().host_probe is True and parse("--no-host-probe").host_probe is False
