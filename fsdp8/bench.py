@@ -222,8 +222,9 @@ def bench(cfg: BenchConfig, network: bool = True) -> Optional[dict]:
     cluster, efficiency = _cluster_here(world, cfg.gpu, measured_cpu), Efficiency() if cuda else CPU_EFFICIENCY
     if not network:
         cluster, efficiency = without_network(cluster, efficiency)
+    probe_times: List[list] = []
     if cfg.host_probe:
-        efficiency = replace(efficiency, host=measure_host(cfg, spec, device))
+        efficiency = replace(efficiency, host=measure_host(cfg, spec, device, record=probe_times))
     setup = cfg.setup(spec, cluster, efficiency)
     step = trainer(cfg, spec, device)
     times = [total for _, total in run_steps(step, cfg.warmup, cfg.steps, after_warmup=torch.cuda.reset_peak_memory_stats
@@ -242,6 +243,10 @@ def bench(cfg: BenchConfig, network: bool = True) -> Optional[dict]:
     # Beside it, what the planner's fixed per-op host costs would have said.
     per_op = plan_setup(spec, replace(setup, efficiency=replace(efficiency, host=None))) if cfg.host_probe else None
     result = report(cfg, plan_setup(spec, setup), *worst.tolist(), cuda=cuda, per_op_model=per_op)
+    # Rank 0's own times, to see how steady this host is: each timed step, each probe's steps.
+    result["steps_ms"] = [t * 1e3 for t in times]
+    if result["host"] is not None:
+        result["host"]["probe_steps_ms"] = [[(f * 1e3, total * 1e3) for f, total in depth] for depth in probe_times]
     print(json.dumps(result, indent=2) if cfg.json else format_result(result), flush=True)
     return result
 

@@ -8,7 +8,7 @@ checkpointing took 201 ms on one H200 machine and 246 ms on another with the sam
 trains the benchmarked configuration (architecture, heads, layout, world, precision, FP8
 recipe, checkpointing, accumulation) with every tensor tiny, so that the device finishes each
 kernel before the host issues the next and each pass takes the host's time. Two depths of
-the model separate one layer's cost from the root's and the step's.
+the model (half and all of its layers) separate one layer's cost from the root's and the step's.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import replace
-from typing import TYPE_CHECKING, List, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,14 @@ from .plan_model import ModelSpec
 if TYPE_CHECKING:
     from .bench import BenchConfig
 
-PROBE_DEPTHS = (2, 4)  # layers: neither is only first-or-last layers, whose engine work differs
 PROBE_BLOCK = 128  # every tensor-parallel piece a whole scaling block of every FP8 recipe
+
+
+def probe_depths(layers: int) -> Tuple[int, int]:
+    """The probe's two depths: half the model and the whole of it. The whole model's depth
+    makes the probe's total for it a measurement, not an extrapolation (a line through two
+    shallow points multiplies their noise by the model's depth)."""
+    return (layers // 2, layers) if layers > 1 else (1, 2)
 
 
 def probe_spec(spec: ModelSpec, layers: int, tp: int) -> ModelSpec:
@@ -59,14 +65,21 @@ def probe_config(cfg: "BenchConfig") -> "BenchConfig":
 def fit_host_cost(shallow: Tuple[float, float], deep: Tuple[float, float], depths: Tuple[int, int],
                   accumulation: int) -> HostCost:
     """One layer's and the root's host seconds per micro-batch, from the (forward, backward)
-    seconds of a step at two depths: a line through the two points, per pass. Backward's root
-    share carries the step's own work (clipping, the optimizer's launches). Noise that makes a
-    share negative reads as 0."""
-    (f1, b1), (f2, b2), (n1, n2) = shallow, deep, depths
-    layer_fwd = max(0.0, (f2 - f1) / (n2 - n1) / accumulation)
-    layer_bwd = max(0.0, (b2 - b1) / (n2 - n1) / accumulation)
-    return HostCost(layer_fwd=layer_fwd, layer_bwd=layer_bwd, root_fwd=max(0.0, f1 / accumulation - n1 * layer_fwd),
-                    root_bwd=max(0.0, b1 / accumulation - n1 * layer_bwd))
+    seconds of a step at two depths: per pass, a line through the two points. Backward's root
+    share carries the step's own work (clipping, the optimizer's launches). The deep probe is
+    the benchmarked model's own depth, so its total is kept exactly; noise that would make a
+    share negative moves all of it to the other share."""
+    (n1, n2), fitted = depths, []
+    for a, b in ((shallow[0], deep[0]), (shallow[1], deep[1])):
+        layer = (b - a) / (n2 - n1)
+        root = b - n2 * layer
+        if root < 0:
+            layer, root = b / n2, 0.0
+        elif layer < 0:
+            layer, root = 0.0, b
+        fitted.append((layer / accumulation, root / accumulation))
+    (layer_fwd, root_fwd), (layer_bwd, root_bwd) = fitted
+    return HostCost(layer_fwd=layer_fwd, layer_bwd=layer_bwd, root_fwd=root_fwd, root_bwd=root_bwd)
 
 
 def _passes(times: List[StepTimes]) -> Tuple[float, float]:
@@ -75,16 +88,21 @@ def _passes(times: List[StepTimes]) -> Tuple[float, float]:
     return forward, statistics.median(total for _, total in times) - forward
 
 
-def measure_host(cfg: "BenchConfig", spec: ModelSpec, device: torch.device, steps: int = 5) -> HostCost:
+def measure_host(cfg: "BenchConfig", spec: ModelSpec, device: torch.device, steps: int = 5,
+                 record: Optional[List[List[StepTimes]]] = None) -> HostCost:
     """This machine's HostCost for ``cfg`` (collective: every rank probes; the slowest host's
-    figures are everyone's, as the slowest rank sets a step's pace)."""
-    small = probe_config(cfg)
+    figures are everyone's, as the slowest rank sets a step's pace). ``record`` receives each
+    depth's step times."""
+    small, depths = probe_config(cfg), probe_depths(spec.layers)
     points = []
-    for depth in PROBE_DEPTHS:
+    for depth in depths:
         step = trainer(small, probe_spec(spec, depth, cfg.tp), device)
-        points.append(_passes(run_steps(step, warmup=2, steps=steps)))
+        times = run_steps(step, warmup=2, steps=steps)
+        points.append(_passes(times))
+        if record is not None:
+            record.append(times)
         del step
-    cost = fit_host_cost(points[0], points[1], PROBE_DEPTHS, cfg.accumulation)
+    cost = fit_host_cost(points[0], points[1], depths, cfg.accumulation)
     figures = torch.tensor([cost.layer_fwd, cost.layer_bwd, cost.root_fwd, cost.root_bwd], dtype=torch.float64,
                            device=device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fsdp8.bench import BenchConfig
-from fsdp8.bench_host import PROBE_DEPTHS, fit_host_cost, probe_config, probe_spec
+from fsdp8.bench_host import fit_host_cost, probe_config, probe_depths, probe_spec
 from fsdp8.cli import bench_config, build_parser
 from fsdp8.plan import plan
 from fsdp8.plan_hw import Efficiency, HostCost
@@ -37,15 +37,22 @@ def test_probe_config_is_one_short_sequence_the_layout_can_split():
     assert cfg.seq_len < 4096
 
 
-def test_fit_recovers_layer_and_root_costs_from_two_depths():
+def test_fit_recovers_layer_and_root_costs_and_keeps_the_models_own_depth_exact():
+    assert probe_depths(16) == (8, 16) and probe_depths(7) == (3, 7)
     true, acc = HostCost(layer_fwd=0.004, layer_bwd=0.009, root_fwd=0.002, root_bwd=0.005), 3
     point = lambda n: (acc * (n * true.layer_fwd + true.root_fwd), acc * (n * true.layer_bwd + true.root_bwd))  # noqa: E731
-    fitted = fit_host_cost(point(PROBE_DEPTHS[0]), point(PROBE_DEPTHS[1]), PROBE_DEPTHS, acc)
+    depths = probe_depths(16)
+    fitted = fit_host_cost(point(depths[0]), point(depths[1]), depths, acc)
     for name in ("layer_fwd", "layer_bwd", "root_fwd", "root_bwd"):
         assert getattr(fitted, name) == pytest.approx(getattr(true, name)), name
-    # Noise that makes the deeper model look faster reads as nothing, not as a negative cost.
+    # Noise that would make a share negative moves it to the other; the whole model's total,
+    # which the probe measured, stays what it measured.
     noisy = fit_host_cost((0.010, 0.020), (0.009, 0.030), (2, 4), 1)
-    assert noisy.layer_fwd == 0.0 and noisy.layer_bwd == pytest.approx(0.005) and noisy.root_fwd == pytest.approx(0.010)
+    assert (noisy.layer_fwd, noisy.root_fwd) == (0.0, pytest.approx(0.009))
+    assert noisy.layer_bwd == pytest.approx(0.005) and noisy.root_bwd == pytest.approx(0.010)
+    steep = fit_host_cost((0.001, 0.001), (0.020, 0.030), (2, 4), 2)
+    assert steep.root_fwd == 0.0 and 4 * steep.layer_fwd == pytest.approx(0.010)
+    assert 4 * steep.layer_bwd + steep.root_bwd == pytest.approx(0.015)
 
 
 def test_a_measured_host_replaces_the_per_op_model_and_bounds_each_pass():
