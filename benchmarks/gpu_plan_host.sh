@@ -15,7 +15,7 @@ RUNS=${RUNS:-"A-1-none A-1-selective A-1-full A-2-none A-2-selective A-2-full B-
 mkdir -p "$OUT/runs"
 for run in $RUNS; do
   IFS=- read -r model world ac fp8 <<<"$run"
-  flags="${!model} --ac $ac --steps 5 --warmup 2 --json ${fp8:+--fp8 $fp8}"
+  flags="${!model} --ac $ac --steps 10 --warmup 2 --json ${fp8:+--fp8 $fp8}"
   if [ "$world" = 1 ]; then cmd="python3 -m fsdp8.cli bench $flags"; else cmd="python3 benchmarks/bench_loopback.py --world $world $flags"; fi
   timeout -k 20 150 $cmd >"$OUT/runs/$run.json" 2>"$OUT/runs/$run.log"; rc=$?
   python3 - "$OUT/runs/$run.json" "$run" <<'PY' || echo "$run failed (exit $rc): $(grep -E 'Error' "$OUT/runs/$run.log" | tail -n 1 | cut -c1-160)"

@@ -88,7 +88,7 @@ def _passes(times: List[StepTimes]) -> Tuple[float, float]:
     return forward, statistics.median(total for _, total in times) - forward
 
 
-def measure_host(cfg: "BenchConfig", spec: ModelSpec, device: torch.device, steps: int = 5,
+def measure_host(cfg: "BenchConfig", spec: ModelSpec, device: torch.device, steps: int = 10,
                  record: Optional[List[List[StepTimes]]] = None) -> HostCost:
     """This machine's HostCost for ``cfg`` (collective: every rank probes; the slowest host's
     figures are everyone's, as the slowest rank sets a step's pace). ``record`` receives each
