@@ -22,13 +22,14 @@ print(f"{sys.argv[2]:<16} {d['setup'][:60]:<60} {m['tokens_per_s_per_gpu']:>8,.0
 PY
 }
 if [ "${PART:-tests}" = tests ]; then
-  FSDP8_TEST_BACKEND=nccl timeout -k 20 "${TEST_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -x \
+  FSDP8_TEST_BACKEND=nccl timeout -k 20 "${TEST_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:--x} \
     tests/dist/test_tp.py tests/dist/test_tp_engine.py tests/dist/test_cp.py tests/dist/test_parallelize.py \
     tests/dist/test_hf.py tests/dist/test_engine.py tests/gpu 2>&1 | tee "$OUT/tests.log" | tail -n 15
-  bench A-dp2 $A --seq-len 2048 --micro-batch 4
-  bench A-tp2-sp $A --seq-len 2048 --micro-batch 8 --tp 2 --sequence-parallel
-else
-  for seq in 16384 32768 65536; do
+  [ "${BENCH:-1}" = 1 ] && bench A-dp2 $A --seq-len 2048 --micro-batch 4
+  [ "${BENCH:-1}" = 1 ] && bench A-tp2-sp $A --seq-len 2048 --micro-batch 8 --tp 2 --sequence-parallel
+fi
+if [ "${PART:-tests}" != tests ] || [ "${CP:-0}" = 1 ]; then
+  for seq in ${SEQS:-16384 32768 65536}; do
     [ $seq -le 32768 ] && bench A-$seq-cp1 $A --seq-len $seq --micro-batch 1 --ac full
     bench A-$seq-cp2 $A --seq-len $seq --micro-batch 1 --ac full --cp 2
   done
