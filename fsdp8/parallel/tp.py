@@ -36,6 +36,43 @@ from torch.distributed.tensor.parallel import (
 Plan = Dict[str, Optional[ParallelStyle]]
 
 
+class ReplicateParallel(ParallelStyle):
+    """A module every TP rank computes whole, on the same replicated input: a norm on the
+    residual stream without sequence parallelism. Nothing is split; its parameters become
+    ``Replicate()`` DTensors on the mesh, its first input is taken as replicated and its
+    output handed back as a plain tensor. Why: torch's foreach and fused optimizers (their
+    default on GPUs) and ``clip_grad_norm_`` refuse a list that mixes plain tensors with
+    DTensors, so a tensor-parallel model must have no plain parameter left. The gradient
+    is right without communication: every rank computes it from the same input and the same
+    output gradient (the column-parallel layers after the norm all-reduce that one)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor import distribute_module
+
+        return distribute_module(module, device_mesh, partition_fn=_replicate_parameters,
+                                 input_fn=_replicated_input, output_fn=_local_output)
+
+
+def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        if not isinstance(param, DTensor):  # every rank holds the same values: no broadcast
+            replicated = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
+            module.register_parameter(param_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+
+def _replicated_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    if not inputs or not isinstance(inputs[0], torch.Tensor):
+        return inputs
+    x = inputs[0]
+    x = x.redistribute(mesh, [Replicate()]) if isinstance(x, DTensor) else \
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    return (x, *inputs[1:])
+
+
+def _local_output(module: nn.Module, output, mesh: DeviceMesh):
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
 @dataclass
 class FamilyPlan:
     """A model family's automatic plan and the facts needed to check it.
@@ -81,11 +118,11 @@ def llama_plan(config, sequence_parallel: bool = False, loss_parallel: bool = Fa
         "layers.*.ffn.w2": RowwiseParallel(output_layouts=seq),
         "head": head,
     }
+    # Norms on the residual stream: on sequence shards, or whole and replicated.
+    norm = SequenceParallel if sequence_parallel else ReplicateParallel
+    styles.update({"norm": norm(), "layers.*.attn_norm": norm(), "layers.*.ffn_norm": norm()})
     if sequence_parallel:
         styles.update({
-            "norm": SequenceParallel(),
-            "layers.*.attn_norm": SequenceParallel(),
-            "layers.*.ffn_norm": SequenceParallel(),
             # attention(x, cos, sin): gather x's sequence; cos/sin are full-length tables already.
             "layers.*.attn": PrepareModuleInput(
                 input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
@@ -273,6 +310,19 @@ def _check_sequence_length(tp: int):
     return hook
 
 
+def _warn_plain(model: nn.Module) -> None:
+    """A plan (the caller's) that leaves some parameters plain tensors beside DTensors: say
+    so once, since the optimizer's first foreach step would fail far from the cause."""
+    plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if plain:
+        import warnings
+
+        warnings.warn(f"tensor_parallel left {len(plain)} parameters as plain tensors among DTensors ({', '.join(plain[:3])}"
+                      f"{', ...' if len(plain) > 3 else ''}): torch's foreach and fused optimizers and clip_grad_norm_ "
+                      "refuse such a mix; give their modules a style in plan= (fsdp8.parallel.tp.ReplicateParallel() "
+                      "for a module computed whole on a replicated input)", stacklevel=3)
+
+
 def tensor_parallel(
     model: nn.Module,
     tp_mesh: DeviceMesh,
@@ -325,6 +375,7 @@ def tensor_parallel(
     for name, style in resolved.items():
         parallelize_module(modules[name], tp_mesh, style)
     _retie(modules, tied)
+    _warn_plain(model)
     if sequence_parallel:
         model.register_forward_pre_hook(_check_sequence_length(tp), with_kwargs=True)
     return model

@@ -103,8 +103,7 @@ def hf_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool):
     # transformers' "replicated_with_grad_allreduce" on q/k norms is what the per-head styles do.
     unsupported = {pattern: kind for pattern, kind in unsupported.items()
                    if not any(fnmatchcase(name, pattern) for name in per_head)}
-    if sequence_parallel:
-        styles.update(_residual_norms(model, names, styles))
+    styles.update(_residual_norms(model, names, styles, sequence_parallel))
     seq = Shard(1) if sequence_parallel else None
     embed = _module_name(model, model.get_input_embeddings())
     head = _module_name(model, model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None)
@@ -120,10 +119,14 @@ def hf_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool):
     return FamilyPlan(styles, heads=heads, vocab_modules=tuple(vocab), unsupported=unsupported)
 
 
-def _residual_norms(model: nn.Module, names, styles: Dict[str, ParallelStyle]) -> Dict[str, ParallelStyle]:
-    """SequenceParallel for the norms on the residual stream: every norm module (by class
-    name, as HF names them: ``*RMSNorm``, ``*LayerNorm``) outside the modules that own a
-    sharded projection (a q/k norm inside attention sees heads, not sequence shards)."""
+def _residual_norms(model: nn.Module, names, styles: Dict[str, ParallelStyle],
+                    sequence_parallel: bool) -> Dict[str, ParallelStyle]:
+    """The norms on the residual stream: every norm module (by class name, as HF names
+    them: ``*RMSNorm``, ``*LayerNorm``) outside the modules that own a sharded projection (a
+    q/k norm inside attention sees heads, not sequence shards). SequenceParallel under
+    sequence parallelism, else ReplicateParallel (whole on every rank, parameters DTensors)."""
+    from .tp import ReplicateParallel
+
     # Owners of split projections (attention, MLP); an embedding the plan names (transformers
     # >= 5.1x's "embedding_rowwise") would make the whole base model an owner.
     modules = dict(model.named_modules())
@@ -136,7 +139,7 @@ def _residual_norms(model: nn.Module, names, styles: Dict[str, ParallelStyle]) -
             continue
         if any(name == owner or name.startswith(owner + ".") for owner in owners):
             continue
-        norms[name] = SequenceParallel()
+        norms[name] = SequenceParallel() if sequence_parallel else ReplicateParallel()
     return norms
 
 

@@ -270,8 +270,10 @@ def packed_sequence_check() -> dict:
               "mask": (masking_utils, "find_packed_sequence_indices", lambda fn, p: fn(p) is not None)}
     originals = {name: getattr(module, attr) for name, (module, attr, _) in checks.items()}
     model = build("llama")
-    tokens = batch("llama", 0, rows=1)["input_ids"]
-    unpacked, packed = torch.arange(SEQ)[None], torch.cat([torch.arange(3), torch.arange(SEQ - 3)])[None]
+    device = common.device()
+    tokens = batch("llama", 0, rows=1)["input_ids"].to(device)
+    unpacked = torch.arange(SEQ, device=device)[None]
+    packed = torch.cat([torch.arange(3), torch.arange(SEQ - 3)])[None].to(device)
     with torch.no_grad():
         before = model(input_ids=tokens, position_ids=unpacked).logits
     try:

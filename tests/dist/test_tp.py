@@ -86,7 +86,7 @@ BAD = {
     "hf_kv_heads": "num_key_value_heads=1 is not divisible by tp=2",
     "hf_unsupported": "model.layers.*.self_attn.q_proj ('packed_colwise')",
     "two_d_mesh": "tp_mesh must be a 1-D DeviceMesh",
-    "twice": "Llama already has DTensor parameters (embed.weight, layers.0.attn.wq.weight",
+    "twice": "Llama already has DTensor parameters (embed.weight, layers.0.attn_norm.weight, layers.0.attn.wq.weight",
 }
 
 
