@@ -277,7 +277,9 @@ def packed_sequence_check() -> dict:
     with torch.no_grad():
         before = model(input_ids=tokens, position_ids=unpacked).logits
     try:
-        model = fsdp8.parallelize(model, fsdp8.ParallelConfig(skip_packed_sequence_check=True))
+        # fp32 as before (automatic precision would be bf16 on a GPU): only the checks differ.
+        model = fsdp8.parallelize(model, fsdp8.ParallelConfig(skip_packed_sequence_check=True,
+                                                              precision=fsdp8.Precision()))
         with torch.no_grad():
             after = model(input_ids=tokens, position_ids=unpacked).logits
         replaced, answers = {}, {}

@@ -369,10 +369,7 @@ def fp8_tp_vs_data_parallel(recipe_name: str, steps: int = 4, sequence_parallel:
     tp_run = place(build(vocab, dim=32, hidden=64), fsdp8.make_mesh(dp_shard=1, tp=world)["tp"], sequence_parallel)
     tp_run = fsdp8.fully_shard(tp_run, mesh=fsdp8.make_mesh(dp_shard=1, tp=world), fp8=recipe)
     dp_run = fsdp8.fully_shard(build(vocab, dim=32, hidden=64), fp8=recipe)
-    # SGD: linear in the gradients, so the FP8 GEMMs' accumulation order (CUDA's FP8 tensor cores
-    # keep ~14 bits of it) moves the weights by lr x that, where AdamW would turn a near-zero
-    # gradient's rounding into a whole step of lr (zero-initialised biases: 5e-4 relative on 2 GPUs).
-    opts = [torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (tp_run, dp_run)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in (tp_run, dp_run)]
     worst: Dict[str, float] = {}
     for step in range(steps):
         dp_run.load_state_dict(full_state(tp_run))
