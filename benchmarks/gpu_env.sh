@@ -7,6 +7,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 record_env() {  # GPUs and package versions -> $OUT/env.txt
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python3 -c "import torch, triton, transformers, torchao; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'torchao', torchao.__version__)"
+    python3 -c "
+import importlib, torch
+versions = {name: getattr(importlib.util.find_spec(name) and importlib.import_module(name), '__version__', 'absent')
+            for name in ('triton', 'transformers', 'torchao')}
+print('torch', torch.__version__, *(f'{k} {v}' for k, v in versions.items()))"
   } 2>&1 | tee "$OUT/env.txt"
 }
