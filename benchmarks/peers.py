@@ -160,6 +160,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default="",
                    help="directory: after timing, profile one more step of each stack and write where its "
                         "GPU time went (benchmarks/step_profile.py; rank 0's trace kept as .json.gz)")
+    p.add_argument("--host-profile", default="",
+                   help="directory: after timing, run 3 more steps under cProfile and write where the host's time "
+                        "went (Python functions by own time; the step is host-bound when the GPU idles)")
     p.add_argument("--memory-peak", default="",
                    help="directory: after timing, record one more step's allocations and write what is alive at "
                         "its peak, by where it was allocated (benchmarks/memory_peak.py)")
@@ -656,12 +659,39 @@ def measure(spec: ModelSpec, stack: str, ctx: Context, result: Result) -> None:
         result.peak_alloc_gib, result.peak_reserved_gib = (x / GIB for x in _all_reduce(peaks, dist.ReduceOp.MAX, ctx))
     if ctx.args.profile and ctx.device.type == "cuda":
         profile_one_step(spec, stack, built, batches[-1], ctx)
+    if ctx.args.host_profile:
+        host_profile(spec, stack, built, batches[-1], ctx)
     if ctx.args.memory_peak and ctx.device.type == "cuda":
         memory_peak_of_step(spec, stack, built, batches[-1], ctx)
     report = getattr(built.model, "memory_report", None)
     if callable(report):
         result.memory_report = str(report())
     result.note = "; ".join(built.notes)
+
+
+def host_profile(spec: ModelSpec, stack: str, built: Built, batch: torch.Tensor, ctx: Context, steps: int = 3) -> None:
+    """Three extra steps under cProfile (not in the timings): the Python functions that spend
+    the host's time, by own time and by cumulative time, rank 0's."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        train_step(built, batch, ctx)
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+    profiler.disable()
+    if ctx.rank != 0:
+        return
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(45)
+    out = Path(ctx.args.host_profile)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{spec.name}-{stack}-host.txt").write_text(f"{stack}, model {spec.name}, {steps} steps\n" + text.getvalue())
 
 
 def profile_one_step(spec: ModelSpec, stack: str, built: Built, batch: torch.Tensor, ctx: Context) -> None:
