@@ -160,6 +160,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default="",
                    help="directory: after timing, profile one more step of each stack and write where its "
                         "GPU time went (benchmarks/step_profile.py; rank 0's trace kept as .json.gz)")
+    p.add_argument("--skip-packed-check", action="store_true",
+                   help="for every stack, replace transformers' per-forward packed-sequence check (a device-to-host "
+                        "sync at the start of each forward: py-spy found the host waiting there most of a step) by "
+                        "its answer for these unpacked batches (fsdp8.parallel.hf.skip_packed_sequence_check)")
     p.add_argument("--host-profile", default="",
                    help="directory: after timing, run 3 more steps under cProfile and write where the host's time "
                         "went (Python functions by own time; the step is host-bound when the GPU idles)")
@@ -849,6 +853,10 @@ def write_json(path: str, env: dict, orders: dict, results: list[Result], comple
 def main(argv=None) -> None:
     args = parse_args(argv)
     ctx = init_process_group(args)
+    if args.skip_packed_check:  # every stack alike: the batches here are never packed
+        from fsdp8.parallel.hf import skip_packed_sequence_check
+
+        skip_packed_sequence_check()
     results = []
     orders = {name: list(args.stacks) for name in args.models}
     env = environment(ctx) if ctx.rank == 0 else None
