@@ -33,7 +33,6 @@ CPU smoke test (gloo; memory and MFU columns are n/a):
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import os
@@ -44,7 +43,6 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -54,18 +52,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-STACKS = ("fsdp8", "fsdp2", "megatron")
-# FP8 stacks (recipes native on Hopper), run with --stacks; see build_fsdp8_fp8 / build_torchao.
-FP8_STACKS = ("fsdp8-fp8-current-compile-keep-min1024", "fsdp8-fp8-current-compile-keep-max2048", "fsdp8-fp8-current", "fsdp8-fp8-delayed", "fsdp8-fp8-block", "fsdp8-fp8-mxfp8",
-              "fsdp8-fp8-current-primary", "fsdp8-compile", "fsdp8-fp8-current-compile", "fsdp8-fp8-delayed-compile",
-              "fsdp8-fp8-block-compile", "fsdp8-fp8-mxfp8-compile", "torchao", "torchao-compile")
-# HSDP stacks: a (replicate, shard) mesh of --hsdp-replicate x world/R ranks; see hsdp_mesh_shape.
-HSDP_STACKS = ("fsdp8-hsdp-noshard", "fsdp8-hsdp-optim", "fsdp2-hsdp")
-# fsdp8's one call (fsdp8.parallelize: units and plan found by itself) and CPU offload, run with --stacks.
-MANAGER_STACKS = ("fsdp8-parallelize", "fsdp8-parallelize-compile", "fsdp8-offload")
-# FSDP2 as torchtitan applies it (the last layer kept gathered from forward into backward).
-PEER_VARIANTS = ("fsdp2-keep-last",)
-ALL_STACKS = STACKS + FP8_STACKS + HSDP_STACKS + MANAGER_STACKS + PEER_VARIANTS
+from peer_stacks import (  # noqa: E402  (after the checkout is on the path)
+    ALL_STACKS, BUILDERS, STACKS, Built, Context, _short, mesh_label, optimizer_step, unavailable_reason,
+)
+
 FLOPS_FORMULA = (
     "FLOPs/token = 6*N + 12*L*H*S (N = all parameters incl. embedding and lm_head, L layers, H hidden, S seq)"
 )
@@ -91,30 +81,6 @@ MODELS = {
     "B": ModelSpec("B", 4096, 14336, 8, 32, 8, 32000, 2048, 2),
     "tiny": ModelSpec("tiny", 64, 256, 2, 4, 2, 1024, 64, 2),
 }
-
-
-@dataclass
-class Context:
-    """What every stack needs to know about the run."""
-
-    args: argparse.Namespace
-    device: torch.device
-    rank: int
-    world: int
-    mesh: object = None
-    megatron_mesh: object = None
-    hsdp_meshes: dict = field(default_factory=dict)  # "fsdp8" / "fsdp2" -> 2-D mesh, built once
-
-
-@dataclass
-class Built:
-    """A sharded model and its optimizer, as one stack made them."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    notes: list[str] = field(default_factory=list)
-    fused_unverified: bool = False
-    after_step: object = None  # called after each optimizer step (torchao's scale precompute)
 
 
 @dataclass
@@ -248,343 +214,6 @@ def make_batches(spec: ModelSpec, n: int, ctx: Context) -> list[torch.Tensor]:
 
 def flops_per_token(spec: ModelSpec, n_params: int) -> int:
     return 6 * n_params + 12 * spec.layers * spec.hidden * spec.seq
-
-
-def decoder_layer_cls():
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    return LlamaDecoderLayer
-
-
-# ----------------------------------------------------------------------------- optimizer
-
-
-def make_adamw(params, ctx: Context, fused: bool) -> torch.optim.Optimizer:
-    kind = {"fused": True} if fused else {"foreach": True}
-    return torch.optim.AdamW(params, lr=ctx.args.lr, **kind)
-
-
-def wants_fused(ctx: Context) -> bool:
-    return ctx.device.type == "cuda"
-
-
-def optimizer_step(built: Built, ctx: Context) -> None:
-    """optimizer.step(); the first fused step that fails on DTensors falls back to foreach."""
-    if not built.fused_unverified:
-        built.optimizer.step()
-        if built.after_step is not None:
-            built.after_step()
-        return
-    built.fused_unverified = False
-    try:
-        built.optimizer.step()
-    except (RuntimeError, NotImplementedError, TypeError) as err:
-        params = [p for group in built.optimizer.param_groups for p in group["params"]]
-        built.optimizer = make_adamw(params, ctx, fused=False)
-        built.notes.append(f"fused AdamW failed ({_short(err)}); foreach used")
-        built.optimizer.step()
-    if built.after_step is not None:
-        built.after_step()
-
-
-def plain_optimizer(model: torch.nn.Module, ctx: Context) -> Built:
-    fused = wants_fused(ctx)
-    return Built(model, make_adamw(model.parameters(), ctx, fused), fused_unverified=fused)
-
-
-# ----------------------------------------------------------------------------- stacks
-
-
-def hsdp_mesh_shape(world: int, replicate: int) -> tuple[int, int]:
-    """(R, S) of the HSDP mesh: R replicas of S-rank shard groups; ValueError saying why not."""
-    if replicate < 2:
-        raise ValueError(f"--hsdp-replicate {replicate} < 2: one replica is flat FSDP, not HSDP")
-    if world % replicate:
-        raise ValueError(f"world size {world} is not divisible by --hsdp-replicate {replicate}")
-    if world == replicate:
-        raise ValueError(f"--hsdp-replicate {replicate} at world size {world} leaves shard groups of one rank "
-                         f"(a {replicate}x1 mesh is pure replication); HSDP needs world >= {2 * replicate}")
-    return replicate, world // replicate
-
-
-def mesh_label(stack: str, ctx: Context) -> str:
-    """The data-parallel mesh a stack runs on: "W" (1-D) or "RxS" (HSDP, replicate x shard)."""
-    if stack in HSDP_STACKS:
-        try:
-            return "x".join(map(str, hsdp_mesh_shape(ctx.world, ctx.args.hsdp_replicate)))
-        except ValueError:
-            return ""
-    return str(ctx.world)
-
-
-def unavailable_reason(stack: str, ctx: Context) -> str | None:
-    """None when the stack can run here, else why not."""
-    if stack in HSDP_STACKS:
-        try:
-            hsdp_mesh_shape(ctx.world, ctx.args.hsdp_replicate)
-        except ValueError as err:
-            return str(err)
-        return unavailable_reason("fsdp2" if stack == "fsdp2-hsdp" else "fsdp8", ctx)
-    if stack.startswith("fsdp8-"):
-        return unavailable_reason("fsdp8", ctx)
-    if stack.startswith("torchao"):
-        try:
-            import torchao.float8  # noqa: F401
-        except Exception as err:
-            return f"torchao.float8 not importable: {_short(err)}"
-        return None
-    if stack == "fsdp8":
-        try:
-            import fsdp8
-        except Exception as err:  # the engine is optional for this script
-            return f"fsdp8 not importable: {_short(err)}"
-        missing = [n for n in ("init_distributed", "fully_shard", "Precision") if not hasattr(fsdp8, n)]
-        return f"fsdp8 lacks {', '.join(missing)}" if missing else None
-    if stack in ("fsdp2", "fsdp2-keep-last"):
-        try:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: F401
-        except ImportError as err:
-            return f"torch FSDP2 not importable: {_short(err)}"
-        return None
-    if stack == "megatron":
-        if ctx.device.type != "cuda":
-            return "megatron-fsdp needs CUDA (it creates torch.cuda streams)"
-        try:
-            import megatron_fsdp  # noqa: F401
-        except Exception as err:
-            return f"megatron_fsdp not importable: {_short(err)}"
-        return None
-    raise ValueError(stack)
-
-
-def build_fsdp8(model: torch.nn.Module, ctx: Context, mesh=None, outer_strategy: str = "no_shard") -> Built:
-    import fsdp8
-
-    fsdp8.init_distributed()
-    model = fsdp8.fully_shard(
-        model,
-        mesh=mesh if mesh is not None else ctx.mesh,
-        units=[decoder_layer_cls()],
-        strategy="optim_grads_params",
-        outer_strategy=outer_strategy,
-        precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-    )
-    return plain_optimizer(model, ctx)
-
-
-def build_fsdp8_parallelize(model: torch.nn.Module, ctx: Context, compile_units: bool = False) -> Built:
-    """fsdp8.parallelize with what a user passes for bf16 ZeRO-3 on this world: no units, no plan."""
-    import fsdp8
-
-    config = fsdp8.ParallelConfig(precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-                                  compile=compile_units)
-    return plain_optimizer(fsdp8.parallelize(model, config), ctx)
-
-
-def build_fsdp8_offload(model: torch.nn.Module, ctx: Context) -> Built:
-    """fsdp8 ZeRO-3 with main weights, gradients and AdamW state in pinned host memory; the
-    optimizer steps on the CPU (foreach: torch's fused AdamW is for GPU tensors)."""
-    import fsdp8
-
-    model = fsdp8.fully_shard(model, mesh=ctx.mesh, units=[decoder_layer_cls()], offload="optim",
-                              precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-    return Built(model, make_adamw(model.parameters(), ctx, fused=False))
-
-
-def build_fsdp2(model: torch.nn.Module, ctx: Context, mesh=None, keep_last: bool = False) -> Built:
-    """torch FSDP2 per decoder layer and at the root. ``keep_last``: the last layer is not
-    resharded after forward (backward starts with it), as torchtitan shards Llama."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = ctx.mesh if mesh is None else mesh
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    layers = list(model.model.layers)
-    for i, layer in enumerate(layers):
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=not (keep_last and i == len(layers) - 1))
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    return plain_optimizer(model, ctx)
-
-
-def hsdp_mesh(ctx: Context, kind: str):
-    """The 2-D HSDP mesh, made once per run: fsdp8.make_mesh(dp_replicate=R) for fsdp8 (dims
-    "dp_replicate", "dp_shard"), init_device_mesh with dims ("replicate", "shard") for FSDP2.
-    Both are row-major: ranks r*S .. r*S+S-1 form shard group r."""
-    if kind not in ctx.hsdp_meshes:
-        replicate, shard = hsdp_mesh_shape(ctx.world, ctx.args.hsdp_replicate)
-        if kind == "fsdp8":
-            import fsdp8
-
-            mesh = fsdp8.make_mesh(dp_replicate=replicate)
-        else:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh(ctx.device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
-        if mesh.device_type != ctx.device.type or tuple(mesh.shape) != (replicate, shard):
-            raise RuntimeError(f"{kind} HSDP mesh is {mesh.device_type} {tuple(mesh.shape)}, "
-                               f"expected {ctx.device.type} {(replicate, shard)}")
-        ctx.hsdp_meshes[kind] = mesh
-    return ctx.hsdp_meshes[kind]
-
-
-def build_fsdp8_hsdp(model: torch.nn.Module, ctx: Context, outer_strategy: str) -> Built:
-    return build_fsdp8(model, ctx, mesh=hsdp_mesh(ctx, "fsdp8"), outer_strategy=outer_strategy)
-
-
-def build_fsdp2_hsdp(model: torch.nn.Module, ctx: Context) -> Built:
-    return build_fsdp2(model, ctx, mesh=hsdp_mesh(ctx, "fsdp2"))
-
-
-def build_megatron(model: torch.nn.Module, ctx: Context) -> Built:
-    import megatron_fsdp
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if ctx.megatron_mesh is None:
-        # megatron-fsdp wants named (dp_shard, tp) dims; one mesh for all models.
-        ctx.megatron_mesh = init_device_mesh("cuda", (ctx.world, 1), mesh_dim_names=("fsdp", "tp"))
-    _bf16_params_with_fp32_main_init(model)
-    model = megatron_fsdp.fully_shard_model(
-        model,
-        device_mesh=ctx.megatron_mesh,
-        dp_shard_dim="fsdp",
-        tp_dim="tp",
-        fsdp_unit_modules=[decoder_layer_cls()],
-        zero_dp_strategy="optim_grads_params",
-        device=ctx.device,
-        mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(
-            main_params_dtype=torch.float32, main_grads_dtype=torch.float32, grad_comm_dtype=torch.float32
-        ),
-    )
-    notes = ["optimizer pre-stepped once with zero grads by fully_shard_optimizer"]
-    try:
-        optimizer = megatron_fsdp.fully_shard_optimizer(make_adamw(model.parameters(), ctx, wants_fused(ctx)))
-    except (RuntimeError, NotImplementedError, TypeError) as err:
-        if not wants_fused(ctx):
-            raise
-        notes.append(f"fused AdamW failed ({_short(err)}); foreach used")
-        optimizer = megatron_fsdp.fully_shard_optimizer(make_adamw(model.parameters(), ctx, fused=False))
-    return Built(model, optimizer, notes)
-
-
-def _bf16_params_with_fp32_main_init(model: torch.nn.Module) -> None:
-    """Cast parameters (not buffers) to bf16, keeping their fp32 values for the main weights.
-
-    Megatron-FSDP computes in the model's own parameter dtype and fills its fp32
-    main-weight buffer from the parameters. Without this its fp32 masters would
-    start from bf16-rounded values, unlike the other stacks. It reads the exact
-    init through the `get_high_precision_init_val` hook it offers for
-    TransformerEngine FP8 parameters. RoPE buffers stay fp32, as under FSDP2.
-    """
-    for param in model.parameters():
-        fp32 = param.detach().clone()
-        param.data = param.data.to(torch.bfloat16)
-        param.get_high_precision_init_val = lambda fp32=fp32: fp32
-        param.clear_high_precision_init_val = lambda p=param: _drop_init_hooks(p)
-
-
-def _drop_init_hooks(param: torch.nn.Parameter) -> None:
-    del param.get_high_precision_init_val
-    del param.clear_high_precision_init_val
-
-
-def _compile_layers(model: torch.nn.Module) -> None:
-    """torch.compile each decoder layer's forward (fsdp8's hooks stay outside, in __call__;
-    Float8Linear calls are opaque breaks, everything between them is fused)."""
-    for layer in model.model.layers:
-        layer.forward = torch.compile(layer.forward)
-
-
-def build_fsdp8_compiled(model: torch.nn.Module, ctx: Context) -> Built:
-    built = build_fsdp8(model, ctx)
-    _compile_layers(built.model)
-    return built
-
-
-# Shape rules for which linears stay in bf16 (issue 17: small projections where FP8 may not
-# pay), as fp8_filter(name, linear) -> convert?; stacks "...-keep-<rule>".
-FP8_KEEP_RULES = {
-    "min1024": lambda name, m: min(m.in_features, m.out_features) > 1024,  # K/V projections of A and B
-    "max2048": lambda name, m: max(m.in_features, m.out_features) > 2048,  # all of A's attention
-}
-
-
-def build_fsdp8_fp8(model: torch.nn.Module, ctx: Context, recipe_name: str, primary: bool = False,
-                    compile_blocks: bool = False, keep: Optional[str] = None) -> Built:
-    """fsdp8 ZeRO-3 with FP8 GEMMs and 8-bit weight all-gathers in the decoder layers (those
-    ``FP8_KEEP_RULES[keep]`` leaves in bf16 excepted)."""
-    import fsdp8
-    from fsdp8.fp8.convert import fp8_friendly
-    from fsdp8.fp8.recipes import recipe_from_name
-
-    fsdp8.init_distributed()
-    recipe = recipe_from_name(recipe_name)
-    if primary:  # FP8 primary weights: packed FP8 shards refreshed once per step
-        for layer in model.model.layers:
-            fsdp8.convert_to_fp8(layer, recipe)
-            for module in layer.modules():
-                if isinstance(module, fsdp8.Float8Linear):
-                    fsdp8.fp8.convert.make_fp8_primary(module, recipe)
-    model = fsdp8.fully_shard(
-        model,
-        mesh=ctx.mesh,
-        units=[decoder_layer_cls()],
-        strategy="optim_grads_params",
-        precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-        fp8=recipe,
-        fp8_filter=None if keep is None else lambda n, m: fp8_friendly(n, m) and FP8_KEEP_RULES[keep](n, m),
-    )
-    if compile_blocks:
-        _compile_layers(model)
-    return plain_optimizer(model, ctx)
-
-
-def build_torchao(model: torch.nn.Module, ctx: Context, compile_blocks: bool) -> Built:
-    """torch FSDP2 + torchao float8 (tensorwise, FP8 all-gather, scales precomputed after each
-    step), decoder layers compiled per block as torchtitan does."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
-
-    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: "layers" in fqn)
-    layers = model.model.layers
-    if compile_blocks:
-        for i, layer in enumerate(layers):
-            layers[i] = torch.compile(layer)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in layers:
-        fully_shard(layer, mesh=ctx.mesh, mp_policy=policy)
-    fully_shard(model, mesh=ctx.mesh, mp_policy=policy)
-    built = plain_optimizer(model, ctx)
-    built.after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)
-    return built
-
-
-BUILDERS = {
-    "fsdp8": build_fsdp8,
-    "fsdp2": build_fsdp2,
-    "fsdp2-keep-last": lambda m, c: build_fsdp2(m, c, keep_last=True),
-    "megatron": build_megatron,
-    "fsdp8-fp8-current": lambda m, c: build_fsdp8_fp8(m, c, "fp8-current"),
-    "fsdp8-fp8-delayed": lambda m, c: build_fsdp8_fp8(m, c, "fp8-delayed"),
-    "fsdp8-fp8-block": lambda m, c: build_fsdp8_fp8(m, c, "fp8-block"),
-    "fsdp8-fp8-mxfp8": lambda m, c: build_fsdp8_fp8(m, c, "fp8-mxfp8"),
-    "fsdp8-fp8-current-primary": lambda m, c: build_fsdp8_fp8(m, c, "fp8-current", primary=True),
-    "fsdp8-compile": build_fsdp8_compiled,
-    "fsdp8-fp8-current-compile": lambda m, c: build_fsdp8_fp8(m, c, "fp8-current", compile_blocks=True),
-    "fsdp8-fp8-delayed-compile": lambda m, c: build_fsdp8_fp8(m, c, "fp8-delayed", compile_blocks=True),
-    "fsdp8-fp8-block-compile": lambda m, c: build_fsdp8_fp8(m, c, "fp8-block", compile_blocks=True),
-    "fsdp8-fp8-mxfp8-compile": lambda m, c: build_fsdp8_fp8(m, c, "fp8-mxfp8", compile_blocks=True),
-    **{f"fsdp8-fp8-current-compile-keep-{rule}": functools.partial(build_fsdp8_fp8, recipe_name="fp8-current",
-                                                                    compile_blocks=True, keep=rule)
-       for rule in FP8_KEEP_RULES},
-    "torchao": lambda m, c: build_torchao(m, c, compile_blocks=False),
-    "torchao-compile": lambda m, c: build_torchao(m, c, compile_blocks=True),
-    "fsdp8-hsdp-noshard": lambda m, c: build_fsdp8_hsdp(m, c, "no_shard"),
-    "fsdp8-hsdp-optim": lambda m, c: build_fsdp8_hsdp(m, c, "optim"),
-    "fsdp2-hsdp": build_fsdp2_hsdp,
-    "fsdp8-parallelize": build_fsdp8_parallelize,
-    "fsdp8-parallelize-compile": lambda m, c: build_fsdp8_parallelize(m, c, compile_units=True),
-    "fsdp8-offload": build_fsdp8_offload,
-}
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -762,11 +391,6 @@ def run_stack(spec: ModelSpec, stack: str, ctx: Context) -> Result:
 
 
 # ----------------------------------------------------------------------------- reporting
-
-
-def _short(err: BaseException, limit: int = 160) -> str:
-    text = f"{type(err).__name__}: {err}".replace("\n", " ").replace("|", "/")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _fmt(value, spec: str) -> str:
