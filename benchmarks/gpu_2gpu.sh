@@ -4,6 +4,8 @@
 #               fsdp8 bench, model A's sizes, dp 2 against tp 2 with sequence parallelism
 #   PART=cp:    fsdp8 bench, model A's sizes at 16k-64k tokens, cp 1 (dp 2) against cp 2,
 #               full checkpointing
+#   PART=tp:    peers.py TP stacks against FSDP2 + the same torch TP styles, models A and B,
+#               each stack in its own process (TP=2 by default; NPROC GPUs, default 2)
 # Every bench line: measured / predicted (ratio) for step and peak, and tokens/s/GPU.
 #   OUT=$OUT PART=tests bash benchmarks/gpu_2gpu.sh
 set -uo pipefail
@@ -28,7 +30,15 @@ if [ "${PART:-tests}" = tests ]; then
   [ "${BENCH:-1}" = 1 ] && bench A-dp2 $A --seq-len 2048 --micro-batch 4
   [ "${BENCH:-1}" = 1 ] && bench A-tp2-sp $A --seq-len 2048 --micro-batch 8 --tp 2 --sequence-parallel
 fi
-if [ "${PART:-tests}" != tests ] || [ "${CP:-0}" = 1 ]; then
+if [ "${PART:-tests}" = tp ]; then
+  for model in ${MODELS:-A B}; do
+    for stack in ${TP_STACK_LIST:-fsdp8-tp fsdp2-tp fsdp8-tp-fp8}; do
+      timeout -k 20 200 torchrun --nproc_per_node "${NPROC:-2}" benchmarks/peers.py --models "$model" --tp "${TP:-2}" \
+        --warmup 2 --steps 6 --stacks "$stack" --skip-packed-check --out "$OUT/tp-$model-$stack.json" >"$OUT/tp-$model-$stack.log" 2>&1
+      row=$(grep -E "^\| $model " "$OUT/tp-$model-$stack.log" | cut -c1-160); echo "${row:-$model $stack failed: $(grep -E Error "$OUT/tp-$model-$stack.log" | tail -n 1 | cut -c1-160)}"
+    done
+  done
+elif [ "${PART:-tests}" != tests ] || [ "${CP:-0}" = 1 ]; then
   for seq in ${SEQS:-16384 32768 65536}; do
     [ $seq -le 32768 ] && bench A-$seq-cp1 $A --seq-len $seq --micro-batch 1 --ac full
     bench A-$seq-cp2 $A --seq-len $seq --micro-batch 1 --ac full --cp 2

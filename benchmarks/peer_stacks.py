@@ -24,7 +24,11 @@ HSDP_STACKS = ("fsdp8-hsdp-noshard", "fsdp8-hsdp-optim", "fsdp2-hsdp")
 MANAGER_STACKS = ("fsdp8-parallelize", "fsdp8-parallelize-compile", "fsdp8-offload")
 # FSDP2 as torchtitan applies it (the last layer kept gathered from forward into backward).
 PEER_VARIANTS = ("fsdp2-keep-last",)
-ALL_STACKS = STACKS + FP8_STACKS + HSDP_STACKS + MANAGER_STACKS + PEER_VARIANTS
+# Tensor parallelism (--tp T, sequence parallel on) x data parallelism over world/T: both stacks
+# split the layers with the same torch ParallelStyles (fsdp8.tensor_parallel's plan, torchtitan's
+# Megatron layout), then shard over the data-parallel ranks with fsdp8 or with torch FSDP2.
+TP_STACKS = ("fsdp8-tp", "fsdp2-tp", "fsdp8-tp-fp8")
+ALL_STACKS = STACKS + FP8_STACKS + HSDP_STACKS + MANAGER_STACKS + PEER_VARIANTS + TP_STACKS
 
 
 @dataclass
@@ -48,6 +52,7 @@ class Built:
     optimizer: torch.optim.Optimizer
     notes: list[str] = field(default_factory=list)
     fused_unverified: bool = False
+    tp: int = 1  # ranks of one tensor-parallel group, which feed the same batch
     after_step: object = None  # called after each optimizer step (torchao's scale precompute)
 
 
@@ -113,8 +118,14 @@ def hsdp_mesh_shape(world: int, replicate: int) -> tuple[int, int]:
     return replicate, world // replicate
 
 
+def tp_degree(stack: str, ctx: Context) -> int:
+    return ctx.args.tp if stack in TP_STACKS else 1
+
+
 def mesh_label(stack: str, ctx: Context) -> str:
-    """The data-parallel mesh a stack runs on: "W" (1-D) or "RxS" (HSDP, replicate x shard)."""
+    """The mesh a stack runs on: "W" (1-D), "RxS" (HSDP, replicate x shard) or "D dp x T tp"."""
+    if stack in TP_STACKS:
+        return f"{ctx.world // ctx.args.tp} dp x {ctx.args.tp} tp" if not ctx.world % ctx.args.tp else ""
     if stack in HSDP_STACKS:
         try:
             return "x".join(map(str, hsdp_mesh_shape(ctx.world, ctx.args.hsdp_replicate)))
@@ -125,6 +136,11 @@ def mesh_label(stack: str, ctx: Context) -> str:
 
 def unavailable_reason(stack: str, ctx: Context) -> str | None:
     """None when the stack can run here, else why not."""
+    if stack in TP_STACKS:
+        tp = ctx.args.tp
+        if tp < 2 or ctx.world % tp:
+            return f"--tp {tp} must be >= 2 and divide the world of {ctx.world} ranks"
+        return unavailable_reason("fsdp2" if stack == "fsdp2-tp" else "fsdp8", ctx)
     if stack in HSDP_STACKS:
         try:
             hsdp_mesh_shape(ctx.world, ctx.args.hsdp_replicate)
@@ -209,6 +225,41 @@ def build_fsdp2(model: torch.nn.Module, ctx: Context, mesh=None, keep_last: bool
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=not (keep_last and i == len(layers) - 1))
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return plain_optimizer(model, ctx)
+
+
+def _tensor_parallel(model: torch.nn.Module, ctx: Context):
+    """The HF model split over tp with sequence parallelism; returns it and the (dp_shard, tp) mesh."""
+    import fsdp8
+
+    fsdp8.init_distributed()
+    if "tp" not in ctx.hsdp_meshes:
+        ctx.hsdp_meshes["tp"] = fsdp8.make_mesh(dp_shard=ctx.world // ctx.args.tp, tp=ctx.args.tp)
+    mesh = ctx.hsdp_meshes["tp"]
+    return fsdp8.tensor_parallel(model, mesh["tp"], sequence_parallel=True), mesh
+
+
+def build_fsdp8_tp(model: torch.nn.Module, ctx: Context, recipe_name: Optional[str] = None) -> Built:
+    """fsdp8.tensor_parallel, then fsdp8 ZeRO-3 over the data-parallel ranks of the 2-D mesh
+    (with ``recipe_name``: FP8 linears, their sequence gathers in 8 bits)."""
+    import fsdp8
+    from fsdp8.fp8.recipes import recipe_from_name
+
+    model, mesh = _tensor_parallel(model, ctx)
+    model = fsdp8.fully_shard(model, mesh=mesh, units=[decoder_layer_cls()], strategy="optim_grads_params",
+                              precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                              fp8=recipe_from_name(recipe_name) if recipe_name else None)
+    built = plain_optimizer(model, ctx)
+    built.tp = ctx.args.tp
+    return built
+
+
+def build_fsdp2_tp(model: torch.nn.Module, ctx: Context) -> Built:
+    """The same torch TP styles, then torch FSDP2 on the data-parallel sub-mesh (2-D FSDP2 x TP,
+    last layer kept for backward as torchtitan does)."""
+    model, mesh = _tensor_parallel(model, ctx)
+    built = build_fsdp2(model, ctx, mesh=mesh["dp_shard"], keep_last=True)
+    built.tp = ctx.args.tp
+    return built
 
 
 def hsdp_mesh(ctx: Context, kind: str):
@@ -390,4 +441,7 @@ BUILDERS = {
     "fsdp8-parallelize": build_fsdp8_parallelize,
     "fsdp8-parallelize-compile": lambda m, c: build_fsdp8_parallelize(m, c, compile_units=True),
     "fsdp8-offload": build_fsdp8_offload,
+    "fsdp8-tp": build_fsdp8_tp,
+    "fsdp2-tp": build_fsdp2_tp,
+    "fsdp8-tp-fp8": lambda m, c: build_fsdp8_tp(m, c, "fp8-current"),
 }

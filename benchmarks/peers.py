@@ -18,6 +18,12 @@ HSDP stacks (opt-in; R = --hsdp-replicate, default 2; mesh R x world/R):
                       replicas (outer_strategy "optim")
   fsdp2-hsdp          torch FSDP2 fully_shard on a 2-D ("replicate", "shard") mesh
   They are skipped (with the reason) where world % R != 0 or R == world (shard groups of 1).
+TP stacks (opt-in; T = --tp, default 2; mesh world/T x T, sequence parallel on):
+  fsdp8-tp      fsdp8.tensor_parallel (torch ParallelStyles, torchtitan's layout), then fsdp8 ZeRO-3
+                over the data-parallel ranks
+  fsdp2-tp      the same TP styles, then torch FSDP2 on the data-parallel sub-mesh
+  fsdp8-tp-fp8  fsdp8-tp with FP8 current scaling (sequence gathers in 8 bits)
+  A TP group's ranks feed one batch; tokens/s/GPU counts it once per group.
 All use bf16 compute weights, fp32 gradient reduction and fp32 main weights.
 
 On 2 GPUs:
@@ -53,7 +59,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from peer_stacks import (  # noqa: E402  (after the checkout is on the path)
-    ALL_STACKS, BUILDERS, STACKS, Built, Context, _short, mesh_label, optimizer_step, unavailable_reason,
+    ALL_STACKS, BUILDERS, STACKS, Built, Context, _short, mesh_label, optimizer_step, tp_degree, unavailable_reason,
 )
 
 FLOPS_FORMULA = (
@@ -123,6 +129,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="collective timeout, so a broken stack cannot hang the run")
     p.add_argument("--hsdp-replicate", type=int, default=2,
                    help="replica groups R of the HSDP stacks (mesh R x world/R)")
+    p.add_argument("--tp", type=int, default=2,
+                   help="tensor-parallel degree of the TP stacks (fsdp8-tp, fsdp2-tp, fsdp8-tp-fp8; sequence parallel "
+                        "on): a (world/T data-parallel) x (T tensor-parallel) mesh, TP groups of neighbouring ranks")
     p.add_argument("--profile", default="",
                    help="directory: after timing, profile one more step of each stack and write where its "
                         "GPU time went (benchmarks/step_profile.py; rank 0's trace kept as .json.gz)")
@@ -205,9 +214,10 @@ def build_hf_model(spec: ModelSpec, device: torch.device, seed: int) -> torch.nn
     return model
 
 
-def make_batches(spec: ModelSpec, n: int, ctx: Context) -> list[torch.Tensor]:
-    """Random token ids: a fixed stream per rank, identical for every stack."""
-    gen = torch.Generator().manual_seed(ctx.args.seed * 1_000_003 + ctx.rank)
+def make_batches(spec: ModelSpec, n: int, ctx: Context, tp: int = 1) -> list[torch.Tensor]:
+    """Random token ids: a fixed stream per data-parallel rank (the ranks of a tensor-parallel
+    group, consecutive, share one), identical for every stack."""
+    gen = torch.Generator().manual_seed(ctx.args.seed * 1_000_003 + ctx.rank // tp)
     shape = (spec.micro_batch, spec.seq)
     return [torch.randint(0, spec.vocab, shape, generator=gen).to(ctx.device) for _ in range(n)]
 
@@ -267,7 +277,8 @@ def _all_reduce(values: list[float], op, ctx: Context) -> list[float]:
 
 def measure(spec: ModelSpec, stack: str, ctx: Context, result: Result) -> None:
     """Build, train and time one stack on one model; fill `result`."""
-    batches = make_batches(spec, ctx.args.warmup + ctx.args.steps, ctx)
+    tp = tp_degree(stack, ctx)
+    batches = make_batches(spec, ctx.args.warmup + ctx.args.steps, ctx, tp)
     model = build_hf_model(spec, ctx.device, ctx.args.seed)
     result.n_params = sum(p.numel() for p in model.parameters())
     result.flops_per_token = flops_per_token(spec, result.n_params)
@@ -285,7 +296,7 @@ def measure(spec: ModelSpec, stack: str, ctx: Context, result: Result) -> None:
     median, wall = _all_reduce([statistics.median(step_ms), wall_ms], dist.ReduceOp.MAX, ctx)
     result.step_ms_median, result.step_ms_mean_wall = median, wall
     result.step_ms_all = [round(x, 3) for x in step_ms]
-    result.tokens_per_s_per_gpu = spec.micro_batch * spec.seq / (median / 1e3)
+    result.tokens_per_s_per_gpu = spec.micro_batch * spec.seq / tp / (median / 1e3)  # a TP group shares its batch
     if ctx.device.type == "cuda":
         result.mfu = result.tokens_per_s_per_gpu * result.flops_per_token / (ctx.args.peak_tflops * 1e12)
         peaks = [torch.cuda.max_memory_allocated(ctx.device), torch.cuda.max_memory_reserved(ctx.device)]

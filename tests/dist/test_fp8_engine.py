@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.harness import run_on_ranks
-from tests.dist import workers
+from tests.dist import fp8_workers as workers
 
 TOL = 1e-5
 RECIPES = ["fp8-current", "fp8-block", "fp8-mxfp8"]

@@ -1,0 +1,409 @@
+"""FP8 functions run on every rank by the distributed tests (module-level so workers import them):
+the engine's recipes against one process, gathered FP8 weights, delayed scaling's state, FP8
+primary weights, FSDP2 and FSDP1 interop, compiled blocks."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import fsdp8
+
+from . import common
+from .workers import CountCollectives, _mesh
+
+
+def fp8_recipe(name):
+    from fsdp8.fp8.recipes import recipe_from_name
+
+    return recipe_from_name(name)
+
+
+def fp8_parity(recipe_name, strategy="optim_grads_params", mesh_shape=None, outer="no_shard", steps=6, micro_batches=1):
+    """The engine's FP8 training against the same recipe in one process (bf16 compute copies,
+    standalone Float8Linears that quantize their bf16 weights)."""
+    from fsdp8.fp8.convert import convert_to_fp8
+
+    recipe = fp8_recipe(recipe_name)
+    model = common.build_fp8_llama()
+    reference = copy.deepcopy(model)
+    for layer in reference.layers:
+        convert_to_fp8(layer, recipe)
+    sharded = fsdp8.fully_shard(model, mesh=_mesh(mesh_shape), strategy=strategy, outer_strategy=outer, fp8=recipe,
+                                precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    kinds = sorted({type(m).__name__ for m in sharded.modules() if "Float8" in type(m).__name__})
+    errors = common.lockstep_errors(sharded, reference, steps, torch.bfloat16, micro_batches=micro_batches)
+    return errors, kinds
+
+
+def fp8_gathered_weight(recipe_name, strategy="optim_grads_params", mesh_shape=None, outer="no_shard", dim=32, ffn=64):
+    """Compare each gathered FP8 weight with quantizing the full (fp32-gathered) weight; count bytes."""
+    from fsdp8.fp8.kernels import quantize
+    from fsdp8.fp8.tensor import Float8Tensor
+    from fsdp8.models.llama import Llama, LlamaConfig
+
+    recipe = fp8_recipe(recipe_name)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=4 * common.world() + 1, dim=dim, n_layers=2, n_heads=2, n_kv_heads=1,
+                      ffn_dim=ffn, max_seq_len=16)
+    model = Llama(cfg).to(common.device())
+    sharded = fsdp8.fully_shard(model, mesh=_mesh(mesh_shape), strategy=strategy, outer_strategy=outer, fp8=recipe,
+                                precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    common.train_sharded(sharded, 2)  # scales and weights after real optimizer steps
+    unit = sharded._fsdp8.units[0]
+    full = {s.fqn: s.main.full_tensor() for s in unit.slots}  # fp32 all-gather, for the check only
+    sharded._fsdp8.scales.refresh()
+    with CountCollectives() as counter, _GatherBytes() as wire:
+        unit.gather()
+        unit.wait_gather()
+    worst, checked = 0.0, 0
+    for slot in unit.slots:
+        if not isinstance(slot.compute, Float8Tensor):
+            with torch.no_grad():
+                got = slot.compute.float()
+                worst = max(worst, float((got - full[slot.fqn].to(torch.bfloat16).float()).abs().max()))
+            continue
+        weight = full[slot.fqn].to(torch.bfloat16)
+        if recipe.delayed:  # the scale comes from the weight's amax history
+            state = slot.aliases[0][0]._delayed
+            expected = quantize(weight, recipe.fwd_dtype, recipe.w_granularity, scale=state.scale[1])
+        else:
+            expected = quantize(weight, recipe.fwd_dtype, recipe.w_granularity)
+        got = slot.compute.quantized()
+        same_bytes = torch.equal(got.data.view(torch.uint8), expected.data.view(torch.uint8))
+        same_scales = torch.equal(got.scale_inv, expected.scale_inv)
+        if not (same_bytes and same_scales):
+            return {"mismatch": slot.fqn}
+        checked += 1
+    # cuBLAS takes scale pointers on 16-byte boundaries only (CUBLAS_STATUS_NOT_SUPPORTED).
+    aligned = all(t.data_ptr() % 16 == 0 for s in unit.slots if isinstance(s.compute, Float8Tensor)
+                  for t in (unit.scale_of(s), unit.scale_inv_of(s), s.compute._scale_inv))
+    fp8_elems = sum(s.layout.numel for s in unit.slots if isinstance(s.compute, Float8Tensor))
+    other_elems = sum(s.layout.numel for s in unit.slots if not isinstance(s.compute, Float8Tensor))
+    return {"checked": checked, "other_max_err": worst, "wire_bytes": wire.bytes, "fp8_elems": fp8_elems,
+            "scales_aligned": aligned,
+            "other_elems": other_elems, "collectives": counter.counts, "world": common.world(),
+            "padded_rows": [s.layout.chunk_rows * unit.layout.num_chunks - s.layout.rows for s in unit.slots]}
+
+
+class _GatherBytes:
+    """Sums the bytes every rank receives from all-gathers while active (the payload)."""
+
+    def __enter__(self):
+        from fsdp8.engine import comm
+
+        self.bytes = 0
+        self._orig = comm.all_gather
+
+        def counted(out, inp, group, label):
+            self.bytes += out.numel() * out.element_size()
+            return self._orig(out, inp, group, label)
+
+        comm.all_gather = counted
+        return self
+
+    def __exit__(self, *exc):
+        from fsdp8.engine import comm
+
+        comm.all_gather = self._orig
+        return False
+
+
+def delayed_scaling_engine(steps=3):
+    """Delayed scaling under the engine: one max all-reduce per step (fp8 amaxes) and
+    identical histories on every rank, each holding the max over ranks of the amaxes."""
+    from fsdp8.fp8.linear import Float8Linear
+    from fsdp8.fp8.recipes import DelayedScaling
+
+    recipe = DelayedScaling(amax_history_len=4)
+    model = common.build_fp8_llama()
+    sharded = fsdp8.fully_shard(model, fp8=recipe,
+                                precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    common.train_sharded(sharded, 1, clip=0)
+    linears = [m for m in sharded.modules() if isinstance(m, Float8Linear)]
+    with CountCollectives() as counter:
+        common.train_sharded(sharded, steps, clip=0)
+        sharded._fsdp8.scales.refresh()  # fold the last step in, as the next forward would
+    states = [m._delayed for m in linears]
+    return {
+        "all_reduces": counter.counts.get("all_reduce", 0),
+        "history": torch.stack([s.history for s in states]).cpu(),
+        "scale": torch.stack([s.scale for s in states]).cpu(),
+        "external": all(m.external_delayed_update for m in linears),
+    }
+
+
+def fp8_primary(recipe_name, meta=True, steps=4):
+    """fp8_init weights: same training as converting after construction; memory holds FP8
+    shards and fp32 main chunks only; the kept init values are dropped."""
+    import gc
+    import weakref
+
+    from fsdp8.fp8.convert import convert_to_fp8, fp8_init
+    from fsdp8.models.llama import Llama
+
+    recipe = fp8_recipe(recipe_name)
+    cfg = common.build_fp8_llama().config
+    prec = fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else common.device()), fp8_init(recipe):
+        primary = Llama(cfg)
+    kept = [weakref.ref(m.weight._hp_init) for m in primary.modules()
+            if getattr(getattr(m, "weight", None), "_hp_init", None) is not None]
+    torch.manual_seed(0)  # the meta model is initialized inside fully_shard, from this RNG state
+    a = fsdp8.fully_shard(primary, precision=prec)
+    torch.manual_seed(0)
+    with torch.device(common.device()):
+        plain = Llama(cfg)
+    convert_to_fp8(plain, recipe, filter=lambda n, m: True)  # every linear, the head too, like fp8_init
+    b = fsdp8.fully_shard(plain, precision=prec)
+    gc.collect()
+    alive = sum(r() is not None for r in kept)
+    common.train_sharded(a, steps)
+    common.train_sharded(b, steps)
+    report = a.memory_report()
+    fp8_elems = sum(s.layout.numel for u in a._fsdp8.all_units if hasattr(u, "fp8_ids") for s in u.slots if id(s) in u.fp8_ids)
+    wire = sum(u.wire_layout.chunk_numel for u in a._fsdp8.all_units if getattr(u, "primary", False))
+    return {"errors": common.relative_errors(a, b), "alive_hp": alive, "kept": len(kept),
+            "compute_copies": report.compute_copies, "main": report.main_weights, "wire": wire,
+            "fp8_elems": fp8_elems, "world": common.world(),
+            "units_primary": [getattr(u, "primary", None) for u in a._fsdp8.all_units]}
+
+
+def fsdp2_fp8_interop(steps=4, precompute=True, kind="llama"):
+    """A model converted by fsdp8 trains under torch FSDP2 with 8-bit weight all-gathers and
+    matches the same FP8 recipe in one process. ``kind="uneven"`` converts every linear,
+    including 17-wide and 3-row ones, so FSDP2 cuts uneven and empty shards."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fsdp8.fp8.convert import convert_to_fp8
+    from fsdp8.fp8.fsdp2 import Float8TrainingWeight, precompute_fp8_scales, use_fp8_all_gather
+    from fsdp8.fp8.recipes import Float8CurrentScaling
+
+    recipe = Float8CurrentScaling()
+    model = common.build_fp8_llama() if kind == "llama" else common.build("uneven")
+    blocks = model.layers if kind == "llama" else model.blocks
+    for layer in blocks:
+        convert_to_fp8(layer, recipe, filter=None if kind == "llama" else (lambda n, m: True))
+    reference = copy.deepcopy(model)
+    wrapped = use_fp8_all_gather(model)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in blocks:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    locals_ = [p._local_tensor for n, p in model.named_parameters() if ("layers" in n or "blocks" in n) and p.dim() == 2]
+    sharded_ok = all(isinstance(t, Float8TrainingWeight) for t in locals_)
+    calls = {"pre": 0}
+    original = Float8TrainingWeight.fsdp_pre_all_gather
+
+    def counting(self, mesh, outer_size, outer_stride, module, mp_policy):  # FSDP2 checks this signature
+        calls["pre"] += 1
+        out = original(self, mesh, outer_size, outer_stride, module, mp_policy)
+        calls["dtype"] = str(out[0][0].dtype)
+        return out
+
+    Float8TrainingWeight.fsdp_pre_all_gather = counting
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        w, r = common.world(), common.rank()
+        losses = []
+        for step in range(steps):
+            if precompute:
+                precompute_fp8_scales(model)
+            x, y = common.global_batch(step, 2 * w, 8, common.vocab_of(model))
+            loss = model(common.rank_slice(x, r, w).to(common.device()), common.rank_slice(y, r, w).to(common.device()))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+    finally:
+        Float8TrainingWeight.fsdp_pre_all_gather = original
+    common.train_reference(reference, steps, compute_dtype=torch.bfloat16)
+    sd = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    errors = {k: float((sd[k].float() - v.float()).norm() / v.float().norm()) for k, v in reference.state_dict().items()
+              if k in sd}
+    return {"wrapped": len(wrapped), "sharded_ok": sharded_ok, "pre_calls": calls["pre"], "dtype": calls.get("dtype"),
+            "errors": errors, "losses": losses}
+
+
+def fsdp1_delayed(prepare=True, steps=3):
+    """torch FSDP1 around Float8Linears: prepare_fp8_modules_for_fsdp makes delayed-scaling
+    histories agree across ranks (each rank sees different data)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from fsdp8.fp8.convert import convert_to_fp8
+    from fsdp8.fp8.fsdp2 import prepare_fp8_modules_for_fsdp
+    from fsdp8.fp8.linear import Float8Linear
+    from fsdp8.fp8.recipes import DelayedScaling
+
+    model = common.build_fp8_llama()
+    convert_to_fp8(model, DelayedScaling(amax_history_len=4), filter=lambda n, m: n.startswith("layers"))
+    wrapped = FullyShardedDataParallel(model, use_orig_params=True, device_id=common.device())
+    count = prepare_fp8_modules_for_fsdp(wrapped) if prepare else 0
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    w, r = common.world(), common.rank()
+    for step in range(steps):
+        x, y = common.global_batch(step, 2 * w, 8, common.vocab_of(model))
+        wrapped(common.rank_slice(x, r, w).to(common.device()), common.rank_slice(y, r, w).to(common.device())).backward()
+        opt.step()
+        opt.zero_grad()
+    histories = torch.stack([m._delayed.history for m in wrapped.modules() if isinstance(m, Float8Linear)])
+    return count, histories.cpu()
+
+
+def delayed_group_reduce(with_group=True, steps=3):
+    """Standalone Float8Linears given an amax_reduction_group (what prepare_fp8_modules_for_fsdp
+    sets) keep identical delayed-scaling histories although each rank sees other data."""
+    import torch.distributed as dist
+
+    from fsdp8.fp8.convert import convert_to_fp8
+    from fsdp8.fp8.linear import Float8Linear
+    from fsdp8.fp8.recipes import DelayedScaling
+
+    model = common.build_fp8_llama()
+    convert_to_fp8(model, DelayedScaling(amax_history_len=4), filter=lambda n, m: n.startswith("layers"))
+    for m in model.modules():
+        if isinstance(m, Float8Linear):
+            m.amax_reduction_group = dist.group.WORLD if with_group else None
+    w, r = common.world(), common.rank()
+    for step in range(steps):
+        x, y = common.global_batch(step, 2 * w, 8, common.vocab_of(model))
+        model(common.rank_slice(x, r, w).to(common.device()), common.rank_slice(y, r, w).to(common.device())).backward()
+    return torch.stack([m._delayed.history for m in model.modules() if isinstance(m, Float8Linear)]).cpu()
+
+
+def fp8_compiled_blocks(recipe_name, steps=3):
+    """The engine's FP8 training with each block compiled against the same model in eager
+    mode. Traceable recipes compile whole (fullgraph: a graph break fails); the others run
+    as opaque calls inside the compiled blocks. Compute is fp64 (with the CPU emulation's
+    fp64 GEMMs): the compiler rounds fused elementwise ops differently from eager by an ulp,
+    and in fp32 such an ulp near an FP8 rounding boundary flips a byte downstream (seen on
+    an AVX-512 Xeon: 1e-3 after three steps); in fp64 that chance is about 2^-49 per value."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1  # no compile worker pool inside a test worker
+
+    from fsdp8.models.llama import Block
+
+    recipe = fp8_recipe(recipe_name)
+    models = []
+    for compiled in (False, True):
+        model = common.build_fp8_llama()
+        sharded = fsdp8.fully_shard(model, strategy="optim_grads_params", fp8=recipe,
+                                    precision=fsdp8.Precision(param_dtype=torch.float64, reduce_dtype=torch.float64))
+        if compiled:
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            for block in sharded.modules():
+                if isinstance(block, Block):
+                    block.forward = torch.compile(block.forward, fullgraph=recipe.traceable)
+        models.append((sharded, torch.optim.AdamW(sharded.parameters(), lr=1e-3, weight_decay=0.1)))
+    (eager, eager_opt), (compiled, compiled_opt) = models
+    errors, eager_losses, compiled_losses, delayed_errors = {}, [], [], []
+    for step in range(steps):
+        # Lockstep (as common.lockstep_errors): the compiled model starts each step from the
+        # eager one's weights. The compiler's fused reductions round differently (on CUDA), and
+        # one weight pushed across an FP8 rounding boundary would make the runs drift apart.
+        with torch.no_grad():
+            for eager_unit, compiled_unit in zip(eager._fsdp8.units, compiled._fsdp8.units):
+                compiled_unit.main.copy_(eager_unit.main)
+                compiled_unit.mark_stale()
+        eager_losses += common.train_sharded(eager, 1, opt=eager_opt, first_step=step)
+        compiled_losses += common.train_sharded(compiled, 1, opt=compiled_opt, first_step=step)
+        for name, err in common.relative_errors(compiled, eager).items():
+            errors[name] = max(errors.get(name, 0.0), err)
+        if recipe.delayed:  # after this step's backward: its amaxes are pending
+            delayed_errors.append(_delayed_differences(eager, compiled))
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    return {"errors": errors, "eager_losses": eager_losses, "compiled_losses": compiled_losses, "graphs": frames,
+            "graph_breaks": breaks, "delayed_errors": delayed_errors}
+
+
+def _delayed_differences(a, b):
+    """The largest relative difference between the delayed states (amax histories, scales,
+    pending amaxes) of two models with the same Float8Linears; None if they have none."""
+    from fsdp8.fp8.linear import Float8Linear
+
+    def buffers(model):
+        states = [m._delayed for m in model.modules() if isinstance(m, Float8Linear) and m._delayed is not None]
+        return [t for s in states for t in (s.history, s.scale, s.pending)]
+
+    pairs = list(zip(buffers(a), buffers(b)))
+    if not pairs:
+        return None
+    return max(float(((x - y).abs() / y.abs().clamp_min(1e-30)).max()) for x, y in pairs)
+
+
+class _ResidualMLP(torch.nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up = torch.nn.Linear(dim, 2 * dim)
+        self.down = torch.nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _MLPStack(torch.nn.Module):
+    def __init__(self, dim: int = 32, depth: int = 2):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_ResidualMLP(dim) for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def fp8_delayed_compiled_mlp(steps=4):
+    """Delayed scaling under the engine, each block compiled (fullgraph), against the eager
+    engine, on residual MLP blocks computing in fp64: every op of a block is exact or an
+    fp64 GEMM of FP8 values (exact products), so the compiled blocks see the eager run's
+    values and the FP8 bytes, amaxes, histories and scales must be equal bit for bit (a
+    model with an fp32 norm, as the Llama, differs by the compiled norm's ulps). Weights in
+    lockstep as fp8_compiled_blocks; returns per step the largest relative difference of
+    the delayed states (0.0 when equal), the losses and the graph-break count."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1
+    from fsdp8.fp8.recipes import DelayedScaling
+
+    w, r = common.world(), common.rank()
+    models = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = _MLPStack().to(common.device())
+        sharded = fsdp8.fully_shard(model, fp8=DelayedScaling(amax_history_len=4),
+                                    precision=fsdp8.Precision(param_dtype=torch.float64, reduce_dtype=torch.float64))
+        if compiled:
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            for block in sharded.blocks:
+                block.forward = torch.compile(block.forward, fullgraph=True)
+        models.append((sharded, torch.optim.AdamW(sharded.parameters(), lr=1e-2)))
+    (eager, _), (compiled, _) = models
+    differences, losses = [], {False: [], True: []}
+    for step in range(steps):
+        with torch.no_grad():
+            for eager_unit, compiled_unit in zip(eager._fsdp8.units, compiled._fsdp8.units):
+                compiled_unit.main.copy_(eager_unit.main)
+                compiled_unit.mark_stale()
+        x = torch.randn(2 * w, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(step)) * (step + 1)
+        x = common.rank_slice(x, r, w).to(common.device())
+        for is_compiled, (model, opt) in zip((False, True), models):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[is_compiled].append(float(loss.detach()))
+        differences.append(_delayed_differences(eager, compiled))
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    scales = [m._delayed.scale for m in compiled.modules() if getattr(m, "_delayed", None) is not None]
+    return {"differences": differences, "eager_losses": losses[False], "compiled_losses": losses[True],
+            "graph_breaks": breaks, "graphs": graphs, "scaled": bool(scales) and all(s.ne(1).all() for s in scales)}
