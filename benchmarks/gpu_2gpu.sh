@@ -9,7 +9,7 @@
 # Every bench line: measured / predicted (ratio) for step and peak, and tokens/s/GPU.
 #   OUT=$OUT PART=tests bash benchmarks/gpu_2gpu.sh
 set -uo pipefail
-WHEELS=/dev/null source benchmarks/gpu_env.sh 2>/dev/null
+source benchmarks/gpu_env.sh 2>/dev/null  # .whl carried: torchao for torchao-tp-fp8
 record_env >/dev/null 2>&1; grep -v Traceback "$OUT/env.txt" | head -3; nvidia-smi topo -m | head -4
 A="--layers 16 --hidden 2048 --ffn 8192 --heads 16 --kv-heads 8 --vocab 32000"
 bench() {  # bench NAME FLAGS...
@@ -32,7 +32,7 @@ if [ "${PART:-tests}" = tests ]; then
 fi
 if [ "${PART:-tests}" = tp ]; then
   for model in ${MODELS:-A B}; do
-    for stack in ${TP_STACK_LIST:-fsdp8-tp fsdp2-tp fsdp8-tp-fp8}; do
+    for stack in ${TP_STACK_LIST:-fsdp8-tp fsdp2-tp fsdp8-tp-fp8 torchao-tp-fp8}; do
       timeout -k 20 200 torchrun --nproc_per_node "${NPROC:-2}" benchmarks/peers.py --models "$model" --tp "${TP:-2}" \
         --warmup 2 --steps 6 --stacks "$stack" --skip-packed-check --out "$OUT/tp-$model-$stack.json" >"$OUT/tp-$model-$stack.log" 2>&1
       row=$(grep -E "^\| $model " "$OUT/tp-$model-$stack.log" | cut -c1-160); echo "${row:-$model $stack failed: $(grep -E Error "$OUT/tp-$model-$stack.log" | tail -n 1 | cut -c1-160)}"

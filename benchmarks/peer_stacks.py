@@ -27,7 +27,7 @@ PEER_VARIANTS = ("fsdp2-keep-last",)
 # Tensor parallelism (--tp T, sequence parallel on) x data parallelism over world/T: both stacks
 # split the layers with the same torch ParallelStyles (fsdp8.tensor_parallel's plan, torchtitan's
 # Megatron layout), then shard over the data-parallel ranks with fsdp8 or with torch FSDP2.
-TP_STACKS = ("fsdp8-tp", "fsdp2-tp", "fsdp8-tp-fp8")
+TP_STACKS = ("fsdp8-tp", "fsdp2-tp", "fsdp8-tp-fp8", "torchao-tp-fp8")
 ALL_STACKS = STACKS + FP8_STACKS + HSDP_STACKS + MANAGER_STACKS + PEER_VARIANTS + TP_STACKS
 
 
@@ -140,6 +140,10 @@ def unavailable_reason(stack: str, ctx: Context) -> str | None:
         tp = ctx.args.tp
         if tp < 2 or ctx.world % tp:
             return f"--tp {tp} must be >= 2 and divide the world of {ctx.world} ranks"
+        if stack == "torchao-tp-fp8":
+            if ctx.device.type != "cuda":  # measured: "RuntimeError: Invalid scalar type" from gloo
+                return "gloo cannot all-gather float8 tensors (torchao's FP8 sequence gathers); CUDA only"
+            return unavailable_reason("torchao", ctx) or unavailable_reason("fsdp2", ctx)
         return unavailable_reason("fsdp2" if stack == "fsdp2-tp" else "fsdp8", ctx)
     if stack in HSDP_STACKS:
         try:
@@ -249,6 +253,24 @@ def build_fsdp8_tp(model: torch.nn.Module, ctx: Context, recipe_name: Optional[s
                               precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
                               fp8=recipe_from_name(recipe_name) if recipe_name else None)
     built = plain_optimizer(model, ctx)
+    built.tp = ctx.args.tp
+    return built
+
+
+def build_torchao_tp(model: torch.nn.Module, ctx: Context) -> Built:
+    """torchao float8 with its TP styles (torchtitan's layout, peer_torchao_tp.py), then torch
+    FSDP2 on the data-parallel sub-mesh; scales precomputed after each step."""
+    import fsdp8
+    from peer_torchao_tp import apply_torchao_tp
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    fsdp8.init_distributed()
+    if "tp" not in ctx.hsdp_meshes:
+        ctx.hsdp_meshes["tp"] = fsdp8.make_mesh(dp_shard=ctx.world // ctx.args.tp, tp=ctx.args.tp)
+    mesh = ctx.hsdp_meshes["tp"]
+    model = apply_torchao_tp(model, mesh["tp"])
+    built = build_fsdp2(model, ctx, mesh=mesh["dp_shard"], keep_last=True)
+    built.after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)
     built.tp = ctx.args.tp
     return built
 
@@ -444,4 +466,5 @@ BUILDERS = {
     "fsdp8-tp": build_fsdp8_tp,
     "fsdp2-tp": build_fsdp2_tp,
     "fsdp8-tp-fp8": lambda m, c: build_fsdp8_tp(m, c, "fp8-current"),
+    "torchao-tp-fp8": build_torchao_tp,
 }
