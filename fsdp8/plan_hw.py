@@ -151,6 +151,25 @@ class Efficiency:
                 raise ValueError(f"Efficiency.{f.name}={value!r} is out of range")
 
 
+# Kernels an eager forward of one Llama block launches (norms in fp32, rotary, the linears,
+# attention, SwiGLU, residuals; counted in fsdp8.models.llama), of the root (embedding, final
+# norm, head, loss), and the engine's per unit and pass (gather, copy-out, pack, reduce, land).
+LAYER_OPS, ROOT_OPS, ENGINE_OPS = 48, 15, 10
+
+
+def host_model(eff: Efficiency, ac: str, fp8_linears: int) -> HostCost:
+    """The host's time per pass when nothing measured it: it issues every op of forward,
+    backward (two passes' worth) and recomputation; an FP8 linear costs more (its forward's
+    share again when recomputed), and selective checkpointing's policy runs in Python for every
+    op of forward and of the recomputation."""
+    op, fp8 = eff.host_op_us * 1e-6, fp8_linears * eff.fp8_linear_host_ms * 1e-3
+    recomputed = ac != "none"
+    sac = LAYER_OPS * eff.sac_op_us * 1e-6 if ac == "selective" else 0.0
+    return HostCost(layer_fwd=(LAYER_OPS + ENGINE_OPS) * op + fp8 / 3 + sac,
+                    layer_bwd=((2 + recomputed) * LAYER_OPS + ENGINE_OPS) * op + fp8 * (2 + recomputed) / 3 + sac,
+                    root_fwd=(ROOT_OPS + ENGINE_OPS) * op, root_bwd=(2 * ROOT_OPS + ENGINE_OPS) * op)
+
+
 def describe_gpu(gpu: GPU, base: Optional[GPU] = None) -> str:
     """One line naming the figures used (and which differ from the table's)."""
     changed = [] if base is None else [f.name for f in dataclasses.fields(GPU) if getattr(gpu, f.name) != getattr(base, f.name)]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Dict, List, Tuple
 
 from .config import OuterStrategy, Strategy
-from .plan_hw import HostCost
+from .plan_hw import HostCost, host_model
 from .plan_memory import MAIN_BYTES, REDUCE_BYTES, UnitPlan, chunk_plan, expands_kv
 from .plan_model import ModelSpec, converts_to_fp8, local_shape
 
@@ -121,11 +121,6 @@ def _elementwise_bytes(spec: ModelSpec, setup: "Setup") -> float:
     return 2 * (32 + 2 * e) * d + 9 * e * (q + kv) + gqa + 6 * e * d + 5 * e * f
 
 
-# Kernels an eager forward of one Llama block launches (norms in fp32, rotary, the linears,
-# attention, SwiGLU, residuals; counted in fsdp8.models.llama), of the root (embedding, final
-# norm, head, loss), and the engine's per unit and pass (gather, copy-out, pack, reduce, land).
-LAYER_OPS, ROOT_OPS, ENGINE_OPS = 48, 15, 10
-
 # Matmuls whose outputs selective checkpointing recomputes: every second one of the block
 # (wq, wk, wv, wo, w1, w3, w2 in order; parallel/checkpointing.py keeps the odd ones).
 _SELECTIVE_RECOMPUTED = ("wk", "wo", "w3")
@@ -171,20 +166,7 @@ def compute(spec: ModelSpec, setup: "Setup") -> Compute:
     flops = spec.layers * (3 * mm_flops + recompute_flops + 3.5 * attn_flops + (attn_flops if ac == "full" else 0)) \
         + 3 * 2 * t * spec.hidden * v_local
     return Compute(layer_fwd, layer_bwd, root_fwd=head + loss / 3 + norm, root_bwd=2 * head + 2 * loss / 3 + 2 * norm,
-                   flops=flops, host=eff.host or _host_model(eff, ac, fp8_linears))
-
-
-def _host_model(eff, ac: str, fp8_linears: int) -> HostCost:
-    """The host's time per pass when nothing measured it: it issues every op of forward,
-    backward (two passes' worth) and recomputation; an FP8 linear costs more (its forward's
-    share again when recomputed), and selective checkpointing's policy runs in Python for every
-    op of forward and of the recomputation."""
-    op, fp8 = eff.host_op_us * 1e-6, fp8_linears * eff.fp8_linear_host_ms * 1e-3
-    recomputed = ac != "none"
-    sac = LAYER_OPS * eff.sac_op_us * 1e-6 if ac == "selective" else 0.0
-    return HostCost(layer_fwd=(LAYER_OPS + ENGINE_OPS) * op + fp8 / 3 + sac,
-                    layer_bwd=((2 + recomputed) * LAYER_OPS + ENGINE_OPS) * op + fp8 * (2 + recomputed) / 3 + sac,
-                    root_fwd=(ROOT_OPS + ENGINE_OPS) * op, root_bwd=(2 * ROOT_OPS + ENGINE_OPS) * op)
+                   flops=flops, host=eff.host or host_model(eff, ac, fp8_linears))
 
 
 # -- communication and the step ----------------------------------------------------------------
