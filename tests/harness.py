@@ -48,8 +48,14 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
         torch.cuda.set_device(rank)
         kwargs["device_id"] = torch.device("cuda", rank)
     dist.init_process_group(BACKEND, rank=rank, world_size=world, timeout=timedelta(seconds=90), **kwargs)
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=5.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # pytest was killed: daemon workers outlive a SIGKILLed parent
+                os._exit(1)
+            continue
         if task is None:
             break
         module, name, args = task

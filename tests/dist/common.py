@@ -213,3 +213,29 @@ def build_fp8_llama(seed: int = 0, **kw) -> nn.Module:
     cfg = LlamaConfig(vocab_size=4 * world() + VOCAB_EXTRA, dim=32, n_layers=2, n_heads=2, n_kv_heads=1,
                       ffn_dim=64, max_seq_len=16, **kw)
     return Llama(cfg).to(device())
+
+
+class CountGathers:
+    """The engine's all-gathers while active: how many by unit (comm.all_gather's label) and
+    the bytes every rank receives (the payload)."""
+
+    def __enter__(self):
+        from fsdp8.engine import comm
+
+        self.counts, self.bytes = {}, 0
+        self._original = comm.all_gather
+
+        def counted(out, inp, group, label):
+            self.counts[label] = self.counts.get(label, 0) + 1
+            self.bytes += out.numel() * out.element_size()
+            return self._original(out, inp, group, label)
+
+        comm.all_gather = counted
+        return self
+
+    def __exit__(self, *exc):
+        from fsdp8.engine import comm
+
+        comm.all_gather = self._original
+        return False
+

@@ -54,7 +54,7 @@ def fp8_gathered_weight(recipe_name, strategy="optim_grads_params", mesh_shape=N
     unit = sharded._fsdp8.units[0]
     full = {s.fqn: s.main.full_tensor() for s in unit.slots}  # fp32 all-gather, for the check only
     sharded._fsdp8.scales.refresh()
-    with CountCollectives() as counter, _GatherBytes() as wire:
+    with CountCollectives() as counter, common.CountGathers() as wire:
         unit.gather()
         unit.wait_gather()
     worst, checked = 0.0, 0
@@ -85,29 +85,6 @@ def fp8_gathered_weight(recipe_name, strategy="optim_grads_params", mesh_shape=N
             "scales_aligned": aligned,
             "other_elems": other_elems, "collectives": counter.counts, "world": common.world(),
             "padded_rows": [s.layout.chunk_rows * unit.layout.num_chunks - s.layout.rows for s in unit.slots]}
-
-
-class _GatherBytes:
-    """Sums the bytes every rank receives from all-gathers while active (the payload)."""
-
-    def __enter__(self):
-        from fsdp8.engine import comm
-
-        self.bytes = 0
-        self._orig = comm.all_gather
-
-        def counted(out, inp, group, label):
-            self.bytes += out.numel() * out.element_size()
-            return self._orig(out, inp, group, label)
-
-        comm.all_gather = counted
-        return self
-
-    def __exit__(self, *exc):
-        from fsdp8.engine import comm
-
-        comm.all_gather = self._orig
-        return False
 
 
 def delayed_scaling_engine(steps=3):

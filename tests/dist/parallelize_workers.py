@@ -17,7 +17,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 import fsdp8
-from fsdp8.engine import comm
 
 from . import common
 
@@ -87,27 +86,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-class CountGathers:
-    """All-gathers the engine issues, by unit (comm.all_gather's label)."""
-
-    def __init__(self):
-        self.counts: Dict[str, int] = {}
-
-    def __enter__(self):
-        self._original = comm.all_gather
-
-        def counted(out, inp, group, label):
-            self.counts[label] = self.counts.get(label, 0) + 1
-            return self._original(out, inp, group, label)
-
-        comm.all_gather = counted
-        return self
-
-    def __exit__(self, *exc):
-        comm.all_gather = self._original
-        return False
-
-
 def reference_run(model: nn.Module, family: str) -> dict:
     """One process, the whole global batch: losses and gradients of every step, final weights."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -137,7 +115,7 @@ def parallel_run(model: nn.Module, family: str, config: fsdp8.ParallelConfig, re
     gathers = None
     for step in range(STEPS):
         calls.clear()
-        ctx = CountGathers() if step == 1 else contextlib.nullcontext()
+        ctx = common.CountGathers() if step == 1 else contextlib.nullcontext()
         with ctx as counter, (loss_parallel() if config.loss_parallel else contextlib.nullcontext()):
             loss = loss_of(model, model.shard_batch(batch(family, step)))
             loss.backward()
