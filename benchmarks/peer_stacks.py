@@ -41,7 +41,7 @@ class Context:
     world: int
     mesh: object = None
     megatron_mesh: object = None
-    hsdp_meshes: dict = field(default_factory=dict)  # "fsdp8" / "fsdp2" -> 2-D mesh, built once
+    meshes: dict = field(default_factory=dict)  # "fsdp8" / "fsdp2" (HSDP), "tp" -> 2-D mesh, built once
 
 
 @dataclass
@@ -52,7 +52,6 @@ class Built:
     optimizer: torch.optim.Optimizer
     notes: list[str] = field(default_factory=list)
     fused_unverified: bool = False
-    tp: int = 1  # ranks of one tensor-parallel group, which feed the same batch
     after_step: object = None  # called after each optimizer step (torchao's scale precompute)
 
 
@@ -183,8 +182,12 @@ def unavailable_reason(stack: str, ctx: Context) -> str | None:
     raise ValueError(stack)
 
 
-def build_fsdp8(model: torch.nn.Module, ctx: Context, mesh=None, outer_strategy: str = "no_shard") -> Built:
+def build_fsdp8(model: torch.nn.Module, ctx: Context, mesh=None, outer_strategy: str = "no_shard",
+                recipe_name: Optional[str] = None, fp8_filter=None) -> Built:
+    """fsdp8 ZeRO-3 per decoder layer, bf16 compute and fp32 reduction (with ``recipe_name``: the
+    layers' linears in FP8, those ``fp8_filter`` accepts)."""
     import fsdp8
+    from fsdp8.fp8.recipes import recipe_from_name
 
     fsdp8.init_distributed()
     model = fsdp8.fully_shard(
@@ -194,6 +197,8 @@ def build_fsdp8(model: torch.nn.Module, ctx: Context, mesh=None, outer_strategy:
         strategy="optim_grads_params",
         outer_strategy=outer_strategy,
         precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        fp8=recipe_from_name(recipe_name) if recipe_name else None,
+        fp8_filter=fp8_filter,
     )
     return plain_optimizer(model, ctx)
 
@@ -231,56 +236,46 @@ def build_fsdp2(model: torch.nn.Module, ctx: Context, mesh=None, keep_last: bool
     return plain_optimizer(model, ctx)
 
 
-def _tensor_parallel(model: torch.nn.Module, ctx: Context):
-    """The HF model split over tp with sequence parallelism; returns it and the (dp_shard, tp) mesh."""
+def _tp_mesh(ctx: Context):
+    """The (dp_shard, tp) mesh of the TP stacks, made once per run."""
     import fsdp8
 
     fsdp8.init_distributed()
-    if "tp" not in ctx.hsdp_meshes:
-        ctx.hsdp_meshes["tp"] = fsdp8.make_mesh(dp_shard=ctx.world // ctx.args.tp, tp=ctx.args.tp)
-    mesh = ctx.hsdp_meshes["tp"]
-    return fsdp8.tensor_parallel(model, mesh["tp"], sequence_parallel=True), mesh
+    if "tp" not in ctx.meshes:
+        ctx.meshes["tp"] = fsdp8.make_mesh(dp_shard=ctx.world // ctx.args.tp, tp=ctx.args.tp)
+    return ctx.meshes["tp"]
 
 
 def build_fsdp8_tp(model: torch.nn.Module, ctx: Context, recipe_name: Optional[str] = None) -> Built:
-    """fsdp8.tensor_parallel, then fsdp8 ZeRO-3 over the data-parallel ranks of the 2-D mesh
-    (with ``recipe_name``: FP8 linears, their sequence gathers in 8 bits)."""
+    """fsdp8.tensor_parallel (sequence parallel), then fsdp8 ZeRO-3 over the data-parallel ranks
+    of the 2-D mesh (with ``recipe_name``: FP8 linears, their sequence gathers in 8 bits)."""
     import fsdp8
-    from fsdp8.fp8.recipes import recipe_from_name
 
-    model, mesh = _tensor_parallel(model, ctx)
-    model = fsdp8.fully_shard(model, mesh=mesh, units=[decoder_layer_cls()], strategy="optim_grads_params",
-                              precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-                              fp8=recipe_from_name(recipe_name) if recipe_name else None)
-    built = plain_optimizer(model, ctx)
-    built.tp = ctx.args.tp
-    return built
-
-
-def build_torchao_tp(model: torch.nn.Module, ctx: Context) -> Built:
-    """torchao float8 with its TP styles (torchtitan's layout, peer_torchao_tp.py), then torch
-    FSDP2 on the data-parallel sub-mesh; scales precomputed after each step."""
-    import fsdp8
-    from peer_torchao_tp import apply_torchao_tp
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-    fsdp8.init_distributed()
-    if "tp" not in ctx.hsdp_meshes:
-        ctx.hsdp_meshes["tp"] = fsdp8.make_mesh(dp_shard=ctx.world // ctx.args.tp, tp=ctx.args.tp)
-    mesh = ctx.hsdp_meshes["tp"]
-    model = apply_torchao_tp(model, mesh["tp"])
-    built = build_fsdp2(model, ctx, mesh=mesh["dp_shard"], keep_last=True)
-    built.after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)
-    built.tp = ctx.args.tp
-    return built
+    mesh = _tp_mesh(ctx)
+    model = fsdp8.tensor_parallel(model, mesh["tp"], sequence_parallel=True)
+    return build_fsdp8(model, ctx, mesh=mesh, recipe_name=recipe_name)
 
 
 def build_fsdp2_tp(model: torch.nn.Module, ctx: Context) -> Built:
     """The same torch TP styles, then torch FSDP2 on the data-parallel sub-mesh (2-D FSDP2 x TP,
     last layer kept for backward as torchtitan does)."""
-    model, mesh = _tensor_parallel(model, ctx)
+    import fsdp8
+
+    mesh = _tp_mesh(ctx)
+    model = fsdp8.tensor_parallel(model, mesh["tp"], sequence_parallel=True)
+    return build_fsdp2(model, ctx, mesh=mesh["dp_shard"], keep_last=True)
+
+
+def build_torchao_tp(model: torch.nn.Module, ctx: Context) -> Built:
+    """torchao float8 with its TP styles (torchtitan's layout, peer_torchao_tp.py), then torch
+    FSDP2 on the data-parallel sub-mesh; scales precomputed after each step."""
+    from peer_torchao_tp import apply_torchao_tp
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    mesh = _tp_mesh(ctx)
+    model = apply_torchao_tp(model, mesh["tp"])
     built = build_fsdp2(model, ctx, mesh=mesh["dp_shard"], keep_last=True)
-    built.tp = ctx.args.tp
+    built.after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)
     return built
 
 
@@ -288,7 +283,7 @@ def hsdp_mesh(ctx: Context, kind: str):
     """The 2-D HSDP mesh, made once per run: fsdp8.make_mesh(dp_replicate=R) for fsdp8 (dims
     "dp_replicate", "dp_shard"), init_device_mesh with dims ("replicate", "shard") for FSDP2.
     Both are row-major: ranks r*S .. r*S+S-1 form shard group r."""
-    if kind not in ctx.hsdp_meshes:
+    if kind not in ctx.meshes:
         replicate, shard = hsdp_mesh_shape(ctx.world, ctx.args.hsdp_replicate)
         if kind == "fsdp8":
             import fsdp8
@@ -301,8 +296,8 @@ def hsdp_mesh(ctx: Context, kind: str):
         if mesh.device_type != ctx.device.type or tuple(mesh.shape) != (replicate, shard):
             raise RuntimeError(f"{kind} HSDP mesh is {mesh.device_type} {tuple(mesh.shape)}, "
                                f"expected {ctx.device.type} {(replicate, shard)}")
-        ctx.hsdp_meshes[kind] = mesh
-    return ctx.hsdp_meshes[kind]
+        ctx.meshes[kind] = mesh
+    return ctx.meshes[kind]
 
 
 def build_fsdp8_hsdp(model: torch.nn.Module, ctx: Context, outer_strategy: str) -> Built:
@@ -394,36 +389,28 @@ def build_fsdp8_fp8(model: torch.nn.Module, ctx: Context, recipe_name: str, prim
     from fsdp8.fp8.convert import fp8_friendly
     from fsdp8.fp8.recipes import recipe_from_name
 
-    fsdp8.init_distributed()
-    recipe = recipe_from_name(recipe_name)
     if primary:  # FP8 primary weights: packed FP8 shards refreshed once per step
+        recipe = recipe_from_name(recipe_name)
         for layer in model.model.layers:
             fsdp8.convert_to_fp8(layer, recipe)
             for module in layer.modules():
                 if isinstance(module, fsdp8.Float8Linear):
                     fsdp8.fp8.convert.make_fp8_primary(module, recipe)
-    model = fsdp8.fully_shard(
-        model,
-        mesh=ctx.mesh,
-        units=[decoder_layer_cls()],
-        strategy="optim_grads_params",
-        precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-        fp8=recipe,
-        fp8_filter=None if keep is None else lambda n, m: fp8_friendly(n, m) and FP8_KEEP_RULES[keep](n, m),
-    )
+    keep_bf16 = None if keep is None else lambda n, m: fp8_friendly(n, m) and FP8_KEEP_RULES[keep](n, m)
+    built = build_fsdp8(model, ctx, recipe_name=recipe_name, fp8_filter=keep_bf16)
     if compile_blocks:
-        _compile_layers(model)
-    return plain_optimizer(model, ctx)
+        _compile_layers(built.model)
+    return built
 
 
 def build_torchao(model: torch.nn.Module, ctx: Context, compile_blocks: bool) -> Built:
     """torch FSDP2 + torchao float8 (tensorwise, FP8 all-gather, scales precomputed after each
     step), decoder layers compiled per block as torchtitan does."""
+    from peer_torchao_tp import convert_torchao
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: "layers" in fqn)
+    convert_torchao(model)
     layers = model.model.layers
     if compile_blocks:
         for i, layer in enumerate(layers):

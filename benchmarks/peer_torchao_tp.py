@@ -49,12 +49,17 @@ def torchao_tp_plan(model: torch.nn.Module) -> dict:
     return plan
 
 
-def apply_torchao_tp(model: torch.nn.Module, tp_mesh) -> torch.nn.Module:
-    """torchao float8 (tensorwise, FP8 all-gather for FSDP2) on the decoder layers' linears, then
-    the plan above; returns ``model``."""
+def convert_torchao(model: torch.nn.Module) -> torch.nn.Module:
+    """torchao float8 as the peers run it: tensorwise, FP8 all-gathers under FSDP2, on the
+    decoder layers' linears (the head stays bf16); returns ``model``."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: "layers" in fqn)
+    return convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: "layers" in fqn)
+
+
+def apply_torchao_tp(model: torch.nn.Module, tp_mesh) -> torch.nn.Module:
+    """convert_torchao, then the plan above; returns ``model``."""
+    convert_torchao(model)
     parallelize_module(model, tp_mesh, torchao_tp_plan(model))
     return model

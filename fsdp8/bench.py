@@ -224,7 +224,8 @@ def bench(cfg: BenchConfig, network: bool = True) -> Optional[dict]:
         cluster, efficiency = without_network(cluster, efficiency)
     probe_times: List[list] = []
     if cfg.host_probe:
-        efficiency = replace(efficiency, host=measure_host(cfg, spec, device, record=probe_times))
+        host, probe_times = measure_host(cfg, spec, device)
+        efficiency = replace(efficiency, host=host)
     setup = cfg.setup(spec, cluster, efficiency)
     step = trainer(cfg, spec, device)
     times = [total for _, total in run_steps(step, cfg.warmup, cfg.steps, after_warmup=torch.cuda.reset_peak_memory_stats

@@ -13,10 +13,11 @@ the model (half and all of its layers) separate one layer's cost from the root's
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 from dataclasses import replace
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -88,24 +89,19 @@ def _passes(times: List[StepTimes]) -> Tuple[float, float]:
     return forward, statistics.median(total for _, total in times) - forward
 
 
-def measure_host(cfg: "BenchConfig", spec: ModelSpec, device: torch.device, steps: int = 10,
-                 record: Optional[List[List[StepTimes]]] = None) -> HostCost:
+def measure_host(cfg: "BenchConfig", spec: ModelSpec, device: torch.device,
+                 steps: int = 10) -> Tuple[HostCost, List[List[StepTimes]]]:
     """This machine's HostCost for ``cfg`` (collective: every rank probes; the slowest host's
-    figures are everyone's, as the slowest rank sets a step's pace). ``record`` receives each
-    depth's step times."""
+    figures are everyone's, as the slowest rank sets a step's pace), and this rank's step
+    times at each depth."""
     small, depths = probe_config(cfg), probe_depths(spec.layers)
-    points = []
-    for depth in depths:
-        step = trainer(small, probe_spec(spec, depth, cfg.tp), device)
-        times = run_steps(step, warmup=2, steps=steps)
-        points.append(_passes(times))
-        if record is not None:
-            record.append(times)
-        del step
-    cost = fit_host_cost(points[0], points[1], depths, cfg.accumulation)
+    times = [run_steps(trainer(small, probe_spec(spec, depth, cfg.tp), device), warmup=2, steps=steps)
+             for depth in depths]
+    cost = fit_host_cost(_passes(times[0]), _passes(times[1]), depths, cfg.accumulation)
     figures = torch.tensor([cost.layer_fwd, cost.layer_bwd, cost.root_fwd, cost.root_bwd], dtype=torch.float64,
                            device=device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     if device.type == "cuda":
+        gc.collect()  # the probe models' hooks hold them in reference cycles
         torch.cuda.empty_cache()  # the probe's blocks are not the benchmark's
-    return HostCost(*figures.tolist())
+    return HostCost(*figures.tolist()), times

@@ -292,14 +292,14 @@ class StepTime:
     """Seconds of one optimizer step on one rank, by kind, and the collectives behind them."""
 
     compute: float  # every micro-batch's compute and the engine's copies (casts, packs), on the GPU
+    compute_fwd: float  # the forward passes' share of it
     host: float  # the host issuing it all
+    host_fwd: float  # and the forward passes' share
     model_parallel: float  # TP and CP collectives, on the compute stream
     exposed: float  # data-parallel communication the overlap schedule leaves exposed
     optimizer: float
     flops: float  # executed per step (recomputation included)
     collectives: Tuple[Collective, ...]
-    compute_fwd: float = 0.0  # the forward passes' share of ``compute``
-    host_fwd: float = 0.0  # and of ``host``
 
     @property
     def issue_bound(self) -> float:
@@ -374,8 +374,8 @@ def step_time(spec: ModelSpec, setup: "Setup", units: List[UnitPlan]) -> StepTim
     h, acc = c.host, setup.accumulation
     host_fwd = acc * (spec.layers * h.layer_fwd + h.root_fwd)
     host = host_fwd + acc * (spec.layers * h.layer_bwd + h.root_bwd)
-    return StepTime(compute_s, host, sum(_seconds(x, setup) for x in mp), exposed, optimizer,
-                    c.flops * acc, tuple(_summarize(issued, setup)), compute_fwd, host_fwd)
+    return StepTime(compute_s, compute_fwd, host, host_fwd, sum(_seconds(x, setup) for x in mp), exposed, optimizer,
+                    c.flops * acc, tuple(_summarize(issued, setup)))
 
 
 def _summarize(issued: List[Transfer], setup: "Setup") -> List[Collective]:
