@@ -9,6 +9,12 @@ amaxes that delayed scaling collected in the last step (inputs and output gradie
 every Float8Linear), and all ranks reduce the lot with a single max all-reduce. Delayed
 scaling then rolls its histories (the weight's own amax included); every unit derives its
 scales and gathers FP8 bytes with them.
+
+When every unit changed (each step after an optimizer step), the work is a few launches
+for the whole model, not a few per unit: the amaxes of every per-tensor-scaled weight in
+one kernel, the scales in one pass, one multi-tensor copy into the units' scale buffers.
+They run on the host before the step's first kernel can start; unit by unit they took
+~13 ms of model A's step (16 layers, 1x H200, py-spy).
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ from typing import List, Sequence
 import torch
 import torch.distributed as dist
 
-from ..fp8.formats import scale_to_inv
-from ..fp8.kernels import scales_for
+from ..fp8.formats import Granularity, scale_to_inv
+from ..fp8.kernels import amaxes, scales_for
 from ..fp8.recipes import W, DelayedState, update_states
 from . import comm
 from .fp8_unit import Float8Unit
@@ -31,12 +37,16 @@ class ScaleAgreement:
         self.states = list(states)
         self.group = group
         self._positions_key, self._positions = None, None
+        self._batched = None  # (units, positions, buffer sizes, scale buffers, scale_inv buffers), once made
 
     def refresh(self) -> None:
         """Agree on new scales where weights changed (every step under delayed scaling)."""
         delayed = bool(self.states)
         units = [u for u in self.units if delayed or u.weights_changed()]
         if not units:
+            return
+        if len(units) == len(self.units) and not delayed and self._batched_layout() is not None:
+            self._refresh_all()
             return
         # One flat tensor: each unit's amaxes (one launch per unit on CUDA), then the
         # delayed histories' pending amaxes; one all-reduce; each unit takes its slice back.
@@ -55,6 +65,42 @@ class ScaleAgreement:
         scale, inv = scales_for(weights, recipe.w_granularity, recipe.fwd_dtype)
         for unit, s, i in zip(units, torch.split(scale, sizes), torch.split(inv, sizes)):
             unit.set_scales(s, i)
+
+    def _batched_layout(self):
+        """Where every unit's scales land: positions in the concatenation of all units' flat
+        scale buffers, in all units' ``local_amaxes`` order. None when a unit's scales are not
+        its amaxes (tensor-parallel pieces pick theirs), which then go unit by unit."""
+        if self._batched is None:
+            units = [u for u in self.units if u.amax_slots()]
+            buffers = [u.scale_buffers() for u in units]
+            if not units or any(b is None for b in buffers):
+                self._batched = False
+                return None
+            sizes = [b[0].numel() for b in buffers]
+            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            positions = torch.cat([b[2] + off for b, off in zip(buffers, offsets)])
+            self._batched = (units, positions, sizes, [b[0] for b in buffers], [b[1] for b in buffers])
+        return self._batched or None
+
+    def _refresh_all(self) -> None:
+        """Every unit's weights at once (see the module note)."""
+        units, positions, sizes, scale_bufs, inv_bufs = self._batched
+        recipe = units[0].recipe
+        compute_dtypes = {u.compute_dtype for u in units}
+        if recipe.w_granularity is Granularity.TENSOR and len(compute_dtypes) == 1:
+            # As Float8Unit.local_amaxes, for all units in one launch.
+            local = amaxes([u.main_view(s) for u in units for s in u.amax_slots()]).to(compute_dtypes.pop()).float()
+        else:
+            local = torch.cat([unit.local_amaxes() for unit in units])
+        if local.numel():
+            comm.all_reduce(local, self.group, dist.ReduceOp.MAX, "fp8 amax")
+        scale, inv = scales_for(local, recipe.w_granularity, recipe.fwd_dtype)
+        for new, buffers in ((scale, scale_bufs), (inv, inv_bufs)):
+            # Laid out as the buffers side by side (their padding stays 1), then one copy each.
+            padded = new.new_ones(sum(sizes)).index_copy_(0, positions, new)
+            torch._foreach_copy_(buffers, list(padded.split(sizes)))
+        for unit in self.units:
+            unit.scales_agreed()
 
     def _roll_histories(self, units, flat: torch.Tensor, sizes: List[int]) -> None:
         """Every history takes its reduced input and gradient amaxes of the last step and its

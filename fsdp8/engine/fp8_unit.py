@@ -90,14 +90,21 @@ class Float8Unit(ShardedUnit):
                              "scaling block; use a tensor-parallel degree that keeps pieces whole blocks")
         return (math.ceil(full_rows / 128), math.ceil(full_cols / 128)), (row0 // 128, col0 // 128)
 
-    def _allocate_scales(self) -> None:
-        """Every FP8 weight's scale and scale_inv as views of two flat buffers, in slot order,
-        so that new scales land with one indexed copy per unit. Each view starts on a 16-byte
-        boundary: cuBLAS refuses (CUBLAS_STATUS_NOT_SUPPORTED) scale pointers that are not."""
+    def _scale_starts(self) -> Tuple[List[ParamSlot], List[int], List[int], int]:
+        """(FP8 slots, their scale sizes, their starts in the flat buffers, the buffers' size).
+        Each view starts on a 16-byte boundary: cuBLAS refuses (CUBLAS_STATUS_NOT_SUPPORTED)
+        scale pointers that are not."""
         fp8 = [s for s in self.slots if id(s) in self.fp8_ids]
         sizes = [math.prod(self._scale_shape(s)) for s in fp8]
         starts = [4 * sum(math.ceil(n / 4) for n in sizes[:i]) for i in range(len(sizes))]
         total = starts[-1] + 4 * math.ceil(sizes[-1] / 4) if fp8 else 0
+        return fp8, sizes, starts, total
+
+    def _allocate_scales(self) -> None:
+        """Every FP8 weight's scale and scale_inv as views of two flat buffers, in slot order,
+        so that new scales land with one indexed copy per unit (or one copy for all units,
+        ScaleAgreement)."""
+        fp8, sizes, starts, total = self._scale_starts()
         self._scale_flat = torch.ones(total, dtype=torch.float32, device=self.device)
         self._scale_inv_flat = torch.ones(total, dtype=torch.float32, device=self.device)
         self._scale_ranges: Dict[int, Tuple[int, int]] = {}
@@ -122,6 +129,13 @@ class Float8Unit(ShardedUnit):
         self._scale_positions = torch.cat(positions).to(self.device) if fp8 else None
         self._scale_picks = torch.cat(picks).to(self.device) if fp8 else None
         self._picks_all = fp8 and amax_start == sum(sizes)  # no tp pieces: the amaxes are the scales
+
+    def scale_buffers(self):
+        """(scale buffer, scale_inv buffer, where each amax's scale lands in them) when this
+        rank's scales are its amaxes (``local_amaxes`` order, no tensor-parallel picks); else None."""
+        if not self._scale:
+            self._allocate_scales()
+        return (self._scale_flat, self._scale_inv_flat, self._scale_positions) if self._picks_all else None
 
     def scale_of(self, slot: ParamSlot) -> torch.Tensor:
         if not self._scale:

@@ -38,8 +38,8 @@ def fp8_parity(recipe_name, strategy="optim_grads_params", mesh_shape=None, oute
 
 
 def fp8_gathered_weight(recipe_name, strategy="optim_grads_params", mesh_shape=None, outer="no_shard", dim=32, ffn=64):
-    """Compare each gathered FP8 weight with quantizing the full (fp32-gathered) weight; count bytes."""
-    from fsdp8.fp8.kernels import quantize
+    """Compare each gathered FP8 weight with quantizing the full (fp32-gathered) weight, after a
+    step (every unit's scales agreed at once) and after only this unit changed; count bytes."""
     from fsdp8.fp8.tensor import Float8Tensor
     from fsdp8.models.llama import Llama, LlamaConfig
 
@@ -52,8 +52,41 @@ def fp8_gathered_weight(recipe_name, strategy="optim_grads_params", mesh_shape=N
                                 precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     common.train_sharded(sharded, 2)  # scales and weights after real optimizer steps
     unit = sharded._fsdp8.units[0]
+    agreement = sharded._fsdp8.scales
+    # Every unit changed: the scales are agreed for all units at once.
+    first = _check_gathered_unit(unit, agreement, recipe)
+    if "mismatch" in first:
+        return first
+    # Only this unit changed (its weights scaled in place): its scales alone, per unit.
+    unit.reshard()
+    with torch.no_grad():
+        for slot in unit.slots:
+            slot.main.mul_(1.5)
+    second = _check_gathered_unit(unit, agreement, recipe)
+    if "mismatch" in second:
+        return second
+    worst, checked, wire, counter = first["worst"], first["checked"], first["wire"], first["counter"]
+    batched = bool(agreement._batched) and len(agreement._batched[0]) == sum(1 for u in sharded._fsdp8.units
+                                                                             if u.amax_slots())
+    # cuBLAS takes scale pointers on 16-byte boundaries only (CUBLAS_STATUS_NOT_SUPPORTED).
+    aligned = all(t.data_ptr() % 16 == 0 for s in unit.slots if isinstance(s.compute, Float8Tensor)
+                  for t in (unit.scale_of(s), unit.scale_inv_of(s), s.compute._scale_inv))
+    fp8_elems = sum(s.layout.numel for s in unit.slots if isinstance(s.compute, Float8Tensor))
+    other_elems = sum(s.layout.numel for s in unit.slots if not isinstance(s.compute, Float8Tensor))
+    return {"checked": checked, "other_max_err": worst, "wire_bytes": wire.bytes, "fp8_elems": fp8_elems,
+            "scales_aligned": aligned, "batched_scales": batched, "checked_after_one_unit_changed": second["checked"],
+            "other_elems": other_elems, "collectives": counter.counts, "world": common.world(),
+            "padded_rows": [s.layout.chunk_rows * unit.layout.num_chunks - s.layout.rows for s in unit.slots]}
+
+
+def _check_gathered_unit(unit, agreement, recipe):
+    """Agree on scales, gather the unit, and compare each FP8 weight with quantizing the full
+    (fp32-gathered) weight; other parameters with their bf16 rounding."""
+    from fsdp8.fp8.kernels import quantize
+    from fsdp8.fp8.tensor import Float8Tensor
+
     full = {s.fqn: s.main.full_tensor() for s in unit.slots}  # fp32 all-gather, for the check only
-    sharded._fsdp8.scales.refresh()
+    agreement.refresh()
     with CountCollectives() as counter, common.CountGathers() as wire:
         unit.gather()
         unit.wait_gather()
@@ -76,15 +109,7 @@ def fp8_gathered_weight(recipe_name, strategy="optim_grads_params", mesh_shape=N
         if not (same_bytes and same_scales):
             return {"mismatch": slot.fqn}
         checked += 1
-    # cuBLAS takes scale pointers on 16-byte boundaries only (CUBLAS_STATUS_NOT_SUPPORTED).
-    aligned = all(t.data_ptr() % 16 == 0 for s in unit.slots if isinstance(s.compute, Float8Tensor)
-                  for t in (unit.scale_of(s), unit.scale_inv_of(s), s.compute._scale_inv))
-    fp8_elems = sum(s.layout.numel for s in unit.slots if isinstance(s.compute, Float8Tensor))
-    other_elems = sum(s.layout.numel for s in unit.slots if not isinstance(s.compute, Float8Tensor))
-    return {"checked": checked, "other_max_err": worst, "wire_bytes": wire.bytes, "fp8_elems": fp8_elems,
-            "scales_aligned": aligned,
-            "other_elems": other_elems, "collectives": counter.counts, "world": common.world(),
-            "padded_rows": [s.layout.chunk_rows * unit.layout.num_chunks - s.layout.rows for s in unit.slots]}
+    return {"worst": worst, "checked": checked, "wire": wire, "counter": counter}
 
 
 def delayed_scaling_engine(steps=3):

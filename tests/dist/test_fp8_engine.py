@@ -55,7 +55,10 @@ def test_gathered_fp8_weight_and_payload(world, recipe):
     out = run_on_ranks(world, workers.fp8_gathered_weight, recipe)[0]
     assert "mismatch" not in out, out
     assert out["checked"] == 7 and out["other_max_err"] == 0.0
+    assert out["checked_after_one_unit_changed"] == 7
     assert out["scales_aligned"]
+    # Per-tensor and 128x128 scales of all units are agreed and written in one go.
+    assert out["batched_scales"] == (recipe in ("fp8-current", "fp8-block"))
     assert out["collectives"] == {"all_gather": 1}  # one all-gather for the whole unit
     scales = out["fp8_elems"] // 32 if recipe == "fp8-mxfp8" else 0  # e8m0 bytes travel with MX
     # 1 byte per FP8 weight element (+ MX scales), 2 per bf16 element (+ under 16 bytes per chunk
