@@ -37,6 +37,10 @@ class Quantized:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.granularity is Granularity.TENSOR:
             return (self.data.float() * self.scale_inv).to(dtype)
+        if self.granularity.block[0] == 1 and self.data.is_contiguous() and use_triton(self.data):
+            from . import triton_kernels  # one pass, where the torch code below makes three
+
+            return triton_kernels.dequantize_rows(self.data, self.scale_inv, self.granularity.block[1], dtype)
         # Block by block (a broadcast over the block grid), not through a scale expanded to
         # every element: the same values, and Inductor's CPU code generator handles it.
         rows, cols = self.data.shape

@@ -40,7 +40,9 @@ class Recipe:
     # Whether a Float8Linear of this recipe is traced into a compiled block (else it is an
     # opaque call there, running its eager kernels). Checked on H200 (torch 2.11): the
     # compiled quantization equals the eager kernels byte for byte once scales are divided
-    # exactly (formats.amax_to_scale); MX stays opaque (emulated on Hopper, not checked).
+    # exactly (formats.amax_to_scale). MX is traced too: where its GEMM is emulated (Hopper)
+    # the compiler fuses quantization and exact dequantization into the neighbouring ops,
+    # and only bf16 operands reach the GEMM.
     # Delayed scaling is traced where its states are updated outside the block (see
     # Float8Linear.traced); checked bit for bit against eager on CPU (torch 2.13) only.
     traceable = True
@@ -131,7 +133,6 @@ class MXFP8BlockScaling(Recipe):
     x_granularity = Granularity.MX_1x32
     w_granularity = Granularity.MX_1x32
     g_granularity = Granularity.MX_1x32
-    traceable = False
     name = "mxfp8"
 
     def __post_init__(self):

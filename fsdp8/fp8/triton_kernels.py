@@ -106,6 +106,19 @@ if triton is not None:
         tl.store(sinv_ptr + rm * KB + kb, scale_inv, mask=rm < M)
 
     @triton.jit
+    def _dequantize_rows_kernel(q_ptr, sinv_ptr, out_ptr, M, K, KB, TM: tl.constexpr, BK: tl.constexpr):
+        """1xBK-block FP8 to a float dtype: one fp32 product per element (exact for MX's
+        powers of two), rounded to nearest-even into the output dtype, as the reference."""
+        rm = tl.program_id(0) * TM + tl.arange(0, TM)
+        kb = tl.program_id(1)
+        rk = kb * BK + tl.arange(0, BK)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        q = tl.load(q_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        sinv = tl.load(sinv_ptr + rm * KB + kb, mask=rm < M, other=1.0)
+        out = (q * sinv[:, None]).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(out_ptr + rm[:, None] * K + rk[None, :], out, mask=mask)
+
+    @triton.jit
     def _rows_and_cols_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
                               FMAX: tl.constexpr, OUT: tl.constexpr, RELOAD_T: tl.constexpr, B: tl.constexpr):
         """One BxB tile read once, quantized two ways: 1xB blocks along its rows (written
@@ -284,6 +297,17 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity, 
         MX=granularity is Granularity.MX_1x32, OUT=out, TM=tm, BK=bk,
     )
     return Quantized(q, sinv, granularity)
+
+
+def dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """Row-block (1x32 MX, 1x128) FP8 data to ``dtype`` in one pass (see kernels.Quantized)."""
+    m, k = data.shape
+    out = torch.empty((m, k), dtype=dtype, device=data.device)
+    if out.numel():
+        tm = 16
+        _dequantize_rows_kernel[(triton.cdiv(m, tm), triton.cdiv(k, block))](
+            data, scale_inv.contiguous(), out, m, k, triton.cdiv(k, block), TM=tm, BK=block)
+    return out
 
 
 def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype):

@@ -44,6 +44,20 @@ def test_triton_quantize_matches_reference_bit_for_bit(granularity, fp8, shape, 
     assert torch.equal(got.scale_inv, ref.scale_inv) or torch.allclose(got.scale_inv, ref.scale_inv, equal_nan=True, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("granularity", [Granularity.MX_1x32, Granularity.ROW_1x128])
+@pytest.mark.parametrize("shape", [(4096, 1024), (257, 300), (33, 4096)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_dequantize_rows_matches_reference_bit_for_bit(granularity, shape, dtype, monkeypatch):
+    """The one-pass dequantization (eager MX and 1x128 operands) equals the torch code's."""
+    x = _inputs(shape, torch.float32, seed=7)
+    q = quantize(x, E4M3, granularity)
+    got = q.dequantize(dtype)
+    monkeypatch.setenv("FSDP8_TRITON", "0")
+    want = q.dequantize(dtype)
+    assert got.dtype == want.dtype == dtype
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
 @pytest.mark.parametrize("shape", [(4096, 4096), (300, 257), (64, 32)])
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -199,7 +213,7 @@ def test_triton_1x128_both_ways_matches_reference(shape, fp8, dtype):
         assert torch.allclose(got.scale_inv, ref.scale_inv, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("recipe_name", ["fp8-current", "fp8-block"])
+@pytest.mark.parametrize("recipe_name", ["fp8-current", "fp8-block", "fp8-mxfp8"])
 def test_compiled_float8_linear_matches_eager_with_native_gemm(recipe_name):
     """A Float8Linear traced by torch.compile (compiler-generated quantization feeding
     _scaled_mm, which Inductor may run as its own GEMM) against eager (Triton kernels, cuBLAS).
@@ -222,7 +236,7 @@ def test_compiled_float8_linear_matches_eager_with_native_gemm(recipe_name):
         module = layer()
         if kind != "bf16":
             convert_to_fp8(module, recipe_from_name(recipe_name))
-        traced = recipe_from_name(recipe_name).traceable  # block scaling runs opaque inside
+        traced = recipe_from_name(recipe_name).traceable
         run = torch.compile(module, fullgraph=traced) if kind == "compiled" else module
         xi = x.clone().requires_grad_(True)
         out = run(xi)
