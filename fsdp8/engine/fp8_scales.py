@@ -11,10 +11,10 @@ scaling then rolls its histories (the weight's own amax included); every unit de
 scales and gathers FP8 bytes with them.
 
 When every unit changed (each step after an optimizer step), the work is a few launches
-for the whole model, not a few per unit: the amaxes of every per-tensor-scaled weight in
-one kernel, the scales in one pass, one multi-tensor copy into the units' scale buffers.
-They run on the host before the step's first kernel can start; unit by unit they took
-~13 ms of model A's step (16 layers, 1x H200, py-spy).
+for the whole model, not a few per unit: the amaxes of every weight (per tensor, or its
+128x128 grid) in one kernel, the scales in one pass, one multi-tensor copy into the units'
+scale buffers. They run on the host before the step's first kernel can start; unit by unit
+they took ~13 ms of model A's step (16 layers, 1x H200, py-spy).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..fp8.formats import Granularity, scale_to_inv
-from ..fp8.kernels import amaxes, scales_for
+from ..fp8.kernels import amaxes, block_amax_grids, scales_for
 from ..fp8.recipes import W, DelayedState, update_states
 from . import comm
 from .fp8_unit import Float8Unit
@@ -87,9 +87,14 @@ class ScaleAgreement:
         units, positions, sizes, scale_bufs, inv_bufs = self._batched
         recipe = units[0].recipe
         compute_dtypes = {u.compute_dtype for u in units}
+        slots = [(u, s) for u in units for s in u.amax_slots()]
         if recipe.w_granularity is Granularity.TENSOR and len(compute_dtypes) == 1:
             # As Float8Unit.local_amaxes, for all units in one launch.
-            local = amaxes([u.main_view(s) for u in units for s in u.amax_slots()]).to(compute_dtypes.pop()).float()
+            local = amaxes([u.main_view(s) for u, s in slots]).to(compute_dtypes.pop()).float()
+        elif recipe.w_granularity is Granularity.BLOCK_128x128 and len(compute_dtypes) == 1:
+            # Each weight's whole grid (no tensor-parallel pieces here: the scales are the amaxes).
+            pieces = [(u.main_view(s), s.layout.chunk_row_range(u.chunk_index)[0], s.layout.rows) for u, s in slots]
+            local = block_amax_grids(pieces).to(compute_dtypes.pop()).float()
         else:
             local = torch.cat([unit.local_amaxes() for unit in units])
         if local.numel():

@@ -297,6 +297,21 @@ def partial_block_amax(rows: torch.Tensor, row_start: int, total_rows: int) -> t
     return grid
 
 
+def block_amax_grids(pieces: Sequence[Tuple[torch.Tensor, int, int]]) -> torch.Tensor:
+    """``partial_block_amax(rows, row_start, total_rows)`` of every piece, flattened and
+    concatenated. On CUDA one launch for all of them (the engine takes them for every FP8
+    weight after each optimizer step; per weight they were several launches each)."""
+    if not pieces:
+        return torch.zeros(0, dtype=torch.float32)
+    first = pieces[0][0]
+    if (use_triton(first) and all(r.dtype == first.dtype and r.device == first.device and r.is_contiguous()
+                                  for r, _, _ in pieces)):
+        from . import triton_kernels
+
+        return triton_kernels.block_amax_grids(pieces)
+    return torch.cat([partial_block_amax(rows, start, total).flatten() for rows, start, total in pieces])
+
+
 def _row_block_amax(x: torch.Tensor) -> torch.Tensor:
     """(rows, ceil(cols / 128)) fp32: the largest magnitude of each row's 128-column blocks
     (NaN propagates)."""

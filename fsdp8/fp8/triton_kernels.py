@@ -235,6 +235,31 @@ if triton is not None:
         tl.store(partial_ptr + t * split + j, tl.where(tl.max(nan, axis=0) > 0, float("nan"), tile))
 
 
+    @triton.jit
+    def _block_amax_grids_kernel(table_ptr, out_ptr, T, IN: tl.constexpr, B: tl.constexpr):
+        """Program (j, t): 128x128 block j of tensor t's grid, over the rows this piece holds.
+        Table row t: pointer, rows, cols, first global row, output offset, grid columns,
+        first grid row touched, grid rows touched."""
+        j, t = tl.program_id(0), tl.program_id(1)
+        grid_cols = tl.load(table_ptr + 5 * T + t)
+        touched = tl.load(table_ptr + 7 * T + t)
+        if j < touched * grid_cols:
+            base = tl.load(table_ptr + t).to(tl.pointer_type(IN))
+            rows = tl.load(table_ptr + T + t)
+            cols = tl.load(table_ptr + 2 * T + t)
+            row_start = tl.load(table_ptr + 3 * T + t)
+            block_row = tl.load(table_ptr + 6 * T + t) + j // grid_cols
+            block_col = j % grid_cols
+            r = block_row * B - row_start + tl.arange(0, B)  # local rows of this block
+            c = block_col * B + tl.arange(0, B)
+            mask = (r[:, None] >= 0) & (r[:, None] < rows) & (c[None, :] < cols)
+            x = tl.load(base + r[:, None] * cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            tile = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+            has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0) > 0
+            out = tl.load(table_ptr + 4 * T + t) + block_row * grid_cols + block_col
+            tl.store(out_ptr + out, tl.where(has_nan, float("nan"), tile))
+
+
 _TL_FLOAT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton else {}
 
 
@@ -380,6 +405,27 @@ def quantize_pieces(src, out, scales, pieces, fp8_dtype, via, block: int = 4096,
     _pieces_kernel[(triton.cdiv(longest, block), len(pieces))](
         src, out, scales, table, FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype),
         VIA=_TL_FLOAT[via] if rounds else None, ALIGNED=aligned, BLOCK=block, num_warps=num_warps)
+
+
+def block_amax_grids(pieces):
+    """See kernels.block_amax_grids: every piece's 128x128 grid (zeros where it holds no
+    rows) in one launch."""
+    device = pieces[0][0].device
+    columns, offset, longest = [], 0, 0
+    for rows, start, total in pieces:
+        n, cols = rows.shape
+        grid_rows, grid_cols = triton.cdiv(total, 128), triton.cdiv(cols, 128)
+        first = start // 128
+        touched = triton.cdiv(start + n, 128) - first if n else 0
+        columns.append((rows.data_ptr(), n, cols, start, offset, grid_cols, first, touched))
+        offset += grid_rows * grid_cols
+        longest = max(longest, touched * grid_cols)
+    table = _device_table(device, tuple(v for field in zip(*columns) for v in field))
+    out = torch.zeros(offset, dtype=torch.float32, device=device)
+    if longest:
+        _block_amax_grids_kernel[(longest, len(pieces))](table, out, len(pieces), IN=_TL_FLOAT[pieces[0][0].dtype],
+                                                         B=128, num_warps=8)
+    return out
 
 
 def amaxes(tensors):

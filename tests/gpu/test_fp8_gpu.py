@@ -8,7 +8,7 @@ import torch
 from fsdp8.fp8 import triton_kernels
 from fsdp8.fp8.formats import E4M3, E5M2, Granularity, amax_to_scale
 from fsdp8.fp8.kernels import (
-    amax, amaxes, cast_transpose, quantize, quantize_pieces, quantize_reference, quantize_rows_with_grid,
+    amax, amaxes, block_amax_grids, cast_transpose, partial_block_amax, quantize, quantize_pieces, quantize_reference, quantize_rows_with_grid,
     saturate_cast,
 )
 
@@ -42,6 +42,21 @@ def test_triton_quantize_matches_reference_bit_for_bit(granularity, fp8, shape, 
     ref = quantize_reference(x, fp8, granularity)
     assert _same(got.data, ref.data)
     assert torch.equal(got.scale_inv, ref.scale_inv) or torch.allclose(got.scale_inv, ref.scale_inv, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_block_amax_grids_match_each_partial_grid(dtype):
+    """One launch for many weights' 128x128 grids: each piece's grid equals partial_block_amax
+    (rows starting inside a block, pieces with no rows, a NaN, uneven columns)."""
+    pieces = []
+    for i, (rows, start, total, cols) in enumerate([(256, 0, 256, 512), (70, 7, 300, 300), (0, 128, 256, 256),
+                                                    (129, 128, 257, 1024), (5, 250, 255, 33)]):
+        x = _inputs((max(rows, 1), cols), torch.float32, seed=i)[:rows].to(dtype).contiguous()
+        pieces.append((x, start, total))
+    got = block_amax_grids(pieces)
+    want = torch.cat([partial_block_amax(x, start, total).flatten() for x, start, total in pieces])
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert got.isnan().any()
 
 
 @pytest.mark.parametrize("granularity", [Granularity.MX_1x32, Granularity.ROW_1x128])
