@@ -187,46 +187,15 @@ def cast_transpose(x: torch.Tensor, fp8_dtype: torch.dtype, scale: Optional[torc
     return q, q.t().contiguous(), x_amax, scale_to_inv(scale).reshape(())
 
 
-def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype,
-                             after: Optional[torch.Tensor] = None) -> Tuple[Quantized, Quantized]:
+def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[Quantized, Quantized]:
     """``x`` in 1x128 blocks along its rows and ``x.t()`` likewise (128x1 blocks of ``x``):
-    the two forms an activation or gradient takes in a block-scaled linear. One pass on CUDA.
-
-    Under torch.compile this is one opaque call (a custom op running the same code), not
-    code the compiler generates: its reductions down the columns of ``x`` read memory
-    across rows, and Inductor's kernels for them ran at a fifth of the bandwidth on an H200
-    (a block-scaled model A step spent ~30 ms in them against ~17 for current scaling).
-    ``after`` (unused by the maths) makes the call wait for that tensor: a backward passing
-    its output gradient keeps the call in the backward graph, where the compiler would
-    otherwise move it into the forward and keep its FP8 output alive in between."""
-    if torch.compiler.is_compiling():
-        rows, rows_inv, cols, cols_inv = torch.ops.fsdp8.quantize_1x128_both_ways(x, fp8_dtype, after)
-        return Quantized(rows, rows_inv, Granularity.ROW_1x128), Quantized(cols, cols_inv, Granularity.ROW_1x128)
-    return _quantize_1x128_both_ways_eager(x, fp8_dtype)
-
-
-def _quantize_1x128_both_ways_eager(x: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[Quantized, Quantized]:
+    the two forms an activation or gradient takes in a block-scaled linear. One pass on CUDA."""
     if use_triton(x) and x.numel():
         from . import triton_kernels
 
         return triton_kernels.quantize_1x128_both_ways(x, fp8_dtype)
     return (quantize_reference(x, fp8_dtype, Granularity.ROW_1x128),
             quantize_reference(x.t(), fp8_dtype, Granularity.ROW_1x128))
-
-
-@torch.library.custom_op("fsdp8::quantize_1x128_both_ways", mutates_args=())
-def _quantize_1x128_both_ways_op(x: torch.Tensor, fp8_dtype: torch.dtype, after: Optional[torch.Tensor]
-                                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows, cols = _quantize_1x128_both_ways_eager(x, fp8_dtype)
-    return rows.data, rows.scale_inv, cols.data, cols.scale_inv
-
-
-@_quantize_1x128_both_ways_op.register_fake
-def _(x: torch.Tensor, fp8_dtype: torch.dtype, after: Optional[torch.Tensor]):
-    m, k = x.shape
-    f32 = torch.float32
-    return (x.new_empty((m, k), dtype=fp8_dtype), x.new_empty((m, math.ceil(k / 128)), dtype=f32),
-            x.new_empty((k, m), dtype=fp8_dtype), x.new_empty((k, math.ceil(m / 128)), dtype=f32))
 
 
 def quantize_rows_with_grid(rows: torch.Tensor, row_start: int, scale_grid: torch.Tensor,
