@@ -194,24 +194,8 @@ def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[Q
         from . import triton_kernels
 
         return triton_kernels.quantize_1x128_both_ways(x, fp8_dtype)
-    return quantize_reference(x, fp8_dtype, Granularity.ROW_1x128), quantize_columns_1x128(x, fp8_dtype)
-
-
-def quantize_columns_1x128(x: torch.Tensor, fp8_dtype: torch.dtype) -> Quantized:
-    """``quantize(x.t(), fp8_dtype, ROW_1x128)``: 128-row blocks of each column of ``x``.
-
-    The same values as quantizing the transpose, computed in ``x``'s own layout (each
-    block's amax a reduction over 128 rows, then one transposed copy of the FP8 bytes): in
-    compiled graphs the transposed form made the compiler reduce along strided memory,
-    which took ~30 ms of a block-scaled model A step on an H200."""
-    if use_triton(x) and x.numel():
-        return quantize(x.t().contiguous(), fp8_dtype, Granularity.ROW_1x128)
-    m, k = x.shape
-    blocks = _padded_blocks(x.detach().float(), (128, k)).reshape(-1, 128, k)  # (row blocks, 128, k)
-    scale, scale_inv = scales_for(blocks.abs().amax(dim=1), Granularity.ROW_1x128, fp8_dtype)  # (row blocks, k)
-    fmax = FP8_MAX[fp8_dtype]
-    q = (blocks * scale[:, None, :]).clamp(-fmax, fmax).to(fp8_dtype).reshape(-1, k)[:m]
-    return Quantized(q.t().contiguous(), scale_inv.t().contiguous(), Granularity.ROW_1x128)
+    return (quantize_reference(x, fp8_dtype, Granularity.ROW_1x128),
+            quantize_reference(x.t(), fp8_dtype, Granularity.ROW_1x128))
 
 
 def quantize_rows_with_grid(rows: torch.Tensor, row_start: int, scale_grid: torch.Tensor,

@@ -12,8 +12,8 @@ from fsdp8.fp8.formats import (
     E4M3, E5M2, FP8_MAX, Granularity, amax_to_e8m0, amax_to_scale, e8m0_to_scale_inv, scale_inv_to_e8m0,
 )
 from fsdp8.fp8.kernels import (
-    Quantized, amax, amaxes, partial_block_amax, quantize, quantize_columns_1x128, quantize_pieces, quantize_reference,
-    quantize_rows_with_grid, saturate_cast,
+    Quantized, amax, amaxes, partial_block_amax, quantize, quantize_pieces, quantize_reference, quantize_rows_with_grid,
+    saturate_cast,
 )
 from fsdp8.fp8.linear import Float8Linear
 from fsdp8.fp8.recipes import (
@@ -413,25 +413,6 @@ def test_float8_linear_under_torch_compile(recipe_name):
     plain = _two_linears()
     plain_out, _ = _grads_after(plain, plain.forward, x)
     assert (out - plain_out).norm() > 1e-3 * plain_out.norm()
-
-
-@pytest.mark.parametrize("shape", [(257, 300), (128, 128), (33, 64), (0, 128)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("fp8", [E4M3, E5M2])
-def test_column_blocks_equal_quantizing_the_transpose(shape, dtype, fp8):
-    """Block scaling's columns, computed in x's own layout (what compiled graphs run), are
-    quantize(x.t()) bit for bit: bytes, scales, shapes; NaN, zero blocks, a partial block."""
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(3)) * torch.logspace(-4, 4, shape[1])
-    if shape[0] > 3:
-        x[2, 5] = float("nan")
-        x[:128, 7] = 0.0
-    x = x.to(dtype)
-    got = quantize_columns_1x128(x, fp8)
-    want = quantize_reference(x.t(), fp8, Granularity.ROW_1x128)
-    assert got.data.shape == want.data.shape and got.data.is_contiguous()
-    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
-    assert torch.equal(got.scale_inv.isnan(), want.scale_inv.isnan())
-    assert torch.equal(got.scale_inv.nan_to_num(), want.scale_inv.nan_to_num())
 
 
 def test_delayed_scaling_traced_under_torch_compile():
