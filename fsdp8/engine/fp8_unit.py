@@ -103,16 +103,22 @@ class Float8Unit(ShardedUnit):
     def _allocate_scales(self) -> None:
         """Every FP8 weight's scale and scale_inv as views of two flat buffers, in slot order,
         so that new scales land with one indexed copy per unit (or one copy for all units,
-        ScaleAgreement)."""
+        ScaleAgreement). MX weights get their scale_inv only: their scales are row-local
+        (each rank's own, gathered with the bytes), so no scale buffer and no index maps into
+        the agreement's layout, which at one int64 per 32 weight elements each had held 0.75
+        bytes per weight element (1.2 GiB of model B's memory on an H200)."""
         fp8, sizes, starts, total = self._scale_starts()
-        self._scale_flat = torch.ones(total, dtype=torch.float32, device=self.device)
+        agreed = self.granularity is not Granularity.MX_1x32
         self._scale_inv_flat = torch.ones(total, dtype=torch.float32, device=self.device)
+        self._scale_flat = torch.ones(total, dtype=torch.float32, device=self.device) if agreed else None
         self._scale_ranges: Dict[int, Tuple[int, int]] = {}
         positions, picks, amax_start = [], [], 0
         for slot, size, start in zip(fp8, sizes, starts):
             shape = self._scale_shape(slot)
-            self._scale[id(slot)] = self._scale_flat[start : start + size].view(shape)
             self._scale_inv[id(slot)] = self._scale_inv_flat[start : start + size].view(shape)
+            if not agreed:
+                continue
+            self._scale[id(slot)] = self._scale_flat[start : start + size].view(shape)
             amax_size = size
             pick = torch.arange(amax_start, amax_start + size)
             if self.granularity is Granularity.BLOCK_128x128:
@@ -126,24 +132,27 @@ class Float8Unit(ShardedUnit):
             amax_start += amax_size
         # Where each of this rank's scales sits in local_amaxes() layout, and where it lands
         # in the (padded) flat buffers.
-        self._scale_positions = torch.cat(positions).to(self.device) if fp8 else None
-        self._scale_picks = torch.cat(picks).to(self.device) if fp8 else None
-        self._picks_all = fp8 and amax_start == sum(sizes)  # no tp pieces: the amaxes are the scales
+        self._scale_positions = torch.cat(positions).to(self.device) if positions else None
+        self._scale_picks = torch.cat(picks).to(self.device) if picks else None
+        self._picks_all = bool(positions) and amax_start == sum(sizes)  # no tp pieces: the amaxes are the scales
 
     def scale_buffers(self):
         """(scale buffer, scale_inv buffer, where each amax's scale lands in them) when this
         rank's scales are its amaxes (``local_amaxes`` order, no tensor-parallel picks); else None."""
-        if not self._scale:
+        if not self._scale_inv:
             self._allocate_scales()
         return (self._scale_flat, self._scale_inv_flat, self._scale_positions) if self._picks_all else None
 
     def scale_of(self, slot: ParamSlot) -> torch.Tensor:
-        if not self._scale:
+        """The agreed scale of a whole-tensor or 128x128-scaled weight."""
+        if self.granularity is Granularity.MX_1x32:
+            raise ValueError(f"{slot.fqn}: MX weights have row-local scales, kept as scale_inv only (scale_inv_of)")
+        if not self._scale_inv:
             self._allocate_scales()
         return self._scale[id(slot)]
 
     def scale_inv_of(self, slot: ParamSlot) -> torch.Tensor:
-        if not self._scale:
+        if not self._scale_inv:
             self._allocate_scales()
         return self._scale_inv[id(slot)]
 

@@ -69,11 +69,17 @@ def fp8_gathered_weight(recipe_name, strategy="optim_grads_params", mesh_shape=N
     batched = bool(agreement._batched) and len(agreement._batched[0]) == sum(1 for u in sharded._fsdp8.units
                                                                              if u.amax_slots())
     # cuBLAS takes scale pointers on 16-byte boundaries only (CUBLAS_STATUS_NOT_SUPPORTED).
+    from fsdp8.fp8.formats import Granularity
+
+    agreed = recipe.w_granularity is not Granularity.MX_1x32  # MX weights keep their scale_inv only
     aligned = all(t.data_ptr() % 16 == 0 for s in unit.slots if isinstance(s.compute, Float8Tensor)
-                  for t in (unit.scale_of(s), unit.scale_inv_of(s), s.compute._scale_inv))
+                  for t in ((unit.scale_of(s),) if agreed else ()) + (unit.scale_inv_of(s), s.compute._scale_inv))
     fp8_elems = sum(s.layout.numel for s in unit.slots if isinstance(s.compute, Float8Tensor))
     other_elems = sum(s.layout.numel for s in unit.slots if not isinstance(s.compute, Float8Tensor))
+    scale_state = [unit._scale_flat, unit._scale_inv_flat, unit._scale_positions, unit._scale_picks]
+    scale_state_bytes = sum(t.numel() * t.element_size() for t in scale_state if t is not None)
     return {"checked": checked, "other_max_err": worst, "wire_bytes": wire.bytes, "fp8_elems": fp8_elems,
+            "scale_state_bytes": scale_state_bytes,
             "scales_aligned": aligned, "batched_scales": batched, "checked_after_one_unit_changed": second["checked"],
             "other_elems": other_elems, "collectives": counter.counts, "world": common.world(),
             "padded_rows": [s.layout.chunk_rows * unit.layout.num_chunks - s.layout.rows for s in unit.slots]}
