@@ -59,7 +59,8 @@ def chunk_plan(setup: "Setup") -> ChunkPlan:
 
 
 def _scale_bytes(shapes: List[Tuple[int, int]], recipe: str) -> int:
-    """Float8Unit._allocate_scales: scale and scale_inv per FP8 weight, each padded to 4 floats."""
+    """Float8Unit._allocate_scales: scale and scale_inv per FP8 weight (MX: scale_inv only), each
+    padded to 4 floats."""
     def count(rows: int, cols: int) -> int:
         if recipe == "block":
             return math.ceil(rows / 128) * math.ceil(cols / 128)
@@ -68,7 +69,8 @@ def _scale_bytes(shapes: List[Tuple[int, int]], recipe: str) -> int:
         return 1
 
     floats = sum(4 * math.ceil(count(r, c) / 4) for r, c in shapes)
-    return 2 * 4 * floats + (3 * 4 * DELAYED_HISTORY * len(shapes) if recipe == "delayed" else 0)
+    buffers = 1 if recipe == "mxfp8" else 2
+    return buffers * 4 * floats + (3 * 4 * DELAYED_HISTORY * len(shapes) if recipe == "delayed" else 0)
 
 
 def _unit(name: str, count: int, params: List[Param], setup: "Setup", tp_rank: int, in_unit: bool) -> UnitPlan:
