@@ -136,8 +136,10 @@ def main():
     args = p.parse_args()
     torch.manual_seed(0)
     results = []
-    print("| shape | M | N | K | bf16 | tensorwise cuBLAS | block cuBLAS | block triton | MX emulated | MX triton fp8-mma | MX triton dequant | err block triton | err MX fp8-mma | err MX dequant |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    columns = ["shape", "M", "N", "K", "bf16", "tensorwise cuBLAS", "block cuBLAS", "block triton", "MX emulated",
+               "MX triton fp8-mma", "MX triton dequant", "err block triton", "err MX fp8-mma", "err MX dequant"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
     for name, m, n, k in shapes(args.tokens):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -175,8 +177,8 @@ def main():
         row["err_mx_dequant"] = err(mx_deq, exact_m, mag_m)
         row["err_mx_emulated"] = err(lambda: fp8_mm(qx_m, qw_m, torch.bfloat16, mx), exact_m, mag_m)
         results.append(row)
-        speeds = " | ".join(f"{row[c]:.0f}" for c in ("bf16", "tensor_cublas", "block_cublas", "block_triton", "mx_emulated",
-                                                      "mx_triton_mma", "mx_triton_dequant"))
+        speeds = " | ".join(f"{row[c]:.0f}" for c in ("bf16", "tensor_cublas", "block_cublas", "block_triton",
+                                                      "mx_emulated", "mx_triton_mma", "mx_triton_dequant"))
         errs = " | ".join(f"{row[c]:.1e}" for c in ("err_block_triton", "err_mx_mma", "err_mx_dequant"))
         print(f"| {name} | {m} | {n} | {k} | {speeds} | {errs} |", flush=True)
         del mag_b, mag_m, exact_m
