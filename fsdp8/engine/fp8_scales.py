@@ -10,11 +10,12 @@ every Float8Linear), and all ranks reduce the lot with a single max all-reduce. 
 scaling then rolls its histories (the weight's own amax included); every unit derives its
 scales and gathers FP8 bytes with them.
 
-When every unit changed (each step after an optimizer step), the work is a few launches
-for the whole model, not a few per unit: the amaxes of every weight (per tensor, or its
-128x128 grid) in one kernel, the scales in one pass, one multi-tensor copy into the units'
-scale buffers. They run on the host before the step's first kernel can start; unit by unit
-they took ~13 ms of model A's step (16 layers, 1x H200, py-spy).
+The work is a few launches for the whole model, not a few per unit: the amaxes of every
+weight (per tensor, or its 128x128 grid) in one kernel (``local_amaxes_of``), the scales
+in one pass and, when every unit changed (each step after an optimizer step), one
+multi-tensor copy into the units' scale buffers. They run on the host before the step's
+first kernel can start; unit by unit they took ~13 ms of model A's step (16 layers, 1x
+H200, py-spy).
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from typing import List, Sequence
 import torch
 import torch.distributed as dist
 
-from ..fp8.formats import Granularity, scale_to_inv
-from ..fp8.kernels import amaxes, block_amax_grids, scales_for
+from ..fp8.formats import scale_to_inv
+from ..fp8.kernels import scales_for
 from ..fp8.recipes import W, DelayedState, update_states
 from . import comm
-from .fp8_unit import Float8Unit
+from .fp8_unit import Float8Unit, local_amaxes_of
 
 
 class ScaleAgreement:
@@ -37,7 +38,7 @@ class ScaleAgreement:
         self.states = list(states)
         self.group = group
         self._positions_key, self._positions = None, None
-        self._batched = None  # (units, positions, buffer sizes, scale buffers, scale_inv buffers), once made
+        self._layout = None  # see _write_layout
 
     def refresh(self) -> None:
         """Agree on new scales where weights changed (every step under delayed scaling)."""
@@ -45,67 +46,48 @@ class ScaleAgreement:
         units = [u for u in self.units if delayed or u.weights_changed()]
         if not units:
             return
-        if len(units) == len(self.units) and not delayed and self._batched_layout() is not None:
-            self._refresh_all()
-            return
-        # One flat tensor: each unit's amaxes (one launch per unit on CUDA), then the
-        # delayed histories' pending amaxes; one all-reduce; each unit takes its slice back.
-        local = [unit.local_amaxes() for unit in units]
-        pieces = local + ([torch.stack([s.pending for s in self.states]).flatten()] if delayed else [])
+        # One flat tensor: every unit's amaxes, then the delayed histories' pending amaxes;
+        # one all-reduce; each unit takes its slice back.
+        local = local_amaxes_of(units)
+        sizes = [u.amax_count() for u in units]
+        pieces = [local] + ([torch.stack([s.pending for s in self.states]).flatten()] if delayed else [])
         flat = torch.cat(pieces)
         if flat.numel():
             comm.all_reduce(flat, self.group, dist.ReduceOp.MAX, "fp8 amax")
-        sizes = [p.numel() for p in local]
         if delayed:
             self._roll_histories(units, flat, sizes)
             return
-        # Every unit shares the recipe: the scales of all weights in one go, then a slice each.
+        # Every unit shares the recipe: the scales of all weights in one go.
         recipe = units[0].recipe
-        weights = flat[: sum(sizes)]
-        scale, inv = scales_for(weights, recipe.w_granularity, recipe.fwd_dtype)
-        for unit, s, i in zip(units, torch.split(scale, sizes), torch.split(inv, sizes)):
-            unit.set_scales(s, i)
-
-    def _batched_layout(self):
-        """Where every unit's scales land: positions in the concatenation of all units' flat
-        scale buffers, in all units' ``local_amaxes`` order. None when a unit's scales are not
-        its amaxes (tensor-parallel pieces pick theirs), which then go unit by unit."""
-        if self._batched is None:
-            units = [u for u in self.units if u.amax_slots()]
-            buffers = [u.scale_buffers() for u in units]
-            if not units or any(b is None for b in buffers):
-                self._batched = False
-                return None
-            sizes = [b[0].numel() for b in buffers]
-            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-            positions = torch.cat([b[2] + off for b, off in zip(buffers, offsets)])
-            self._batched = (units, positions, sizes, [b[0] for b in buffers], [b[1] for b in buffers])
-        return self._batched or None
-
-    def _refresh_all(self) -> None:
-        """Every unit's weights at once (see the module note)."""
-        units, positions, sizes, scale_bufs, inv_bufs = self._batched
-        recipe = units[0].recipe
-        compute_dtypes = {u.compute_dtype for u in units}
-        slots = [(u, s) for u in units for s in u.amax_slots()]
-        if recipe.w_granularity is Granularity.TENSOR and len(compute_dtypes) == 1:
-            # As Float8Unit.local_amaxes, for all units in one launch.
-            local = amaxes([u.main_view(s) for u, s in slots]).to(compute_dtypes.pop()).float()
-        elif recipe.w_granularity is Granularity.BLOCK_128x128 and len(compute_dtypes) == 1:
-            # Each weight's whole grid (no tensor-parallel pieces here: the scales are the amaxes).
-            pieces = [(u.main_view(s), s.layout.chunk_row_range(u.chunk_index)[0], s.layout.rows) for u, s in slots]
-            local = block_amax_grids(pieces).to(compute_dtypes.pop()).float()
-        else:
-            local = torch.cat([unit.local_amaxes() for unit in units])
-        if local.numel():
-            comm.all_reduce(local, self.group, dist.ReduceOp.MAX, "fp8 amax")
-        scale, inv = scales_for(local, recipe.w_granularity, recipe.fwd_dtype)
+        scale, inv = scales_for(flat[: sum(sizes)], recipe.w_granularity, recipe.fwd_dtype)
+        layout = self._write_layout() if len(units) == len(self.units) else None
+        if layout is None:  # a slice each
+            for unit, s, i in zip(units, torch.split(scale, sizes), torch.split(inv, sizes)):
+                unit.set_scales(s, i)
+            return
+        positions, buffer_sizes, scale_bufs, inv_bufs = layout
         for new, buffers in ((scale, scale_bufs), (inv, inv_bufs)):
             # Laid out as the buffers side by side (their padding stays 1), then one copy each.
-            padded = new.new_ones(sum(sizes)).index_copy_(0, positions, new)
-            torch._foreach_copy_(buffers, list(padded.split(sizes)))
+            padded = new.new_ones(sum(buffer_sizes)).index_copy_(0, positions, new)
+            torch._foreach_copy_(buffers, list(padded.split(buffer_sizes)))
         for unit in self.units:
             unit.scales_agreed()
+
+    def _write_layout(self):
+        """(where each amax's scale lands in all units' scale buffers side by side, the buffers'
+        sizes, the scale buffers, the scale_inv buffers), made once; None when some unit's
+        scales are not its amaxes (tensor-parallel pieces pick theirs) and each unit takes its
+        slice instead."""
+        if self._layout is None:
+            buffers = [u.scale_buffers() for u in self.units if u.amax_slots()]
+            if not buffers or any(b is None for b in buffers):
+                self._layout = False
+            else:
+                sizes = [b[0].numel() for b in buffers]
+                offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+                positions = torch.cat([b[2] + off for b, off in zip(buffers, offsets)])
+                self._layout = (positions, sizes, [b[0] for b in buffers], [b[1] for b in buffers])
+        return self._layout or None
 
     def _roll_histories(self, units, flat: torch.Tensor, sizes: List[int]) -> None:
         """Every history takes its reduced input and gradient amaxes of the last step and its

@@ -66,8 +66,8 @@ def fp8_gathered_weight(recipe_name, strategy="optim_grads_params", mesh_shape=N
     if "mismatch" in second:
         return second
     worst, checked, wire, counter = first["worst"], first["checked"], first["wire"], first["counter"]
-    batched = bool(agreement._batched) and len(agreement._batched[0]) == sum(1 for u in sharded._fsdp8.units
-                                                                             if u.amax_slots())
+    # Every unit's scales written in one go: one position per amax of every unit.
+    batched = bool(agreement._layout) and agreement._layout[0].numel() == sum(u.amax_count() for u in agreement.units)
     # cuBLAS takes scale pointers on 16-byte boundaries only (CUBLAS_STATUS_NOT_SUPPORTED).
     from fsdp8.fp8.formats import Granularity
 
