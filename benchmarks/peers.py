@@ -147,6 +147,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-peak", default="",
                    help="directory: after timing, record one more step's allocations and write what is alive at "
                         "its peak, by where it was allocated (benchmarks/memory_peak.py)")
+    p.add_argument("--inductor", default="",
+                   help="comma list of torch._inductor.config settings for every compiled stack, e.g. "
+                        "triton.tile_reductions=1 (values 0/1 are booleans, others ints or strings)")
     p.add_argument("--loopback-world", type=int, default=0,
                    help="N > 1: one process plays rank 0 of a world of N with loopback collectives "
                         "(benchmarks/loopback.py): the world-N step minus communication, on one device")
@@ -487,6 +490,17 @@ def write_json(path: str, env: dict, orders: dict, results: list[Result], comple
         print(f"\nwrote {out}")
 
 
+def inductor_settings(text: str) -> dict:
+    """"a.b=1,c=x" -> {"a.b": True, "c": "x"}: Inductor config keys and values."""
+    settings = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--inductor takes key=value items, got {item!r}")
+        settings[key.strip()] = {"0": False, "1": True}.get(value, int(value) if value.lstrip("-").isdigit() else value)
+    return settings
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     ctx = init_process_group(args)
@@ -494,6 +508,8 @@ def main(argv=None) -> None:
         from fsdp8.parallel.hf import skip_packed_sequence_check
 
         skip_packed_sequence_check()
+    if args.inductor:
+        torch._inductor.config.load_config(inductor_settings(args.inductor))
     results = []
     orders = {name: list(args.stacks) for name in args.models}
     env = environment(ctx) if ctx.rank == 0 else None

@@ -24,6 +24,10 @@ from dataclasses import dataclass
 # are communication whatever else their names contain.
 CATEGORIES = (
     ("comm", ("nccl",)),
+    # Inductor's generated pointwise and reduction kernels: their names list the ops they
+    # fused, so one that quantizes a GEMM's operand says "_scaled_mm" and must not count as
+    # a GEMM (an earlier profile of block scaling did, and overstated its GEMM time).
+    ("triton", ("triton_poi_", "triton_red_", "triton_per_")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "scaled_mm", "sm90_")),
     ("optimizer", ("multi_tensor", "adam")),

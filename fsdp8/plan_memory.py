@@ -46,6 +46,7 @@ class UnitPlan:
     fp8_linears: int
     scale_bytes: int  # the unit's persistent FP8 scale buffers
     aliased: bool  # ShardedUnit.aliased: one chunk, no dtype change, no offload: computes on the main buffer
+    gathered_scale_bytes: int = 0  # MX scale_inv under ZeRO-3: allocated and freed with the unsharded parameters
 
     @property
     def unsharded_bytes(self) -> int:
@@ -89,10 +90,14 @@ def _unit(name: str, count: int, params: List[Param], setup: "Setup", tp_rank: i
     else:
         wire, wire_bytes = layout, e
     fp8_shapes = [s for s, f in zip(shapes, fp8) if f]
+    scales = _scale_bytes(fp8_shapes, setup.fp8) if fp8_shapes else 0
+    # Float8Unit._free_unsharded: MX's scale_inv is made at each gather and freed at reshard.
+    gathered = scales if setup.fp8 == "mxfp8" and setup.strategy.shards_params else 0
     return UnitPlan(name, count, layout, wire, wire_bytes, sum(math.prod(s) for s in shapes),
                     sum(math.prod(p.chunk_shape(0)) for p in layout.params), sum(math.prod(s) for s in fp8_shapes),
-                    len(fp8_shapes), _scale_bytes(fp8_shapes, setup.fp8) if fp8_shapes else 0,
-                    aliased=chunks == 1 and wire_bytes == MAIN_BYTES and setup.offload is None)
+                    len(fp8_shapes), scales - gathered,
+                    aliased=chunks == 1 and wire_bytes == MAIN_BYTES and setup.offload is None,
+                    gathered_scale_bytes=gathered)
 
 
 def unit_plans(spec: ModelSpec, setup: "Setup", tp_rank: int = 0) -> List[UnitPlan]:
@@ -234,9 +239,10 @@ def peaks(spec: ModelSpec, setup: "Setup", report: MemoryReport, units: List[Uni
     layer_grads = layer.layout.trainable_numel * MAIN_BYTES * device
     chunks = chunk_plan(setup).num_chunks
     zero3 = setup.strategy.shards_params
-    u_root = root.unsharded_bytes if zero3 and not root.aliased else 0
-    u_layer = layer.unsharded_bytes if zero3 and not layer.aliased else 0
-    prefetch = 2 * u_layer if chunks > 1 else u_layer  # its unsharded buffer and the gathered one
+    u_root = root.unsharded_bytes + root.gathered_scale_bytes if zero3 and not root.aliased else 0
+    u_layer = layer.unsharded_bytes + layer.gathered_scale_bytes if zero3 and not layer.aliased else 0
+    # Its unsharded buffer (and scales) and the gathered one.
+    prefetch = u_layer + (layer.unsharded_bytes if chunks > 1 and u_layer else 0)
     # Unsharded gradients from autograd (compute dtype), and their rank-major pack in the reduce
     # dtype (ZeRO-0/1 pack into their accumulator; one rank with nothing to add packs in place).
     g_layer, g_root = layer.local_numel * e, root.local_numel * e

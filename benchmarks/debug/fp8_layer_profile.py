@@ -124,7 +124,13 @@ def main():
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--inductor", default="", help="torch._inductor.config settings, as benchmarks/peers.py takes them")
     args = p.parse_args()
+    if args.inductor:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from peers import inductor_settings
+
+        torch._inductor.config.load_config(inductor_settings(args.inductor))
     SIZES.update(hidden_size=args.hidden, intermediate_size=args.ffn, num_attention_heads=args.heads,
                  num_key_value_heads=args.kv_heads)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, tokens {args.tokens}")

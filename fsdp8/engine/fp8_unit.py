@@ -15,7 +15,7 @@ weight exists beyond the fp32 main chunk.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -323,6 +323,30 @@ class Float8Unit(ShardedUnit):
                 rows, cols = slot.layout.rows, p.row_numel
                 gathered = self.unsharded[p.unsharded_offset : p.unsharded_offset + rows * cols].view(rows, cols)
                 self.scale_inv_of(slot).copy_(e8m0_to_scale_inv(gathered))
+
+    # MX weights' scale_inv (fp32, one per 32 elements: 0.125 bytes per weight element) is
+    # made from the e8m0 bytes gathered with the weights and read only while they are
+    # gathered, so it lives and dies with the unsharded parameters (0.20 GiB on model B);
+    # per-tensor and 128x128 scales are agreed before the gather and stay.
+    def _gathered_scale_inv(self) -> Optional[torch.Tensor]:
+        if self.granularity is not Granularity.MX_1x32 or not self.fp8_ids:
+            return None
+        self.scale_inv_of(next(s for s in self.slots if id(s) in self.fp8_ids))  # allocated on first use
+        return self._scale_inv_flat
+
+    def _allocate_unsharded(self) -> None:
+        super()._allocate_unsharded()
+        scale_inv = self._gathered_scale_inv()
+        if scale_inv is not None:
+            nbytes = scale_inv.numel() * scale_inv.element_size()
+            if scale_inv.untyped_storage().nbytes() != nbytes:
+                scale_inv.untyped_storage().resize_(nbytes)
+
+    def _free_unsharded(self) -> None:
+        super()._free_unsharded()
+        scale_inv = self._gathered_scale_inv()
+        if scale_inv is not None:
+            scale_inv.untyped_storage().resize_(0)
 
     def reshard(self) -> None:
         super().reshard()

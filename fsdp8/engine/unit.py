@@ -131,7 +131,7 @@ class ShardedUnit(GradientReduction):
         self._make_params()
         if not self.aliased:
             # Aliases are made while the storage has its full size (set_ would grow it).
-            self.unsharded.untyped_storage().resize_(0)
+            self._free_unsharded()
 
     # -- construction --------------------------------------------------------------------
     def _host_buffer(self, numel: int, zero: bool = False) -> torch.Tensor:
@@ -220,9 +220,7 @@ class ShardedUnit(GradientReduction):
             return
         streams, topo = self.streams, self.topology
         n, m = self.wire_layout.num_chunks, self.wire_layout.chunk_numel
-        # Shared with the compute stream, so allocated there (comm.py [Note: streams and memory]).
-        if self.unsharded.untyped_storage().nbytes() != self.unsharded_nbytes:
-            self.unsharded.untyped_storage().resize_(self.unsharded_nbytes)
+        self._allocate_unsharded()
         refresh_outer = self.two_hop and (self.outer_cache is None or self._persistent_copy_stale())
         if self.two_hop and self.outer_cache is None:
             self.outer_cache = torch.empty(topo.plan.replicate_size * m, dtype=self.wire_dtype, device=self.device)
@@ -255,6 +253,16 @@ class ShardedUnit(GradientReduction):
         if not self.shards_params or self.two_hop:
             self._synced = self._version_key()
         self.state = UnitState.GATHERING
+
+    def _allocate_unsharded(self) -> None:
+        """Give the gathered parameters their memory again. Shared with the compute stream, so
+        allocated there, before the gather stream takes over (comm.py [Note: streams and memory])."""
+        if self.unsharded.untyped_storage().nbytes() != self.unsharded_nbytes:
+            self.unsharded.untyped_storage().resize_(self.unsharded_nbytes)
+
+    def _free_unsharded(self) -> None:
+        """Release the gathered parameters' memory; every view of it stays valid for the next gather."""
+        self.unsharded.untyped_storage().resize_(0)
 
     def _pack(self, dest: torch.Tensor) -> None:
         """Write this rank's chunk, as it travels, into ``dest`` (on the gather stream)."""
@@ -313,7 +321,7 @@ class ShardedUnit(GradientReduction):
         if not self.shards_params or self.aliased or self.state is UnitState.SHARDED:
             return
         self.wait_gather()
-        self.unsharded.untyped_storage().resize_(0)
+        self._free_unsharded()
         self.state = UnitState.SHARDED
 
     def register(self, compute: bool) -> None:

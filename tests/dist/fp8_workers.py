@@ -59,6 +59,8 @@ def fp8_gathered_weight(recipe_name, strategy="optim_grads_params", mesh_shape=N
         return first
     # Only this unit changed (its weights scaled in place): its scales alone, per unit.
     unit.reshard()
+    # Bytes the resharded unit still holds for its gathered weights and their scale_inv.
+    resharded_bytes = [unit.unsharded.untyped_storage().nbytes(), unit._scale_inv_flat.untyped_storage().nbytes()]
     with torch.no_grad():
         for slot in unit.slots:
             slot.main.mul_(1.5)
@@ -79,7 +81,8 @@ def fp8_gathered_weight(recipe_name, strategy="optim_grads_params", mesh_shape=N
     scale_state = [unit._scale_flat, unit._scale_inv_flat, unit._scale_positions, unit._scale_picks]
     scale_state_bytes = sum(t.numel() * t.element_size() for t in scale_state if t is not None)
     return {"checked": checked, "other_max_err": worst, "wire_bytes": wire.bytes, "fp8_elems": fp8_elems,
-            "scale_state_bytes": scale_state_bytes,
+            "scale_state_bytes": scale_state_bytes, "resharded_bytes": resharded_bytes,
+            "scale_inv_bytes": unit._scale_inv_flat.numel() * 4,
             "scales_aligned": aligned, "batched_scales": batched, "checked_after_one_unit_changed": second["checked"],
             "other_elems": other_elems, "collectives": counter.counts, "world": common.world(),
             "padded_rows": [s.layout.chunk_rows * unit.layout.num_chunks - s.layout.rows for s in unit.slots]}

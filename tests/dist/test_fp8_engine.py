@@ -64,6 +64,10 @@ def test_gathered_fp8_weight_and_payload(world, recipe):
         # MX keeps one fp32 scale_inv per 32 weight elements (7 weights, each padded to 4
         # floats) and nothing else: no agreed scale, no index maps into the agreement.
         assert out["scale_state_bytes"] <= 4 * out["fp8_elems"] // 32 + 7 * 16
+        # ...which, made from the gathered e8m0 bytes, is freed with the gathered weights.
+        assert out["resharded_bytes"] == [0, 0]
+    else:  # agreed before the gather, so kept
+        assert out["resharded_bytes"] == [0, out["scale_inv_bytes"]]
     scales = out["fp8_elems"] // 32 if recipe == "fp8-mxfp8" else 0  # e8m0 bytes travel with MX
     # 1 byte per FP8 weight element (+ MX scales), 2 per bf16 element (+ under 16 bytes per chunk
     # to keep chunks 16-byte aligned); a bf16 gather would be 2 for all.

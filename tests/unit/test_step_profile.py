@@ -17,6 +17,8 @@ def test_categories_put_nccl_first():
     assert category("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL") == "comm"
     assert category("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == "gemm"
     assert category("triton_per_fused_abs_amax_0") == "triton"
+    assert category("triton_red_fused__scaled_mm__to_copy_abs_amax_clamp_7") == "triton"  # not a GEMM
+    assert category("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_coopA_algo2_Ablk128_Bvec128") == "gemm"
     assert category("flash_fwd_kernel") == "attention"
     assert category("multi_tensor_apply_kernel<FusedAdam>") == "optimizer"
     assert category("CatArrayBatchedCopy") == "copy"
