@@ -43,6 +43,12 @@ def own_layout(gate, up, dh):
     return rows, (q.t().contiguous(), scale_to_inv(scale).t().contiguous())
 
 
+def fsdp8_in_graph(gate, up, dh):
+    """What a compiled block-scaled linear runs: kernels.quantize_1x128_both_ways, the Triton
+    kernel as a graph op unless FSDP8_TRITON_OP=0."""
+    return quantize_1x128_both_ways(dgate(gate, up, dh), E4M3)
+
+
 def current(gate, up, dh):
     g = dgate(gate, up, dh)
     return cast_transpose(g, E4M3)
@@ -118,7 +124,7 @@ def main():
     gbytes = 3 * gate.numel() * 2 + 2 * gate.numel()  # read three bf16 inputs, write two FP8 copies
     print("| variant | settings | ms | GB/s (3 bf16 in, 2 fp8 out) | bytes equal |")
     print("|---|---|---:|---:|---|")
-    for name, fn in (("reference", reference), ("own_layout", own_layout)):
+    for name, fn in (("reference", reference), ("own_layout", own_layout), ("fsdp8 in graph (triton_op)", fsdp8_in_graph)):
         for setting, patch in SETTINGS.items():
             torch._dynamo.reset()
             with torch._inductor.config.patch(patch):

@@ -194,6 +194,11 @@ def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[Q
         from . import triton_kernels
 
         return triton_kernels.quantize_1x128_both_ways(x, fp8_dtype)
+    if x.is_cuda and x.numel() and torch.compiler.is_compiling() and os.environ.get("FSDP8_TRITON_OP", "1") != "0":
+        from . import triton_kernels
+
+        if triton_kernels.available():
+            return triton_kernels.quantize_1x128_both_ways_in_graph(x, fp8_dtype)
     return (quantize_reference(x, fp8_dtype, Granularity.ROW_1x128),
             quantize_reference(x.t(), fp8_dtype, Granularity.ROW_1x128))
 

@@ -228,6 +228,35 @@ def test_triton_1x128_both_ways_matches_reference(shape, fp8, dtype):
         assert torch.allclose(got.scale_inv, ref.scale_inv, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("shape", [(4096, 1024), (300, 257)])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_1x128_both_ways_in_a_compiled_graph_is_the_triton_op(shape, fp8, dtype, monkeypatch):
+    """Under torch.compile the both-ways quantization is fsdp8's Triton kernel as one op of
+    the graph (no graph break: fullgraph), fed by a fused producer, with the reference's bytes;
+    FSDP8_TRITON_OP=0 gives Inductor's own kernels, the same bytes."""
+    from fsdp8.fp8.kernels import quantize_1x128_both_ways
+
+    x = _inputs(shape, dtype, 12)
+
+    def fn(t):
+        rows, cols = quantize_1x128_both_ways(t * 2.0, fp8)  # a producer to fuse or materialize
+        return rows.data, rows.scale_inv, cols.data, cols.scale_inv
+
+    ref_rows = quantize_reference(x * 2.0, fp8, Granularity.ROW_1x128)
+    ref_cols = quantize_reference((x * 2.0).t(), fp8, Granularity.ROW_1x128)
+    for op in ("1", "0"):
+        monkeypatch.setenv("FSDP8_TRITON_OP", op)
+        torch._dynamo.reset()
+        backend = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+        got = torch.compile(fn, fullgraph=True, backend=backend)(x)
+        calls = [n for g in backend.graphs for n in g.graph.nodes if "quantize_1x128_both_ways" in str(n.target)]
+        assert len(calls) == (1 if op == "1" else 0)
+        for data, scale_inv, ref in ((got[0], got[1], ref_rows), (got[2], got[3], ref_cols)):
+            assert _same(data, ref.data)
+            assert torch.allclose(scale_inv, ref.scale_inv, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("recipe_name", ["fp8-current", "fp8-block", "fp8-mxfp8"])
 def test_compiled_float8_linear_matches_eager_with_native_gemm(recipe_name):
     """A Float8Linear traced by torch.compile (compiler-generated quantization feeding
