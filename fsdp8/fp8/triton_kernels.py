@@ -8,7 +8,7 @@ block makes that block's amax NaN, as ``torch.amax`` does.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -383,8 +383,6 @@ if triton is not None:
     # (no Python dispatch per call) on the materialized gradient: 0.132 ms to make it plus
     # 0.206 ms to quantize it (benchmarks/debug/block_quant_compile.py). Same bytes as the
     # torch code (tests/gpu). FSDP8_TRITON_OP=0 leaves the quantization to Inductor.
-    @torch.library.triton_op("fsdp8::quantize_1x128_both_ways", mutates_args=(),
-                             schema="(Tensor x, bool e5m2) -> (Tensor, Tensor, Tensor, Tensor)")
     def _both_ways_op(x, e5m2):
         m, k = x.shape
         mb, kb = triton.cdiv(m, 128), triton.cdiv(k, 128)
@@ -397,6 +395,12 @@ if triton is not None:
             x, q, qt, sinv, sinv_t, m, k, x.stride(0), x.stride(1), kb, mb, E5M2=e5m2,
             RELOAD_T=x.dtype == torch.float32, B=128, num_warps=4)
         return q, sinv, qt, sinv_t
+
+    # The schema comes from annotations, as types (this module's are strings, and torch 2.11's
+    # triton_op neither reads those nor takes a schema).
+    _both_ways_op.__annotations__ = {"x": torch.Tensor, "e5m2": bool,
+                                     "return": Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]}
+    torch.library.triton_op("fsdp8::quantize_1x128_both_ways", _both_ways_op, mutates_args=())
 
 
 def quantize_1x128_both_ways_in_graph(x: torch.Tensor, fp8_dtype: torch.dtype):
