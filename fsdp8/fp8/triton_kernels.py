@@ -120,45 +120,62 @@ if triton is not None:
 
     @triton.jit
     def _rows_and_cols_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
-                              FMAX: tl.constexpr, OUT: tl.constexpr, RELOAD_T: tl.constexpr, B: tl.constexpr):
-        _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, FMAX, OUT, RELOAD_T, B)
+                              FMAX: tl.constexpr, OUT: tl.constexpr, RELOAD_T: tl.constexpr, B: tl.constexpr,
+                              RB: tl.constexpr):
+        _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, FMAX, OUT, RELOAD_T, B,
+                            RB)
 
     @triton.jit
     def _rows_and_cols_op_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
-                                 E5M2: tl.constexpr, RELOAD_T: tl.constexpr, B: tl.constexpr):
+                                 E5M2: tl.constexpr, RELOAD_T: tl.constexpr, B: tl.constexpr, RB: tl.constexpr):
         """The same for a compiled graph, which takes plain constants only (no Triton dtype)."""
         if E5M2:
             _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, 57344.0,
-                                tl.float8e5, RELOAD_T, B)
+                                tl.float8e5, RELOAD_T, B, RB)
         else:
             _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, 448.0,
-                                tl.float8e4nv, RELOAD_T, B)
+                                tl.float8e4nv, RELOAD_T, B, RB)
 
     @triton.jit
     def _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
-                            FMAX: tl.constexpr, OUT: tl.constexpr, RELOAD_T: tl.constexpr, B: tl.constexpr):
-        """One BxB tile read once, quantized two ways: 1xB blocks along its rows (written
-        row-major) and Bx1 blocks down its columns (written transposed, i.e. 1xB blocks of
-        x.t()). An activation or gradient needs both for its two GEMMs."""
+                            FMAX: tl.constexpr, OUT: tl.constexpr, RELOAD_T: tl.constexpr, B: tl.constexpr,
+                            RB: tl.constexpr):
+        """One BxB tile quantized two ways: 1xB blocks along its rows (written row-major) and
+        Bx1 blocks down its columns (written transposed, i.e. 1xB blocks of x.t()). An
+        activation or gradient needs both for its two GEMMs.
+
+        In two passes of RB rows at a time: the first quantizes each row block (a row is
+        whole in a chunk) and gathers the column amaxes, the second reads the chunks again
+        (from L2) and quantizes down the columns. A whole tile held at once needed 128 floats
+        per thread and ran at a fifth of the H200's bandwidth."""
         mb, kb = tl.program_id(0), tl.program_id(1)
-        rm = mb * B + tl.arange(0, B)
         rk = kb * B + tl.arange(0, B)
-        mask = (rm[:, None] < M) & (rk[None, :] < K)
-        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
-        nan = (x != x).to(tl.int32)
-        row_amax = tl.where(tl.max(nan, axis=1) > 0, float("nan"), tl.max(tl.abs(x), axis=1))
-        col_amax = tl.where(tl.max(nan, axis=0) > 0, float("nan"), tl.max(tl.abs(x), axis=0))
-        row_scale = _scale_from_amax(row_amax, FMAX)
-        col_scale = _scale_from_amax(col_amax, FMAX)
-        tl.store(q_ptr + rm[:, None] * K + rk[None, :], _clamp_cast(x * row_scale[:, None], FMAX, OUT), mask=mask)
-        mask_t = (rk[:, None] < K) & (rm[None, :] < M)
-        if RELOAD_T:  # see _cast_transpose_kernel
-            xt = tl.load(x_ptr + rk[:, None] * sxk + rm[None, :] * sxm, mask=mask_t, other=0.0).to(tl.float32)
-            tl.store(qt_ptr + rk[:, None] * M + rm[None, :], _clamp_cast(xt * col_scale[:, None], FMAX, OUT), mask=mask_t)
-        else:
-            q_col = _clamp_cast(x * col_scale[None, :], FMAX, OUT)
-            tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col), mask=mask_t)
-        tl.store(sinv_ptr + rm * KB + kb, _reciprocal(row_scale), mask=rm < M)
+        col_max = tl.zeros([B], dtype=tl.float32)
+        col_nan = tl.zeros([B], dtype=tl.int32)
+        for r0 in range(0, B, RB):
+            rm = mb * B + r0 + tl.arange(0, RB)
+            mask = (rm[:, None] < M) & (rk[None, :] < K)
+            x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+            nan = (x != x).to(tl.int32)
+            row_amax = tl.where(tl.max(nan, axis=1) > 0, float("nan"), tl.max(tl.abs(x), axis=1))
+            row_scale = _scale_from_amax(row_amax, FMAX)
+            tl.store(q_ptr + rm[:, None] * K + rk[None, :], _clamp_cast(x * row_scale[:, None], FMAX, OUT), mask=mask)
+            tl.store(sinv_ptr + rm * KB + kb, _reciprocal(row_scale), mask=rm < M)
+            col_max = tl.maximum(col_max, tl.max(tl.abs(x), axis=0))
+            col_nan = col_nan | tl.max(nan, axis=0)
+        col_scale = _scale_from_amax(tl.where(col_nan > 0, float("nan"), col_max), FMAX)
+        for r0 in range(0, B, RB):
+            rm = mb * B + r0 + tl.arange(0, RB)
+            mask_t = (rk[:, None] < K) & (rm[None, :] < M)
+            if RELOAD_T:  # see _cast_transpose_kernel
+                xt = tl.load(x_ptr + rk[:, None] * sxk + rm[None, :] * sxm, mask=mask_t, other=0.0).to(tl.float32)
+                tl.store(qt_ptr + rk[:, None] * M + rm[None, :], _clamp_cast(xt * col_scale[:, None], FMAX, OUT),
+                         mask=mask_t)
+            else:
+                mask = (rm[:, None] < M) & (rk[None, :] < K)
+                x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+                q_col = _clamp_cast(x * col_scale[None, :], FMAX, OUT)
+                tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col), mask=mask_t)
         tl.store(sinv_t_ptr + rk * MB + mb, _reciprocal(col_scale), mask=rk < K)
 
     @triton.jit
@@ -358,6 +375,10 @@ def dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor, block: int, dty
     return out
 
 
+# Rows per pass and warps of the both-ways kernel (benchmarks/debug/block_quant_compile.py sweeps them).
+_BOTH_WAYS_RB, _BOTH_WAYS_WARPS = 16, 4
+
+
 def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype):
     from .kernels import Quantized
 
@@ -369,6 +390,7 @@ def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype):
     sinv_t = torch.empty((k, mb), dtype=torch.float32, device=x.device)
     _rows_and_cols_kernel[(mb, kb)](x, q, qt, sinv, sinv_t, m, k, x.stride(0), x.stride(1), kb, mb,
                                     FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype), RELOAD_T=x.dtype == torch.float32,
+                                    RB=_BOTH_WAYS_RB, num_warps=_BOTH_WAYS_WARPS,
                                     B=128)
     return Quantized(q, sinv, Granularity.ROW_1x128), Quantized(qt, sinv_t, Granularity.ROW_1x128)
 
@@ -393,7 +415,7 @@ if triton is not None:
         sinv_t = torch.empty((k, mb), dtype=torch.float32, device=x.device)
         torch.library.wrap_triton(_rows_and_cols_op_kernel)[(mb, kb)](
             x, q, qt, sinv, sinv_t, m, k, x.stride(0), x.stride(1), kb, mb, E5M2=e5m2,
-            RELOAD_T=x.dtype == torch.float32, B=128, num_warps=4)
+            RELOAD_T=x.dtype == torch.float32, B=128, RB=_BOTH_WAYS_RB, num_warps=_BOTH_WAYS_WARPS)
         return q, sinv, qt, sinv_t
 
     # The schema comes from annotations, as types (this module's are strings, and torch 2.11's
