@@ -407,8 +407,9 @@ if triton is not None:
     # Python dispatch per call) on the materialized gradient: 0.124 ms to make it plus 0.173
     # ms to quantize it (benchmarks/debug/block_quant_compile.py); model A's compiled block
     # step went from 70,486 to 72,973 tokens/s. The same bytes as the torch code on the bf16
-    # gradient (tests/gpu; Inductor's fused code quantized the unrounded fp32 value, one
-    # bf16 rounding away from eager). FSDP8_TRITON_OP=0 leaves the quantization to Inductor.
+    # gradient (tests/gpu). Inductor's fused code gave other bytes for the isolated pattern:
+    # fused, it may skip the gradient's rounding to bf16 (torch's emulate_precision_casts is
+    # off by default). FSDP8_TRITON_OP=0 leaves the quantization to Inductor.
     def _both_ways_op(x, e5m2):
         m, k = x.shape
         mb, kb = triton.cdiv(m, 128), triton.cdiv(k, 128)
