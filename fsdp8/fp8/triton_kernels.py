@@ -120,62 +120,45 @@ if triton is not None:
 
     @triton.jit
     def _rows_and_cols_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
-                              FMAX: tl.constexpr, OUT: tl.constexpr, RELOAD_T: tl.constexpr, B: tl.constexpr,
-                              RB: tl.constexpr):
-        _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, FMAX, OUT, RELOAD_T, B,
-                            RB)
+                              FMAX: tl.constexpr, OUT: tl.constexpr, RELOAD_T: tl.constexpr, B: tl.constexpr):
+        _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, FMAX, OUT, RELOAD_T, B)
 
     @triton.jit
     def _rows_and_cols_op_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
-                                 E5M2: tl.constexpr, RELOAD_T: tl.constexpr, B: tl.constexpr, RB: tl.constexpr):
+                                 E5M2: tl.constexpr, RELOAD_T: tl.constexpr, B: tl.constexpr):
         """The same for a compiled graph, which takes plain constants only (no Triton dtype)."""
         if E5M2:
             _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, 57344.0,
-                                tl.float8e5, RELOAD_T, B, RB)
+                                tl.float8e5, RELOAD_T, B)
         else:
             _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, 448.0,
-                                tl.float8e4nv, RELOAD_T, B, RB)
+                                tl.float8e4nv, RELOAD_T, B)
 
     @triton.jit
     def _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
-                            FMAX: tl.constexpr, OUT: tl.constexpr, RELOAD_T: tl.constexpr, B: tl.constexpr,
-                            RB: tl.constexpr):
-        """One BxB tile quantized two ways: 1xB blocks along its rows (written row-major) and
-        Bx1 blocks down its columns (written transposed, i.e. 1xB blocks of x.t()). An
-        activation or gradient needs both for its two GEMMs.
-
-        In two passes of RB rows at a time: the first quantizes each row block (a row is
-        whole in a chunk) and gathers the column amaxes, the second reads the chunks again
-        (from L2) and quantizes down the columns (a whole tile at once holds 128 floats per
-        thread; see _BOTH_WAYS_RB for the measured choice)."""
+                            FMAX: tl.constexpr, OUT: tl.constexpr, RELOAD_T: tl.constexpr, B: tl.constexpr):
+        """One BxB tile read once, quantized two ways: 1xB blocks along its rows (written
+        row-major) and Bx1 blocks down its columns (written transposed, i.e. 1xB blocks of
+        x.t()). An activation or gradient needs both for its two GEMMs."""
         mb, kb = tl.program_id(0), tl.program_id(1)
+        rm = mb * B + tl.arange(0, B)
         rk = kb * B + tl.arange(0, B)
-        col_max = tl.zeros([B], dtype=tl.float32)
-        col_nan = tl.zeros([B], dtype=tl.int32)
-        for r0 in range(0, B, RB):
-            rm = mb * B + r0 + tl.arange(0, RB)
-            mask = (rm[:, None] < M) & (rk[None, :] < K)
-            x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
-            nan = (x != x).to(tl.int32)
-            row_amax = tl.where(tl.max(nan, axis=1) > 0, float("nan"), tl.max(tl.abs(x), axis=1))
-            row_scale = _scale_from_amax(row_amax, FMAX)
-            tl.store(q_ptr + rm[:, None] * K + rk[None, :], _clamp_cast(x * row_scale[:, None], FMAX, OUT), mask=mask)
-            tl.store(sinv_ptr + rm * KB + kb, _reciprocal(row_scale), mask=rm < M)
-            col_max = tl.maximum(col_max, tl.max(tl.abs(x), axis=0))
-            col_nan = col_nan | tl.max(nan, axis=0)
-        col_scale = _scale_from_amax(tl.where(col_nan > 0, float("nan"), col_max), FMAX)
-        for r0 in range(0, B, RB):
-            rm = mb * B + r0 + tl.arange(0, RB)
-            mask_t = (rk[:, None] < K) & (rm[None, :] < M)
-            if RELOAD_T:  # see _cast_transpose_kernel
-                xt = tl.load(x_ptr + rk[:, None] * sxk + rm[None, :] * sxm, mask=mask_t, other=0.0).to(tl.float32)
-                tl.store(qt_ptr + rk[:, None] * M + rm[None, :], _clamp_cast(xt * col_scale[:, None], FMAX, OUT),
-                         mask=mask_t)
-            else:
-                mask = (rm[:, None] < M) & (rk[None, :] < K)
-                x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
-                q_col = _clamp_cast(x * col_scale[None, :], FMAX, OUT)
-                tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col), mask=mask_t)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+        nan = (x != x).to(tl.int32)
+        row_amax = tl.where(tl.max(nan, axis=1) > 0, float("nan"), tl.max(tl.abs(x), axis=1))
+        col_amax = tl.where(tl.max(nan, axis=0) > 0, float("nan"), tl.max(tl.abs(x), axis=0))
+        row_scale = _scale_from_amax(row_amax, FMAX)
+        col_scale = _scale_from_amax(col_amax, FMAX)
+        tl.store(q_ptr + rm[:, None] * K + rk[None, :], _clamp_cast(x * row_scale[:, None], FMAX, OUT), mask=mask)
+        mask_t = (rk[:, None] < K) & (rm[None, :] < M)
+        if RELOAD_T:  # see _cast_transpose_kernel
+            xt = tl.load(x_ptr + rk[:, None] * sxk + rm[None, :] * sxm, mask=mask_t, other=0.0).to(tl.float32)
+            tl.store(qt_ptr + rk[:, None] * M + rm[None, :], _clamp_cast(xt * col_scale[:, None], FMAX, OUT), mask=mask_t)
+        else:
+            q_col = _clamp_cast(x * col_scale[None, :], FMAX, OUT)
+            tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col), mask=mask_t)
+        tl.store(sinv_ptr + rm * KB + kb, _reciprocal(row_scale), mask=rm < M)
         tl.store(sinv_t_ptr + rk * MB + mb, _reciprocal(col_scale), mask=rk < K)
 
     @triton.jit
@@ -375,12 +358,6 @@ def dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor, block: int, dty
     return out
 
 
-# Rows per pass and warps of the both-ways kernel: swept on an H200 for model A's gate gradient
-# (8192 x 8192 bf16) by benchmarks/debug/block_quant_compile.py: 32 rows, 2 warps 0.173 ms;
-# 64/2 0.193; a whole tile at once 0.198-0.206 (8 and 4 warps); 16/2 0.269; 8/2 0.443.
-_BOTH_WAYS_RB, _BOTH_WAYS_WARPS = 32, 2
-
-
 def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype):
     from .kernels import Quantized
 
@@ -392,7 +369,6 @@ def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype):
     sinv_t = torch.empty((k, mb), dtype=torch.float32, device=x.device)
     _rows_and_cols_kernel[(mb, kb)](x, q, qt, sinv, sinv_t, m, k, x.stride(0), x.stride(1), kb, mb,
                                     FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype), RELOAD_T=x.dtype == torch.float32,
-                                    RB=_BOTH_WAYS_RB, num_warps=_BOTH_WAYS_WARPS,
                                     B=128)
     return Quantized(q, sinv, Granularity.ROW_1x128), Quantized(qt, sinv_t, Granularity.ROW_1x128)
 
@@ -403,13 +379,17 @@ if triton is not None:
     # gradient is otherwise generated by Inductor, fused with the op that makes the gradient
     # (SwiGLU's backward for gate and up): three passes over that op's inputs (row blocks,
     # column amaxes, column quantization), 0.458 ms for model A's gate gradient on an H200.
-    # As a triton_op, Inductor calls fsdp8's kernel straight from its generated code (no
-    # Python dispatch per call) on the materialized gradient: 0.124 ms to make it plus 0.173
-    # ms to quantize it (benchmarks/debug/block_quant_compile.py); model A's compiled block
-    # step went from 70,486 to 72,973 tokens/s. The same bytes as the torch code on the bf16
-    # gradient (tests/gpu). Inductor's fused code gave other bytes for the isolated pattern:
-    # fused, it may skip the gradient's rounding to bf16 (torch's emulate_precision_casts is
-    # off by default). FSDP8_TRITON_OP=0 leaves the quantization to Inductor.
+    # As a triton_op, Inductor calls fsdp8's one-pass kernel straight from its generated code
+    # (no Python dispatch per call) on the materialized gradient: 0.124 ms to make it plus
+    # 0.206 ms to quantize it (benchmarks/debug/block_quant_compile.py); model A's compiled
+    # block step went from 70,486 to 72,973 tokens/s. The same bytes as the torch code on the
+    # bf16 gradient (tests/gpu). Inductor's fused code gave other bytes for the isolated
+    # pattern: fused, it may skip the gradient's rounding to bf16 (torch's
+    # emulate_precision_casts is off by default). A two-pass variant (32 rows at a time, from
+    # L2 the second time) was faster alone (0.173 ms) but not in the model: its block step
+    # took 121.5 ms (16 rows, 4 warps) and 137.6 ms (32 rows, 2 warps) in two calls against
+    # 112.3 for this kernel (narrow gradients, k/v's 512 columns, fill few programs).
+    # FSDP8_TRITON_OP=0 leaves the quantization to Inductor.
     def _both_ways_op(x, e5m2):
         m, k = x.shape
         mb, kb = triton.cdiv(m, 128), triton.cdiv(k, 128)
@@ -420,7 +400,7 @@ if triton is not None:
         sinv_t = torch.empty((k, mb), dtype=torch.float32, device=x.device)
         torch.library.wrap_triton(_rows_and_cols_op_kernel)[(mb, kb)](
             x, q, qt, sinv, sinv_t, m, k, x.stride(0), x.stride(1), kb, mb, E5M2=e5m2,
-            RELOAD_T=x.dtype == torch.float32, B=128, RB=_BOTH_WAYS_RB, num_warps=_BOTH_WAYS_WARPS)
+            RELOAD_T=x.dtype == torch.float32, B=128, num_warps=4)
         return q, sinv, qt, sinv_t
 
     # The schema comes from annotations, as types (this module's are strings, and torch 2.11's
