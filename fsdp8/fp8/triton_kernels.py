@@ -386,9 +386,9 @@ if triton is not None:
     # bf16 gradient (tests/gpu). Inductor's fused code gave other bytes for the isolated
     # pattern: fused, it may skip the gradient's rounding to bf16 (torch's
     # emulate_precision_casts is off by default). A two-pass variant (32 rows at a time, from
-    # L2 the second time) was faster alone (0.173 ms) but not in the model: its block step
-    # took 121.5 ms (16 rows, 4 warps) and 137.6 ms (32 rows, 2 warps) in two calls against
-    # 112.3 for this kernel (narrow gradients, k/v's 512 columns, fill few programs).
+    # L2 the second time) was faster alone (0.173 ms); in the model its two calls gave block
+    # steps of 121.5 and 137.6 ms against 112-113 for this kernel, but this kernel too took
+    # 137 ms on another machine, so its effect in the model is not known; this one stays.
     # FSDP8_TRITON_OP=0 leaves the quantization to Inductor.
     def _both_ways_op(x, e5m2):
         m, k = x.shape
