@@ -476,9 +476,10 @@ def quantize_pieces(src, out, scales, pieces, fp8_dtype, via, block: int = 4096,
         VIA=_TL_FLOAT[via] if rounds else None, ALIGNED=aligned, BLOCK=block, num_warps=num_warps)
 
 
-def block_amax_grids(pieces):
+def block_amax_grids(pieces, rows_per_step: int = 8, num_warps: int = 4):
     """See kernels.block_amax_grids: every piece's 128x128 grid (zeros where it holds no
-    rows) in one launch."""
+    rows) in one launch. ``rows_per_step`` (a power of two up to 128) and ``num_warps`` as
+    measured best on an H200 (benchmarks/debug/block_amax_kernels.py sweeps them)."""
     device = pieces[0][0].device
     columns, offset, longest = [], 0, 0
     for rows, start, total in pieces:
@@ -493,7 +494,7 @@ def block_amax_grids(pieces):
     out = torch.zeros(offset, dtype=torch.float32, device=device)
     if longest:
         _block_amax_grids_kernel[(longest, len(pieces))](table, out, len(pieces), IN=_TL_FLOAT[pieces[0][0].dtype],
-                                                         B=128, RB=8, num_warps=4)
+                                                         B=128, RB=rows_per_step, num_warps=num_warps)
     return out
 
 
