@@ -9,7 +9,6 @@ and the achieved read bandwidth.
 """
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,21 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fsdp8.fp8 import triton_kernels  # noqa: E402
 from fsdp8.fp8.kernels import partial_block_amax  # noqa: E402
-
-
-def timed(fn, reps=30):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    events = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        events.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+from block_quant_compile import timed  # noqa: E402  (this folder is on the path when run as a script)
 
 
 def main():
@@ -57,7 +42,7 @@ def main():
     print("|---|---:|---:|---:|---:|---|")
     for rb, warps in [(128, 8)] + [(rb, w) for rb in (2, 4, 8, 16, 32) for w in (2, 4, 8)]:
         got = triton_kernels.block_amax_grids(pieces, rb, warps)
-        ms = timed(lambda: triton_kernels.block_amax_grids(pieces, rb, warps))
+        ms = timed(triton_kernels.block_amax_grids, (pieces, rb, warps), 30)
         name = {128: "first version (whole block at once)", 8: "fsdp8 default" if warps == 4 else ""}.get(rb, "")
         print(f"| {name} | {rb} | {warps} | {ms:.3f} | {gbytes / ms:.2f} | {torch.equal(got, expected)} |", flush=True)
 
