@@ -314,3 +314,27 @@ def test_search_weighs_context_parallelism_but_not_with_selective_checkpointing(
     found = search("1b", gpus_per_node=4, seq_len=16384, cps=(1, 2, 4), tps=(1,))
     assert {c.cp for c in found} == {1, 2, 4}
     assert not [c for c in found if c.cp > 1 and c.activation_checkpointing == "selective"]
+
+
+@pytest.mark.parametrize("strategy,freed", [("optim_grads_params", True), ("optim_grads", False)])
+def test_mx_scale_inv_lives_with_the_unsharded_parameters_under_zero3(strategy, freed):
+    """Float8Unit frees MX's scale_inv with the unsharded weights (ZeRO-3): the plan counts it
+    in the unit buffers in flight, not among the persistent FP8 scales; under ZeRO-2 the unsharded
+    weights, and it, stay."""
+    from fsdp8.plan_memory import memory_report, peaks, unit_plans
+
+    spec = model_spec("1b")
+    setup = _setup(spec, precision="bf16", fp8="mxfp8", strategy=strategy)
+    layer = unit_plans(spec, setup)[1]
+    fp8 = {p.name: converts_to_fp8(p, "mxfp8", 1, 0) for p in spec.block_params()}
+    # One fp32 scale_inv per 32 elements of a row, each weight's padded to 4 floats.
+    shapes = [p.shape for p in spec.block_params() if fp8[p.name]]
+    expected = sum(4 * 4 * math.ceil(rows * math.ceil(cols / 32) / 4) for rows, cols in shapes)
+    assert layer.scale_bytes + layer.gathered_scale_bytes == expected > 0
+    assert (layer.gathered_scale_bytes, layer.scale_bytes) == ((expected, 0) if freed else (0, expected))
+    moments = peaks(spec, setup, memory_report(spec, setup), unit_plans(spec, setup),
+                    activations(spec, setup, fp8))
+    first = moments[0].parts
+    assert first["FP8 scales"] == (0 if freed else spec.layers * expected)
+    if freed:  # the layer in use and the one prefetched, each with its scale_inv
+        assert first["unit buffers in flight"] >= 2 * (layer.unsharded_bytes + expected)
