@@ -17,7 +17,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from fsdp8.fp8 import triton_kernels  # noqa: E402
+from fsdp8.fp8 import triton_weights  # noqa: E402
 from fsdp8.fp8.kernels import partial_block_amax  # noqa: E402
 from block_quant_compile import timed  # noqa: E402  (this folder is on the path when run as a script)
 
@@ -41,8 +41,8 @@ def main():
     print("| kernel | rows per step | warps | ms | TB/s | equal |")
     print("|---|---:|---:|---:|---:|---|")
     for rb, warps in [(128, 8)] + [(rb, w) for rb in (2, 4, 8, 16, 32) for w in (2, 4, 8)]:
-        got = triton_kernels.block_amax_grids(pieces, rb, warps)
-        ms = timed(triton_kernels.block_amax_grids, (pieces, rb, warps), 30)
+        got = triton_weights.block_amax_grids(pieces, rb, warps)
+        ms = timed(triton_weights.block_amax_grids, (pieces, rb, warps), 30)
         name = {128: "first version (whole block at once)", 8: "fsdp8 default" if warps == 4 else ""}.get(rb, "")
         print(f"| {name} | {rb} | {warps} | {ms:.3f} | {gbytes / ms:.2f} | {torch.equal(got, expected)} |", flush=True)
 

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from fsdp8.fp8 import triton_kernels  # noqa: E402
+from fsdp8.fp8 import triton_weights  # noqa: E402
 from fsdp8.fp8.formats import E4M3, Granularity  # noqa: E402
 from fsdp8.fp8.kernels import quantize_rows_with_grid, saturate_cast  # noqa: E402
 
@@ -76,7 +76,7 @@ def main():
     for block in (1024, 2048, 4096, 8192):
         for warps in (4, 8):
             def pieces_pack(block=block, warps=warps):
-                triton_kernels.quantize_pieces(main_buf, out.view(E4M3), scales, tuple(pieces), E4M3, torch.bfloat16,
+                triton_weights.quantize_pieces(main_buf, out.view(E4M3), scales, tuple(pieces), E4M3, torch.bfloat16,
                                                block=block, num_warps=warps)
             out.zero_()
             pieces_pack()

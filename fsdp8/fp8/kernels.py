@@ -2,8 +2,9 @@
 
 Every function here has one definition of its result, the torch code below: values are
 multiplied by the fp32 scale, clamped to the format's range and rounded to nearest-even;
-block scales come from the block's amax. ``fsdp8.fp8.triton_kernels`` computes the same
-bits faster on CUDA; ``use_triton`` chooses, and the GPU tests compare the two bit for bit.
+block scales come from the block's amax. ``fsdp8.fp8.triton_kernels`` (activations) and
+``triton_weights`` (the engine's weight shards) compute the same bits faster on CUDA;
+``use_triton`` chooses, and the GPU tests compare the two bit for bit.
 """
 
 from __future__ import annotations
@@ -217,9 +218,9 @@ def quantize_rows_with_grid(rows: torch.Tensor, row_start: int, scale_grid: torc
     if granularity not in (Granularity.TENSOR, Granularity.BLOCK_128x128):
         raise ValueError(f"agreed scales exist for whole-tensor and 128x128 scaling, not {granularity.value}")
     if use_triton(rows) and rows.numel():
-        from . import triton_kernels
+        from . import triton_weights
 
-        return triton_kernels.quantize_rows_with_grid(rows, row_start, scale_grid, fp8_dtype, granularity, via, out)
+        return triton_weights.quantize_rows_with_grid(rows, row_start, scale_grid, fp8_dtype, granularity, via, out)
     x = rows if via is None else rows.to(via)
     if granularity is Granularity.TENSOR:
         q = saturate_cast(x, scale_grid, fp8_dtype)
@@ -255,9 +256,9 @@ def quantize_pieces(src: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, 
     if (use_triton(src) and src.is_contiguous() and out.is_contiguous() and scales.dtype == torch.float32
             and torch.float64 not in (src.dtype, via)  # the kernel has no fp64 path (fp64 tests)
             and max(n for _, _, n, _ in pieces) < 2**31):  # the kernel indexes a piece in int32
-        from . import triton_kernels
+        from . import triton_weights
 
-        triton_kernels.quantize_pieces(src, out, scales, tuple(pieces), fp8_dtype, via)
+        triton_weights.quantize_pieces(src, out, scales, tuple(pieces), fp8_dtype, via)
         return out
     for s_off, o_off, n, k in pieces:
         x = src[s_off : s_off + n]
@@ -276,9 +277,9 @@ def amaxes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     first = tensors[0]
     if (use_triton(first) and all(t.dtype == first.dtype and t.device == first.device and t.is_contiguous()
                                   for t in tensors)):
-        from . import triton_kernels
+        from . import triton_weights
 
-        return triton_kernels.amaxes(tensors)
+        return triton_weights.amaxes(tensors)
     return torch.stack([amax(t) for t in tensors])
 
 
@@ -311,9 +312,9 @@ def block_amax_grids(pieces: Sequence[Tuple[torch.Tensor, int, int]]) -> torch.T
     first = pieces[0][0]
     if (use_triton(first) and all(r.dtype == first.dtype and r.device == first.device and r.is_contiguous()
                                   for r, _, _ in pieces)):
-        from . import triton_kernels
+        from . import triton_weights
 
-        return triton_kernels.block_amax_grids(pieces)
+        return triton_weights.block_amax_grids(pieces)
     return torch.cat([partial_block_amax(rows, start, total).flatten() for rows, start, total in pieces])
 
 
