@@ -35,3 +35,14 @@ def test_tp_stacks_of_the_peer_benchmark_agree(tmp_path):
     assert fsdp8_tp["losses"][-1] < fsdp8_tp["losses"][0]  # it trains
     # The torchao FP8 TP peer says why it cannot run on gloo instead of failing.
     assert results["torchao-tp-fp8"]["status"] == "skipped" and "CUDA only" in results["torchao-tp-fp8"]["note"]
+
+
+def test_inductor_settings_of_the_peer_benchmark():
+    """``peers.py --inductor``: key=value items, 0/1 as booleans, integers as ints; a bare key is refused."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from peers import inductor_settings
+
+    got = inductor_settings("triton.tile_reductions=1,max_autotune=0,realize_reads_threshold=4,mode=x,")
+    assert got == {"triton.tile_reductions": True, "max_autotune": False, "realize_reads_threshold": 4, "mode": "x"}
+    with pytest.raises(SystemExit, match="key=value"):
+        inductor_settings("triton.tile_reductions")

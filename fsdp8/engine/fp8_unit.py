@@ -132,24 +132,26 @@ class Float8Unit(ShardedUnit):
         self._scale_picks = torch.cat(picks).to(self.device) if picks else None
         self._picks_all = bool(positions) and amax_start == sum(sizes)  # no tp pieces: the amaxes are the scales
 
+    def _ensure_scales(self) -> None:
+        """Allocate the scale buffers on first use (the first compute copy asks for them)."""
+        if not self._scale_inv:
+            self._allocate_scales()
+
     def scale_buffers(self):
         """(scale buffer, scale_inv buffer, where each amax's scale lands in them) when this
         rank's scales are its amaxes (``local_amaxes`` order, no tensor-parallel picks); else None."""
-        if not self._scale_inv:
-            self._allocate_scales()
+        self._ensure_scales()
         return (self._scale_flat, self._scale_inv_flat, self._scale_positions) if self._picks_all else None
 
     def scale_of(self, slot: ParamSlot) -> torch.Tensor:
         """The agreed scale of a whole-tensor or 128x128-scaled weight."""
         if self.granularity is Granularity.MX_1x32:
             raise ValueError(f"{slot.fqn}: MX weights have row-local scales, kept as scale_inv only (scale_inv_of)")
-        if not self._scale_inv:
-            self._allocate_scales()
+        self._ensure_scales()
         return self._scale[id(slot)]
 
     def scale_inv_of(self, slot: ParamSlot) -> torch.Tensor:
-        if not self._scale_inv:
-            self._allocate_scales()
+        self._ensure_scales()
         return self._scale_inv[id(slot)]
 
     def _compute_local(self, slot: ParamSlot) -> torch.Tensor:
@@ -331,7 +333,7 @@ class Float8Unit(ShardedUnit):
     def _gathered_scale_inv(self) -> Optional[torch.Tensor]:
         if self.granularity is not Granularity.MX_1x32 or not self.fp8_ids:
             return None
-        self.scale_inv_of(next(s for s in self.slots if id(s) in self.fp8_ids))  # allocated on first use
+        self._ensure_scales()
         return self._scale_inv_flat
 
     def _allocate_unsharded(self) -> None:

@@ -65,11 +65,14 @@ class Quantized:
         return self.data.numel() * self.data.element_size() + self.scale_inv.numel() * self.scale_inv.element_size()
 
 
-def use_triton(x: torch.Tensor) -> bool:
+def use_triton(x: torch.Tensor, in_graph: bool = False) -> bool:
     """Triton kernels run on CUDA tensors when Triton imports (``FSDP8_TRITON=0`` turns them
-    off); everything else uses torch. Under torch.compile the torch code is used too: the
-    compiler fuses it into its own kernels, with the neighbouring ops."""
-    if not x.is_cuda or torch.compiler.is_compiling() or os.environ.get("FSDP8_TRITON", "1") == "0":
+    off); everything else uses torch. Under torch.compile the torch code is used too (the
+    compiler fuses it into its own kernels, with the neighbouring ops), except where a
+    kernel is a graph op (``in_graph``; ``FSDP8_TRITON_OP=0`` turns those off)."""
+    if not x.is_cuda or os.environ.get("FSDP8_TRITON", "1") == "0":
+        return False
+    if torch.compiler.is_compiling() and not (in_graph and os.environ.get("FSDP8_TRITON_OP", "1") != "0"):
         return False
     from . import triton_kernels
 
@@ -191,15 +194,12 @@ def cast_transpose(x: torch.Tensor, fp8_dtype: torch.dtype, scale: Optional[torc
 def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[Quantized, Quantized]:
     """``x`` in 1x128 blocks along its rows and ``x.t()`` likewise (128x1 blocks of ``x``):
     the two forms an activation or gradient takes in a block-scaled linear. One pass on CUDA."""
-    if use_triton(x) and x.numel():
+    if use_triton(x, in_graph=True) and x.numel():
         from . import triton_kernels
 
-        return triton_kernels.quantize_1x128_both_ways(x, fp8_dtype)
-    if x.is_cuda and x.numel() and torch.compiler.is_compiling() and os.environ.get("FSDP8_TRITON_OP", "1") != "0":
-        from . import triton_kernels
-
-        if triton_kernels.available():
+        if torch.compiler.is_compiling():  # [Note: a Triton kernel inside compiled graphs]
             return triton_kernels.quantize_1x128_both_ways_in_graph(x, fp8_dtype)
+        return triton_kernels.quantize_1x128_both_ways(x, fp8_dtype)
     return (quantize_reference(x, fp8_dtype, Granularity.ROW_1x128),
             quantize_reference(x.t(), fp8_dtype, Granularity.ROW_1x128))
 

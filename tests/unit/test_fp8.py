@@ -397,7 +397,8 @@ def _two_linears(recipe=None):
 @pytest.mark.parametrize("recipe_name", ["fp8-current", "fp8-block", "fp8-delayed", "fp8-mxfp8"])
 def test_float8_linear_under_torch_compile(recipe_name):
     """Traced linears (current, block and MX scaling) compile into one graph (fullgraph) and
-    match eager; standalone delayed scaling (which updates its state at each forward) stays opaque calls inside the compiled block and still match. fp32 compute: the
+    match eager; standalone delayed scaling (which updates its state at each forward) stays an
+    opaque call inside the compiled block and still matches. fp32 compute: the
     compiler quantizes the same values with the same formulas, so the bound is fp32 reordering (1e-6)."""
     recipe = recipe_from_name(recipe_name)
     x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1))
