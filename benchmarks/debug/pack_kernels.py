@@ -1,6 +1,7 @@
 """The FP8 gather pack of one model-B decoder layer on one GPU: the per-weight Triton kernel
 (quantize_rows_with_grid, one launch per weight) against the one-launch quantize_pieces at
-several block sizes and warp counts. Prints GPU time per pack (CUDA events, median of 50),
+several block sizes and warp counts; then the same for 128x128 block scales
+(quantize_block_pieces at several rows per tile and warp counts). Prints GPU time per pack (CUDA events, median of 50),
 host time per pack (launches only) and the achieved bandwidth (4 bytes read + 1 written per
 element). --world W packs this rank's rows of a W-way shard (default 2).
 
@@ -86,6 +87,42 @@ def main():
                   f"| {gbytes / g:.2f} |")
     ref = saturate_cast(views[0].to(torch.bfloat16), scales[0], E4M3)
     assert torch.equal(outs[0].view(torch.uint8), ref.view(torch.uint8))
+    block_scales(args.world, rows, pieces, views, outs, main_buf, out, gbytes)
+
+
+def block_scales(world, rows, pieces, views, outs, main_buf, out, gbytes):
+    """128x128 scales: this rank's rows start at rank 1's first row of each weight."""
+    grids, g_off, block_pieces = [], 0, []
+    for (s_off, o_off, _, _), (r, c), v in zip(pieces, rows, views):
+        start = r  # rank 1 of 2 (world rows per weight)
+        total = r * world
+        shape = ((total + 127) // 128, (c + 127) // 128)
+        grids.append(torch.rand(shape, device="cuda") * 1000 + 1)
+        block_pieces.append((s_off, o_off, r, c, start, g_off))
+        g_off += shape[0] * shape[1]
+    flat_scales = torch.cat([g.flatten() for g in grids])
+
+    def per_weight():
+        for v, o, (_, _, _, _, start, _), g in zip(views, outs, block_pieces, grids):
+            quantize_rows_with_grid(v, start, g, Granularity.BLOCK_128x128, E4M3, via=torch.bfloat16, out=o)
+
+    out.zero_()
+    per_weight()
+    expected = out.clone()
+    print("\n| 128x128 pack | GPU ms | host ms | TB/s |\n|---|---|---|---|")
+    g, h = timed(per_weight)
+    print(f"| per weight (7 launches) | {g:.3f} | {h:.3f} | {gbytes / g:.2f} |")
+    for tile_rows in (8, 16, 32, 64):
+        for warps in (4, 8):
+            def pack(tile_rows=tile_rows, warps=warps):
+                triton_weights.quantize_block_pieces(main_buf, out.view(E4M3), flat_scales, tuple(block_pieces), E4M3,
+                                                     torch.bfloat16, rows_per_tile=tile_rows, num_warps=warps)
+            out.zero_()
+            pack()
+            same = torch.equal(out, expected)
+            g, h = timed(pack)
+            print(f"| pieces, {tile_rows} rows per tile, warps {warps}{'' if same else ' (DIFFERENT BYTES)'} | "
+                  f"{g:.3f} | {h:.3f} | {gbytes / g:.2f} |")
 
 
 if __name__ == "__main__":

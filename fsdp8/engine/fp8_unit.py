@@ -21,7 +21,7 @@ import torch
 
 from ..fp8.formats import Granularity, e8m0_to_scale_inv, scale_inv_to_e8m0
 from ..fp8.kernels import (
-    amaxes, block_amax_grids, partial_block_amax, quantize, quantize_pieces, quantize_rows_with_grid,
+    amaxes, block_amax_grids, partial_block_amax, quantize, quantize_block_pieces, quantize_pieces,
 )
 from ..fp8.recipes import DelayedState, Recipe
 from ..fp8.tensor import Float8Tensor
@@ -48,7 +48,7 @@ class Float8Unit(ShardedUnit):
         # Per FP8 weight: the agreed scale and the scale_inv its Float8Tensor carries.
         self._scale: Dict[int, torch.Tensor] = {}
         self._scale_inv: Dict[int, torch.Tensor] = {}
-        self._pieces = None  # _tensorwise_pieces(), once computed
+        self._pieces = None  # _pack_pieces(), once computed
         super().__init__(*args, **kwargs)
 
     # -- layout ------------------------------------------------------------------------------
@@ -272,34 +272,31 @@ class Float8Unit(ShardedUnit):
         k = self.chunk_index
         e8m0 = {}
         fp8 = self.recipe.fwd_dtype
-        tensorwise = self.granularity is Granularity.TENSOR
-        if tensorwise and self.fp8_ids:
-            # Every FP8 weight in one pass (one launch on CUDA), from the fp32 main chunk.
-            pieces = self._tensorwise_pieces()
-            quantize_pieces(self.main, dest.view(fp8), self._scale_flat, pieces, fp8, via=self.compute_dtype)
+        agreed = self.granularity in (Granularity.TENSOR, Granularity.BLOCK_128x128)
+        if agreed and self.fp8_ids:
+            # Every FP8 weight in one pass (one launch on CUDA), from the fp32 main chunk,
+            # with the scales agreed before the gather.
+            pack = quantize_pieces if self.granularity is Granularity.TENSOR else quantize_block_pieces
+            pack(self.main, dest.view(fp8), self._scale_flat, self._pack_pieces(), fp8, via=self.compute_dtype)
         for slot, kind, p in self._entries:
             rows = slot.layout.chunk_shape(k)[0]
             region = dest[p.offset : p.offset + rows * p.row_numel]
             if kind == "value":
                 region.view(self.compute_dtype).view(slot.layout.chunk_shape(k)).copy_(self.main_view(slot))
-            elif kind == "fp8" and not tensorwise:
-                if self.granularity is Granularity.MX_1x32:
-                    # 1x32 blocks stay inside a row: each rank quantizes its rows on its own.
-                    mx = quantize(self._rows(slot)[0], fp8, Granularity.MX_1x32)
-                    e8m0[id(slot)] = scale_inv_to_e8m0(mx.scale_inv)
-                    q = mx.data
-                    region.view(fp8).view(q.shape).copy_(q)
-                else:
-                    # Straight from the fp32 main rows into the send buffer, one pass on CUDA.
-                    start, _ = slot.layout.chunk_row_range(k)
-                    quantize_rows_with_grid(self.main_view(slot), start, self.scale_of(slot), self.granularity, fp8,
-                                            via=self.compute_dtype, out=region.view(fp8).view(slot.layout.chunk_shape(k)))
+            elif kind == "fp8" and not agreed:
+                # MX: 1x32 blocks stay inside a row, so each rank quantizes its rows on its own.
+                mx = quantize(self._rows(slot)[0], fp8, Granularity.MX_1x32)
+                e8m0[id(slot)] = scale_inv_to_e8m0(mx.scale_inv)
+                q = mx.data
+                region.view(fp8).view(q.shape).copy_(q)
             elif kind == "e8m0":
                 region.copy_(e8m0[id(slot)].flatten())
 
-    def _tensorwise_pieces(self) -> Tuple[Tuple[int, int, int, int], ...]:
-        """(main offset, send-chunk byte offset, length, scale index) of each FP8 weight's rows;
-        fixed for the unit's life (its buffers never move), so computed once."""
+    def _pack_pieces(self) -> Tuple[Tuple[int, ...], ...]:
+        """Where each FP8 weight's rows come from and go, for quantize_pieces (per-tensor: main
+        offset, send-chunk byte offset, length, scale index) or quantize_block_pieces (128x128:
+        main offset, byte offset, rows, columns, first row in the weight, grid offset); fixed
+        for the unit's life (its buffers never move), so computed once."""
         if self._pieces is None:
             pieces = []
             for slot, kind, p in self._entries:
@@ -307,11 +304,17 @@ class Float8Unit(ShardedUnit):
                     continue
                 rows = self.main_view(slot)
                 scale = self.scale_of(slot)
-                if rows.untyped_storage().data_ptr() != self.main.untyped_storage().data_ptr():
+                if (rows.untyped_storage().data_ptr() != self.main.untyped_storage().data_ptr()
+                        or not rows.is_contiguous()):
                     raise RuntimeError(f"the main shard of {slot.fqn} no longer views its unit's main buffer; "
                                        "replace parameter values with copy_ (load_state_dict does), not by assigning .data")
-                pieces.append((rows.storage_offset() - self.main.storage_offset(), p.offset, rows.numel(),
-                               scale.storage_offset() - self._scale_flat.storage_offset()))
+                src, scale_at = rows.storage_offset() - self.main.storage_offset(), \
+                    scale.storage_offset() - self._scale_flat.storage_offset()
+                if self.granularity is Granularity.TENSOR:
+                    pieces.append((src, p.offset, rows.numel(), scale_at))
+                else:
+                    start, _ = slot.layout.chunk_row_range(self.chunk_index)
+                    pieces.append((src, p.offset, rows.shape[0], rows.shape[1], start, scale_at))
             self._pieces = tuple(pieces)
         return self._pieces
 

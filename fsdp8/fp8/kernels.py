@@ -267,6 +267,46 @@ def quantize_pieces(src: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, 
     return out
 
 
+def quantize_block_pieces(src: torch.Tensor, out: torch.Tensor, scales: torch.Tensor,
+                          pieces: Sequence[Tuple[int, int, int, int, int, int]], fp8_dtype: torch.dtype,
+                          via: Optional[torch.dtype] = None) -> torch.Tensor:
+    """quantize_pieces for 128x128-scaled weights: for each ``(src_offset, out_offset, rows,
+    cols, row_start, scale_offset)``, the ``rows x cols`` rows at ``src[src_offset:]`` are
+    rows ``[row_start, row_start + rows)`` of a weight whose block scales are the grid
+    ``scales[scale_offset:]`` (``ceil(cols / 128)`` columns), quantized as
+    quantize_rows_with_grid does into ``out[out_offset:]``.
+
+    The engine's gather pack for block scaling: every FP8 weight of a unit in one launch on
+    CUDA (the table of offsets uploaded once) instead of one launch per weight."""
+    if src.dim() != 1 or out.dim() != 1 or scales.dim() != 1:
+        raise ValueError("quantize_block_pieces works on flat (1-D) src, out and scales")
+    if out.dtype != fp8_dtype:
+        raise ValueError(f"out must be {fp8_dtype}, got {out.dtype}")
+    for piece in pieces:
+        s_off, o_off, rows, cols, row_start, g_off = piece
+        n, grid_cols = rows * cols, math.ceil(cols / 128)
+        grid_end = g_off + (math.ceil((row_start + rows) / 128)) * grid_cols
+        if (min(piece) < 0 or cols == 0 or s_off + n > src.numel() or o_off + n > out.numel()
+                or (rows and grid_end > scales.numel())):
+            raise ValueError(f"piece {tuple(piece)} reaches outside src ({src.numel()}), out ({out.numel()}) "
+                             f"or scales ({scales.numel()}), or has no columns")
+    pieces = tuple(p for p in pieces if p[2])
+    if not pieces:
+        return out
+    if (use_triton(src) and src.is_contiguous() and out.is_contiguous() and scales.dtype == torch.float32
+            and torch.float64 not in (src.dtype, via)):
+        from . import triton_weights
+
+        triton_weights.quantize_block_pieces(src, out, scales, pieces, fp8_dtype, via)
+        return out
+    for s_off, o_off, rows, cols, row_start, g_off in pieces:
+        grid_rows = math.ceil((row_start + rows) / 128)
+        grid = scales[g_off : g_off + grid_rows * math.ceil(cols / 128)].view(grid_rows, -1)
+        quantize_rows_with_grid(src[s_off : s_off + rows * cols].view(rows, cols), row_start, grid,
+                                Granularity.BLOCK_128x128, fp8_dtype, via, out=out[o_off : o_off + rows * cols].view(rows, cols))
+    return out
+
+
 def amaxes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One fp32 amax per tensor (0 for an empty one, NaN where a tensor holds NaN), as
     ``amax`` computes each. On CUDA one launch for all of them (a table of pointers), not

@@ -72,6 +72,42 @@ if triton is not None:
             tl.store(out_ptr + out_off + offs, _via_scaled_cast(x, scale, FMAX, OUT, VIA), mask=mask)
 
     @triton.jit
+    def _block_pieces_kernel(src_ptr, out_ptr, scale_ptr, table_ptr, T, FMAX: tl.constexpr, OUT: tl.constexpr,
+                             VIA: tl.constexpr, ALIGNED: tl.constexpr, TM: tl.constexpr, B: tl.constexpr):
+        """Program (j, t) quantizes tile j (TM rows x B columns) of piece t with its 128x128
+        block scales; tiles past a piece's end return at once. Table columns (T pieces):
+        source offset, output offset, rows, columns, first row in its weight, grid offset.
+        Full tiles of ALIGNED pieces (offsets and columns multiples of 16) go unmasked, so
+        that loads and stores are vectorized (see _pieces_kernel)."""
+        j, t = tl.program_id(0), tl.program_id(1)
+        rows = tl.load(table_ptr + 2 * T + t)
+        cols = tl.load(table_ptr + 3 * T + t)
+        if ALIGNED:
+            cols = tl.multiple_of(cols, 16)
+        grid_cols = (cols + B - 1) // B
+        if j >= ((rows + TM - 1) // TM) * grid_cols:
+            return
+        src_off = tl.load(table_ptr + t)
+        out_off = tl.load(table_ptr + T + t)
+        row_start = tl.load(table_ptr + 4 * T + t)
+        grid_off = tl.load(table_ptr + 5 * T + t)
+        if ALIGNED:
+            src_off = tl.multiple_of(src_off, 16)
+            out_off = tl.multiple_of(out_off, 16)
+        rm = (j // grid_cols) * TM + tl.arange(0, TM)
+        kb = j % grid_cols
+        rk = kb * B + tl.arange(0, B)
+        scale = tl.load(scale_ptr + grid_off + ((row_start + rm) // B) * grid_cols + kb, mask=rm < rows, other=1.0)
+        src = src_ptr + src_off + rm[:, None] * cols + rk[None, :]
+        dst = out_ptr + out_off + rm[:, None] * cols + rk[None, :]
+        if ALIGNED and ((j // grid_cols) + 1) * TM <= rows and (kb + 1) * B <= cols:
+            tl.store(dst, _via_scaled_cast(tl.load(src), scale[:, None], FMAX, OUT, VIA))
+        else:
+            mask = (rm[:, None] < rows) & (rk[None, :] < cols)
+            x = tl.load(src, mask=mask, other=0.0)
+            tl.store(dst, _via_scaled_cast(x, scale[:, None], FMAX, OUT, VIA), mask=mask)
+
+    @triton.jit
     def _via_scaled_cast(x, scale, FMAX: tl.constexpr, OUT: tl.constexpr, VIA: tl.constexpr):
         if VIA is not None:
             x = x.to(VIA, fp_downcast_rounding="rtne")
@@ -182,6 +218,17 @@ def quantize_pieces(src, out, scales, pieces, fp8_dtype, via, block: int = 4096,
     _pieces_kernel[(triton.cdiv(longest, block), len(pieces))](
         src, out, scales, table, FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype),
         VIA=_TL_FLOAT[via] if rounds else None, ALIGNED=aligned, BLOCK=block, num_warps=num_warps)
+
+
+def quantize_block_pieces(src, out, scales, pieces, fp8_dtype, via, rows_per_tile: int = 32, num_warps: int = 4):
+    """See kernels.quantize_block_pieces: one launch for every piece (non-empty ones)."""
+    tiles = max(triton.cdiv(rows, rows_per_tile) * triton.cdiv(cols, 128) for _, _, rows, cols, _, _ in pieces)
+    table = _device_table(src.device, tuple(v for field in zip(*pieces) for v in field))
+    rounds = via is not None and via != src.dtype and via != torch.float32
+    aligned = all(s % 16 == 0 and o % 16 == 0 and c % 16 == 0 for s, o, _, c, _, _ in pieces)
+    _block_pieces_kernel[(tiles, len(pieces))](
+        src, out, scales, table, len(pieces), FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype),
+        VIA=_TL_FLOAT[via] if rounds else None, ALIGNED=aligned, TM=rows_per_tile, B=128, num_warps=num_warps)
 
 
 def block_amax_grids(pieces, rows_per_step: int = 8, num_warps: int = 4):

@@ -8,7 +8,8 @@ import torch
 from fsdp8.fp8 import triton_kernels
 from fsdp8.fp8.formats import E4M3, E5M2, Granularity, amax_to_scale
 from fsdp8.fp8.kernels import (
-    amax, amaxes, block_amax_grids, cast_transpose, partial_block_amax, quantize, quantize_pieces, quantize_reference,
+    amax, amaxes, block_amax_grids, cast_transpose, partial_block_amax, quantize, quantize_block_pieces, quantize_pieces,
+    quantize_reference,
     quantize_rows_with_grid, saturate_cast,
 )
 
@@ -134,6 +135,29 @@ def test_triton_pieces_match_reference_bit_for_bit(fp8, aligned):
     for s_off, o_off, n, k in pieces:
         q = saturate_cast(src[s_off : s_off + n].to(torch.bfloat16), scales[k], fp8)
         ref[o_off : o_off + n] = q.view(torch.uint8)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_triton_block_pieces_match_reference_bit_for_bit(fp8, aligned, monkeypatch):
+    """A unit's 128x128-scaled weights packed in one launch: bit for bit the torch code
+    (FSDP8_TRITON=0), with shards starting inside a scaling block, ragged tiles and columns,
+    an empty piece, and nothing written between pieces."""
+    shift = 0 if aligned else 3
+    cols_b = 1024 if aligned else 1000
+    src = _inputs((1024, 1024), torch.float32, 23).flatten() * 1e-3
+    src[1::2] = src[1::2].to(torch.bfloat16).float() * (1 + 2.0**-9)  # rounding to bf16 first matters
+    scales = torch.rand(256, device="cuda") * 1e4
+    pieces = [(shift, 16, 300, 1024, 100, 0),  # rows 100..399: grid rows 0-3, 8 columns -> 32 scales
+              (300 * 1024 + 64, 300 * 1024 + 32 + shift, 257, cols_b, 0, 32),  # 3 x 8 grid
+              (600 * 1024, 600 * 1024, 40, 2048, 256, 64),  # rows 256..295: grid row 2 of a 16-wide grid
+              (0, 1024 * 1024 - 64, 0, 128, 0, 255)]
+    out = torch.full((1024 * 1024,), 0xAB, dtype=torch.uint8, device="cuda")
+    quantize_block_pieces(src, out.view(fp8), scales, pieces, fp8, via=torch.bfloat16)
+    monkeypatch.setenv("FSDP8_TRITON", "0")
+    ref = torch.full_like(out, 0xAB)
+    quantize_block_pieces(src, ref.view(fp8), scales, pieces, fp8, via=torch.bfloat16)
     assert torch.equal(out, ref)
 
 

@@ -12,8 +12,8 @@ from fsdp8.fp8.formats import (
     E4M3, E5M2, FP8_MAX, Granularity, amax_to_e8m0, amax_to_scale, e8m0_to_scale_inv, scale_inv_to_e8m0,
 )
 from fsdp8.fp8.kernels import (
-    Quantized, amax, amaxes, partial_block_amax, quantize, quantize_pieces, quantize_reference, quantize_rows_with_grid,
-    saturate_cast,
+    Quantized, amax, amaxes, partial_block_amax, quantize, quantize_block_pieces, quantize_pieces, quantize_reference,
+    quantize_rows_with_grid, saturate_cast,
 )
 from fsdp8.fp8.linear import Float8Linear
 from fsdp8.fp8.recipes import (
@@ -181,6 +181,49 @@ def test_quantize_pieces_rejects_pieces_outside_the_buffers():
         quantize_pieces(src, out, scales, [(0, 0, 4, 2)], E4M3)
     with pytest.raises(ValueError, match="must be"):
         quantize_pieces(src, out.view(torch.uint8), scales, [(0, 0, 4, 0)], E4M3)
+
+
+def _block_pieces_reference(src, scales, pieces, fp8, out_numel):
+    """What quantize_block_pieces must write, from the block-scale definition: each element
+    times its 128x128 block's scale (row block (row_start + r) // 128), via bf16."""
+    out = torch.full((out_numel,), 0xAB, dtype=torch.uint8)
+    for s_off, o_off, rows, cols, row_start, g_off in pieces:
+        x = src[s_off : s_off + rows * cols].view(rows, cols).to(torch.bfloat16)
+        grid_cols = math.ceil(cols / 128)
+        r = (torch.arange(rows)[:, None] + row_start) // 128
+        c = torch.arange(cols)[None, :] // 128
+        scale = scales[g_off + r * grid_cols + c]
+        out[o_off : o_off + rows * cols] = saturate_cast(x, scale, fp8).view(torch.uint8).flatten()
+    return out
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_quantize_block_pieces_writes_each_piece_with_its_block_scales(fp8):
+    """Many 128x128-scaled row ranges (shards starting inside a block, ragged columns, an
+    empty piece) into one flat buffer, each element with its own block's scale; bytes
+    between pieces stay untouched."""
+    src = _near_bf16_ties(20600, 2) * 0.01  # 61,800 values
+    src[17] = float("nan")
+    scales = torch.rand(64) * 100 + 0.5
+    pieces = [(0, 8, 300, 150, 70, 0),  # rows 70..369 of a 150-wide weight: grid rows 0-2, 2 columns
+              (300 * 150, 300 * 150 + 40, 64, 260, 128, 8),  # rows 128..191 of a 260-wide one (3 grid columns)
+              (5, 300 * 150 + 64 * 260 + 48, 0, 16, 0, 63)]
+    n_out = 300 * 150 + 64 * 260 + 64
+    out = torch.full((n_out,), 0xAB, dtype=torch.uint8)
+    quantize_block_pieces(src, out.view(fp8), scales, pieces, fp8, via=torch.bfloat16)
+    assert torch.equal(out, _block_pieces_reference(src, scales, pieces, fp8, n_out))
+    assert torch.isnan(out[8 + 17 : 8 + 18].view(fp8).float()).all()
+
+
+def test_quantize_block_pieces_rejects_pieces_outside_the_buffers():
+    src, out, scales = torch.zeros(20000), torch.zeros(20000, dtype=E4M3), torch.ones(4)
+    quantize_block_pieces(src, out, scales, [(0, 0, 28, 300, 100, 0)], E4M3)  # grid row 0 only: 3 scales
+    with pytest.raises(ValueError, match="reaches outside"):
+        quantize_block_pieces(src, out, scales, [(0, 0, 70, 300, 0, 0)], E4M3)  # 21,000 elements
+    with pytest.raises(ValueError, match="reaches outside"):  # rows 100..139 touch grid row 1: 2 x 3 scales
+        quantize_block_pieces(src, out, scales, [(0, 0, 40, 300, 100, 0)], E4M3)
+    with pytest.raises(ValueError, match="must be"):
+        quantize_block_pieces(src, out.view(torch.uint8), scales, [(0, 0, 1, 4, 0, 0)], E4M3)
 
 
 def test_e8m0_scales_are_exact_powers_of_two():

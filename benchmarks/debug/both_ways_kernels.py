@@ -1,0 +1,203 @@
+"""1x128 quantization both ways (row blocks written row-major, column blocks written
+transposed) of model A's output gradients, materialized: fsdp8's kernel against candidate
+layouts of the same work, each at several warp counts. Checks every variant's bytes against
+fsdp8's kernel and prints a table of milliseconds (median of --iters, CUDA events) and
+bandwidth (2 bytes read and 2 written per element), with the registers and spills of each
+compiled variant.
+
+    python benchmarks/debug/both_ways_kernels.py [--iters 100]
+
+Variants:
+  fsdp8        triton_kernels._rows_and_cols_kernel: the 128x128 tile held in fp32.
+  native       the tile held in its own dtype (bf16), converted to fp32 only to be scaled.
+  col_strips   the tile read S columns at a time: each strip's column blocks are complete,
+               so they are quantized and stored (transposed) at once while the rows' amaxes
+               accumulate; a second pass over the strips (from L1/L2) quantizes the rows.
+  row_strips   the same with R rows at a time: rows first, columns in the second pass.
+"""
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from fsdp8.fp8 import triton_kernels as tk  # noqa: E402
+from fsdp8.fp8.formats import E4M3, FP8_MAX  # noqa: E402
+from fsdp8.fp8.triton_kernels import _clamp_cast, _reciprocal, _scale_from_amax  # noqa: E402
+
+
+@triton.jit
+def _native_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
+                   FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr):
+    mb, kb = tl.program_id(0), tl.program_id(1)
+    rm = mb * B + tl.arange(0, B)
+    rk = kb * B + tl.arange(0, B)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0)
+    ax = tl.abs(x)
+    nan = (x != x).to(tl.int8)
+    row_amax = tl.where(tl.max(nan, axis=1) > 0, float("nan"), tl.max(ax, axis=1).to(tl.float32))
+    col_amax = tl.where(tl.max(nan, axis=0) > 0, float("nan"), tl.max(ax, axis=0).to(tl.float32))
+    row_scale = _scale_from_amax(row_amax, FMAX)
+    col_scale = _scale_from_amax(col_amax, FMAX)
+    tl.store(q_ptr + rm[:, None] * K + rk[None, :], _clamp_cast(x.to(tl.float32) * row_scale[:, None], FMAX, OUT),
+             mask=mask)
+    q_col = _clamp_cast(x.to(tl.float32) * col_scale[None, :], FMAX, OUT)
+    tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col), mask=(rk[:, None] < K) & (rm[None, :] < M))
+    tl.store(sinv_ptr + rm * KB + kb, _reciprocal(row_scale), mask=rm < M)
+    tl.store(sinv_t_ptr + rk * MB + mb, _reciprocal(col_scale), mask=rk < K)
+
+
+@triton.jit
+def _col_strips_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
+                       FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr, S: tl.constexpr):
+    mb, kb = tl.program_id(0), tl.program_id(1)
+    rm = mb * B + tl.arange(0, B)
+    row_amax = tl.zeros([B], dtype=tl.float32)
+    row_nan = tl.zeros([B], dtype=tl.int32)
+    for s in tl.static_range(0, B, S):
+        rk = kb * B + s + tl.arange(0, S)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0)
+        ax = tl.abs(x).to(tl.float32)
+        nan = (x != x).to(tl.int32)
+        row_amax = tl.maximum(row_amax, tl.max(ax, axis=1))
+        row_nan = row_nan | tl.max(nan, axis=1)
+        col_amax = tl.where(tl.max(nan, axis=0) > 0, float("nan"), tl.max(ax, axis=0))
+        col_scale = _scale_from_amax(col_amax, FMAX)
+        q_col = _clamp_cast(x.to(tl.float32) * col_scale[None, :], FMAX, OUT)
+        tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col), mask=(rk[:, None] < K) & (rm[None, :] < M))
+        tl.store(sinv_t_ptr + rk * MB + mb, _reciprocal(col_scale), mask=rk < K)
+    row_scale = _scale_from_amax(tl.where(row_nan > 0, float("nan"), row_amax), FMAX)
+    for s in tl.static_range(0, B, S):
+        rk = kb * B + s + tl.arange(0, S)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0)
+        tl.store(q_ptr + rm[:, None] * K + rk[None, :], _clamp_cast(x.to(tl.float32) * row_scale[:, None], FMAX, OUT),
+                 mask=mask)
+    tl.store(sinv_ptr + rm * KB + kb, _reciprocal(row_scale), mask=rm < M)
+
+
+@triton.jit
+def _row_strips_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
+                       FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr, R: tl.constexpr):
+    mb, kb = tl.program_id(0), tl.program_id(1)
+    rk = kb * B + tl.arange(0, B)
+    col_amax = tl.zeros([B], dtype=tl.float32)
+    col_nan = tl.zeros([B], dtype=tl.int32)
+    for r in tl.static_range(0, B, R):
+        rm = mb * B + r + tl.arange(0, R)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0)
+        ax = tl.abs(x).to(tl.float32)
+        nan = (x != x).to(tl.int32)
+        col_amax = tl.maximum(col_amax, tl.max(ax, axis=0))
+        col_nan = col_nan | tl.max(nan, axis=0)
+        row_amax = tl.where(tl.max(nan, axis=1) > 0, float("nan"), tl.max(ax, axis=1))
+        row_scale = _scale_from_amax(row_amax, FMAX)
+        tl.store(q_ptr + rm[:, None] * K + rk[None, :], _clamp_cast(x.to(tl.float32) * row_scale[:, None], FMAX, OUT),
+                 mask=mask)
+        tl.store(sinv_ptr + rm * KB + kb, _reciprocal(row_scale), mask=rm < M)
+    col_scale = _scale_from_amax(tl.where(col_nan > 0, float("nan"), col_amax), FMAX)
+    for r in tl.static_range(0, B, R):
+        rm = mb * B + r + tl.arange(0, R)
+        mask = (rm[:, None] < M) & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0)
+        q_col = _clamp_cast(x.to(tl.float32) * col_scale[None, :], FMAX, OUT)
+        tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col), mask=(rk[:, None] < K) & (rm[None, :] < M))
+    tl.store(sinv_t_ptr + rk * MB + mb, _reciprocal(col_scale), mask=rk < K)
+
+
+def bits(t):
+    """The tensor's bits, so that torch.equal compares NaN scales too."""
+    return t.view(torch.uint8) if t.dtype == E4M3 else t.view(torch.int32)
+
+
+def outputs(x):
+    m, k = x.shape
+    return (torch.empty((m, k), dtype=E4M3, device=x.device), torch.empty((m, k // 128), device=x.device),
+            torch.empty((k, m), dtype=E4M3, device=x.device), torch.empty((k, m // 128), device=x.device))
+
+
+def launcher(name, warps, extra):
+    def run(x, out):
+        m, k = x.shape
+        q, sinv, qt, sinv_t = out
+        args = (x, q, qt, sinv, sinv_t, m, k, x.stride(0), x.stride(1), k // 128, m // 128)
+        common = dict(FMAX=FP8_MAX[E4M3], OUT=tk._tl_dtype(E4M3), B=128, num_warps=warps)
+        grid = (m // 128, k // 128)
+        if name == "fsdp8":
+            return tk._rows_and_cols_kernel[grid](*args, RELOAD_T=False, **common)
+        kernel = {"native": _native_kernel, "col_strips": _col_strips_kernel, "row_strips": _row_strips_kernel}[name]
+        return kernel[grid](*args, **common, **extra)
+    return run
+
+
+def timed(fn, iters):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    events = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        events.append((s, e))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+VARIANTS = [("fsdp8", {})] + [("native", {})] + [("col_strips", {"S": s}) for s in (16, 32, 64)] + [
+    ("row_strips", {"R": r}) for r in (16, 32, 64)]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--warps", default="4,8,16")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    # Model A (tokens 8192): gate/up, q/o/down, k/v output gradients.
+    shapes = [(8192, 8192), (8192, 2048), (8192, 1024)]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; bf16 -> e4m3")
+    print("| shape | variant | warps | ms | TB/s | regs | spills | bytes equal |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    best = {}
+    for shape in shapes:
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * torch.rand(shape[1], device="cuda",
+                                                                                 dtype=torch.bfloat16)
+        x[5, 7] = float("nan")  # a NaN block both ways
+        expected = outputs(x)
+        launcher("fsdp8", 4, {})(x, expected)
+        expected = [bits(t) for t in expected]
+        moved = 4 * x.numel()
+        for name, extra in VARIANTS:
+            for warps in (int(w) for w in args.warps.split(",")):
+                out = outputs(x)
+                try:
+                    compiled = launcher(name, warps, extra)(x, out)
+                except Exception as exc:  # a variant that does not compile is a row, not a crash
+                    print(f"| {shape} | {name} {extra} | {warps} | - | - | - | - | {type(exc).__name__} |", flush=True)
+                    continue
+                got = [bits(t) for t in out]
+                same = all(torch.equal(g, e) for g, e in zip(got, expected))
+                ms = timed(lambda: launcher(name, warps, extra)(x, out), args.iters)
+                regs = getattr(compiled, "n_regs", "?")
+                spills = getattr(compiled, "n_spills", "?")
+                print(f"| {shape} | {name} {extra or ''} | {warps} | {ms:.4f} | {moved / ms / 1e9:.2f} | {regs} | "
+                      f"{spills} | {same} |", flush=True)
+                if same and ms < best.get(shape, (1e9,))[0]:
+                    best[shape] = (ms, name, extra, warps)
+    print("\nbest per shape:", {str(k): v for k, v in best.items()})
+
+
+if __name__ == "__main__":
+    main()
