@@ -14,6 +14,8 @@ Variants:
                so they are quantized and stored (transposed) at once while the rows' amaxes
                accumulate; a second pass over the strips (from L1/L2) quantizes the rows.
   row_strips   the same with R rows at a time: rows first, columns in the second pass.
+  --variants registers: fsdp8 and native with maxnreg (fewer registers, more programs per SM).
+  --variants pipelined: native, T column tiles per program in a loop of NS software-pipeline stages.
 """
 
 import argparse
@@ -34,9 +36,8 @@ from fsdp8.fp8.triton_kernels import _clamp_cast, _reciprocal, _scale_from_amax 
 
 
 @triton.jit
-def _native_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
-                   FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr):
-    mb, kb = tl.program_id(0), tl.program_id(1)
+def _native_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, mb, kb,
+                 FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr):
     rm = mb * B + tl.arange(0, B)
     rk = kb * B + tl.arange(0, B)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
@@ -53,6 +54,24 @@ def _native_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, K
     tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col), mask=(rk[:, None] < K) & (rm[None, :] < M))
     tl.store(sinv_ptr + rm * KB + kb, _reciprocal(row_scale), mask=rm < M)
     tl.store(sinv_t_ptr + rk * MB + mb, _reciprocal(col_scale), mask=rk < K)
+
+
+@triton.jit
+def _native_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
+                   FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr):
+    _native_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, tl.program_id(0),
+                 tl.program_id(1), FMAX, OUT, B)
+
+
+@triton.jit
+def _looped_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
+                   FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr, T: tl.constexpr, NS: tl.constexpr):
+    """T column tiles per program in a loop the compiler may pipeline (NS stages): the next
+    tile's load in flight while this one is quantized. Needs KB % T == 0."""
+    mb = tl.program_id(0)
+    for i in tl.range(0, T, num_stages=NS):
+        _native_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, mb,
+                     tl.program_id(1) * T + i, FMAX, OUT, B)
 
 
 @triton.jit
@@ -127,15 +146,19 @@ def outputs(x):
 
 
 def launcher(name, warps, extra):
+    extra = dict(extra)
+    opts = {"maxnreg": extra.pop("maxnreg")} if "maxnreg" in extra else {}
+
     def run(x, out):
         m, k = x.shape
         q, sinv, qt, sinv_t = out
         args = (x, q, qt, sinv, sinv_t, m, k, x.stride(0), x.stride(1), k // 128, m // 128)
-        common = dict(FMAX=FP8_MAX[E4M3], OUT=tk._tl_dtype(E4M3), B=128, num_warps=warps)
-        grid = (m // 128, k // 128)
+        common = dict(FMAX=FP8_MAX[E4M3], OUT=tk._tl_dtype(E4M3), B=128, num_warps=warps, **opts)
+        grid = (m // 128, k // 128 // extra.get("T", 1))
         if name == "fsdp8":
             return tk._rows_and_cols_kernel[grid](*args, RELOAD_T=False, **common)
-        kernel = {"native": _native_kernel, "col_strips": _col_strips_kernel, "row_strips": _row_strips_kernel}[name]
+        kernel = {"native": _native_kernel, "col_strips": _col_strips_kernel, "row_strips": _row_strips_kernel,
+                  "looped": _looped_kernel}[name]
         return kernel[grid](*args, **common, **extra)
     return run
 
@@ -155,14 +178,21 @@ def timed(fn, iters):
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-VARIANTS = [("fsdp8", {})] + [("native", {})] + [("col_strips", {"S": s}) for s in (16, 32, 64)] + [
-    ("row_strips", {"R": r}) for r in (16, 32, 64)]
+# maxnreg caps the registers per thread (spilling the rest), so more programs share an SM.
+VARIANTS = {
+    "layouts": [("fsdp8", {})] + [("native", {})] + [("col_strips", {"S": s}) for s in (16, 32, 64)] + [
+        ("row_strips", {"R": r}) for r in (16, 32, 64)],
+    "registers": [(name, {"maxnreg": n}) for name in ("fsdp8", "native") for n in (96, 128, 168)] + [
+        ("native", {})],
+    "pipelined": [("looped", {"T": t, "NS": ns}) for t in (2, 4) for ns in (1, 2, 3)],
+}
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--warps", default="4,8,16")
+    p.add_argument("--variants", choices=sorted(VARIANTS), default="layouts")
     args = p.parse_args()
     torch.manual_seed(0)
     # Model A (tokens 8192): gate/up, q/o/down, k/v output gradients.
@@ -179,7 +209,7 @@ def main():
         launcher("fsdp8", 4, {})(x, expected)
         expected = [bits(t) for t in expected]
         moved = 4 * x.numel()
-        for name, extra in VARIANTS:
+        for name, extra in VARIANTS[args.variants]:
             for warps in (int(w) for w in args.warps.split(",")):
                 out = outputs(x)
                 try:
