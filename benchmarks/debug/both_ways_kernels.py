@@ -8,13 +8,15 @@ compiled variant.
     python benchmarks/debug/both_ways_kernels.py [--iters 100]
 
 Variants:
-  fsdp8        triton_kernels._rows_and_cols_kernel: the 128x128 tile held in fp32.
+  fsdp8        triton_kernels._rows_and_cols_kernel (since 2026-11-24 the native layout).
+  widened      the 128x128 tile widened to fp32 as it is loaded (fsdp8's kernel before).
   native       the tile held in its own dtype (bf16), converted to fp32 only to be scaled.
   col_strips   the tile read S columns at a time: each strip's column blocks are complete,
                so they are quantized and stored (transposed) at once while the rows' amaxes
                accumulate; a second pass over the strips (from L1/L2) quantizes the rows.
   row_strips   the same with R rows at a time: rows first, columns in the second pass.
   --variants registers: fsdp8 and native with maxnreg (fewer registers, more programs per SM).
+  --variants check: fsdp8's kernel against the widened one only.
   --variants pipelined: native, T column tiles per program in a loop of NS software-pipeline stages.
 """
 
@@ -51,6 +53,24 @@ def _native_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB,
     tl.store(q_ptr + rm[:, None] * K + rk[None, :], _clamp_cast(x.to(tl.float32) * row_scale[:, None], FMAX, OUT),
              mask=mask)
     q_col = _clamp_cast(x.to(tl.float32) * col_scale[None, :], FMAX, OUT)
+    tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col), mask=(rk[:, None] < K) & (rm[None, :] < M))
+    tl.store(sinv_ptr + rm * KB + kb, _reciprocal(row_scale), mask=rm < M)
+    tl.store(sinv_t_ptr + rk * MB + mb, _reciprocal(col_scale), mask=rk < K)
+
+
+@triton.jit
+def _widened_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
+                    FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr):
+    mb, kb = tl.program_id(0), tl.program_id(1)
+    rm = mb * B + tl.arange(0, B)
+    rk = kb * B + tl.arange(0, B)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+    nan = (x != x).to(tl.int32)
+    row_scale = _scale_from_amax(tl.where(tl.max(nan, axis=1) > 0, float("nan"), tl.max(tl.abs(x), axis=1)), FMAX)
+    col_scale = _scale_from_amax(tl.where(tl.max(nan, axis=0) > 0, float("nan"), tl.max(tl.abs(x), axis=0)), FMAX)
+    tl.store(q_ptr + rm[:, None] * K + rk[None, :], _clamp_cast(x * row_scale[:, None], FMAX, OUT), mask=mask)
+    q_col = _clamp_cast(x * col_scale[None, :], FMAX, OUT)
     tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col), mask=(rk[:, None] < K) & (rm[None, :] < M))
     tl.store(sinv_ptr + rm * KB + kb, _reciprocal(row_scale), mask=rm < M)
     tl.store(sinv_t_ptr + rk * MB + mb, _reciprocal(col_scale), mask=rk < K)
@@ -158,7 +178,7 @@ def launcher(name, warps, extra):
         if name == "fsdp8":
             return tk._rows_and_cols_kernel[grid](*args, RELOAD_T=False, **common)
         kernel = {"native": _native_kernel, "col_strips": _col_strips_kernel, "row_strips": _row_strips_kernel,
-                  "looped": _looped_kernel}[name]
+                  "looped": _looped_kernel, "widened": _widened_kernel}[name]
         return kernel[grid](*args, **common, **extra)
     return run
 
@@ -180,10 +200,11 @@ def timed(fn, iters):
 
 # maxnreg caps the registers per thread (spilling the rest), so more programs share an SM.
 VARIANTS = {
-    "layouts": [("fsdp8", {})] + [("native", {})] + [("col_strips", {"S": s}) for s in (16, 32, 64)] + [
+    "layouts": [("fsdp8", {}), ("widened", {}), ("native", {})] + [("col_strips", {"S": s}) for s in (16, 32, 64)] + [
         ("row_strips", {"R": r}) for r in (16, 32, 64)],
     "registers": [(name, {"maxnreg": n}) for name in ("fsdp8", "native") for n in (96, 128, 168)] + [
         ("native", {})],
+    "check": [("fsdp8", {}), ("widened", {})],
     "pipelined": [("looped", {"T": t, "NS": ns}) for t in (2, 4) for ns in (1, 2, 3)],
 }
 
