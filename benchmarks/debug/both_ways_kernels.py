@@ -17,6 +17,10 @@ Variants:
   row_strips   the same with R rows at a time: rows first, columns in the second pass.
   --variants registers: fsdp8 and native with maxnreg (fewer registers, more programs per SM).
   --variants check: fsdp8's kernel against the widened one only.
+  --variants two_kernels: pass 1 reads the tile RB rows at a time for both scales (as the
+               weights' block amax kernel does), pass 2 reads it again in TM x TK tiles and
+               writes both quantizations: 6 bytes moved per element instead of 4, but no
+               reductions in the pass that stores.
   --variants pipelined: native, T column tiles per program in a loop of NS software-pipeline stages.
 """
 
@@ -154,6 +158,48 @@ def _row_strips_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sx
     tl.store(sinv_t_ptr + rk * MB + mb, _reciprocal(col_scale), mask=rk < K)
 
 
+@triton.jit
+def _both_scales_kernel(x_ptr, rs_ptr, cs_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
+                        FMAX: tl.constexpr, B: tl.constexpr, RB: tl.constexpr):
+    """Pass 1 of two_kernels: a 128x128 tile read RB rows at a time; each row's 1x128 scale is
+    complete at once, the columns' 128x1 scales at the end. Writes the scales and scale_invs."""
+    mb, kb = tl.program_id(0), tl.program_id(1)
+    rk = kb * B + tl.arange(0, B)
+    col_amax = tl.zeros([B], dtype=tl.float32)
+    col_nan = tl.zeros([B], dtype=tl.int32)
+    for r0 in tl.static_range(0, B, RB):
+        rm = mb * B + r0 + tl.arange(0, RB)
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & (rk[None, :] < K),
+                    other=0.0)
+        ax = tl.abs(x).to(tl.float32)
+        nan = (x != x).to(tl.int32)
+        row_scale = _scale_from_amax(tl.where(tl.max(nan, axis=1) > 0, float("nan"), tl.max(ax, axis=1)), FMAX)
+        tl.store(rs_ptr + rm * KB + kb, row_scale, mask=rm < M)
+        tl.store(sinv_ptr + rm * KB + kb, _reciprocal(row_scale), mask=rm < M)
+        col_amax = tl.maximum(col_amax, tl.max(ax, axis=0))
+        col_nan = col_nan | tl.max(nan, axis=0)
+    col_scale = _scale_from_amax(tl.where(col_nan > 0, float("nan"), col_amax), FMAX)
+    tl.store(cs_ptr + mb * K + rk, col_scale, mask=rk < K)
+    tl.store(sinv_t_ptr + rk * MB + mb, _reciprocal(col_scale), mask=rk < K)
+
+
+@triton.jit
+def _both_apply_kernel(x_ptr, q_ptr, qt_ptr, rs_ptr, cs_ptr, M, K, sxm, sxk, KB,
+                       FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr, TM: tl.constexpr, TK: tl.constexpr):
+    """Pass 2: a TM x TK tile (inside one 128x128 block) quantized with the scales of pass 1,
+    written row-major and transposed; no reductions, so few registers and many programs."""
+    pm, pk = tl.program_id(0), tl.program_id(1)
+    rm = pm * TM + tl.arange(0, TM)
+    rk = pk * TK + tl.arange(0, TK)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+    row_scale = tl.load(rs_ptr + rm * KB + (pk * TK) // B, mask=rm < M, other=1.0)
+    col_scale = tl.load(cs_ptr + ((pm * TM) // B) * K + rk, mask=rk < K, other=1.0)
+    tl.store(q_ptr + rm[:, None] * K + rk[None, :], _clamp_cast(x * row_scale[:, None], FMAX, OUT), mask=mask)
+    q_col = _clamp_cast(x * col_scale[None, :], FMAX, OUT)
+    tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col), mask=(rk[:, None] < K) & (rm[None, :] < M))
+
+
 def bits(t):
     """The tensor's bits, so that torch.equal compares NaN scales too."""
     return t.view(torch.uint8) if t.dtype == E4M3 else t.view(torch.int32)
@@ -175,6 +221,15 @@ def launcher(name, warps, extra):
         args = (x, q, qt, sinv, sinv_t, m, k, x.stride(0), x.stride(1), k // 128, m // 128)
         common = dict(FMAX=FP8_MAX[E4M3], OUT=tk._tl_dtype(E4M3), B=128, num_warps=warps, **opts)
         grid = (m // 128, k // 128 // extra.get("T", 1))
+        if name == "two_kernels":
+            rs = torch.empty((m, k // 128), device=x.device)
+            cs = torch.empty((m // 128, k), device=x.device)
+            _both_scales_kernel[(m // 128, k // 128)](*args[:1], rs, cs, sinv, sinv_t, *args[5:], FMAX=FP8_MAX[E4M3],
+                                                      B=128, RB=extra["RB"], num_warps=4)
+            tile_m, tile_k = extra["TM"], extra["TK"]
+            return _both_apply_kernel[(m // tile_m, k // tile_k)](
+                x, q, qt, rs, cs, m, k, x.stride(0), x.stride(1), k // 128, FMAX=FP8_MAX[E4M3], OUT=tk._tl_dtype(E4M3),
+                B=128, TM=tile_m, TK=tile_k, num_warps=warps, **opts)
         if name == "fsdp8":
             return tk._rows_and_cols_kernel[grid](*args, RELOAD_T=False, **common)
         kernel = {"native": _native_kernel, "col_strips": _col_strips_kernel, "row_strips": _row_strips_kernel,
@@ -205,6 +260,8 @@ VARIANTS = {
     "registers": [(name, {"maxnreg": n}) for name in ("fsdp8", "native") for n in (96, 128, 168)] + [
         ("native", {})],
     "check": [("fsdp8", {}), ("widened", {})],
+    "two_kernels": [("fsdp8", {})] + [("two_kernels", {"RB": rb, "TM": tm, "TK": tkk}) for rb in (8,)
+                                      for tm, tkk in ((32, 128), (64, 64), (64, 128), (128, 64), (128, 128))],
     "pipelined": [("looped", {"T": t, "NS": ns}) for t in (2, 4) for ns in (1, 2, 3)],
 }
 
