@@ -21,6 +21,7 @@ Variants:
                weights' block amax kernel does), pass 2 reads it again in TM x TK tiles and
                writes both quantizations: 6 bytes moved per element instead of 4, but no
                reductions in the pass that stores.
+  --variants passes: each pass of two_kernels alone (bytes not equal: timing only).
   --variants pipelined: native, T column tiles per program in a loop of NS software-pipeline stages.
 """
 
@@ -224,8 +225,12 @@ def launcher(name, warps, extra):
         if name == "two_kernels":
             rs = torch.empty((m, k // 128), device=x.device)
             cs = torch.empty((m // 128, k), device=x.device)
-            _both_scales_kernel[(m // 128, k // 128)](*args[:1], rs, cs, sinv, sinv_t, *args[5:], FMAX=FP8_MAX[E4M3],
-                                                      B=128, RB=extra["RB"], num_warps=4)
+            if extra.get("ONLY") != 2:  # ONLY: time one pass (the bytes then differ)
+                compiled = _both_scales_kernel[(m // 128, k // 128)](
+                    *args[:1], rs, cs, sinv, sinv_t, *args[5:], FMAX=FP8_MAX[E4M3], B=128, RB=extra["RB"],
+                    num_warps=warps if extra.get("ONLY") == 1 else 4)
+                if extra.get("ONLY") == 1:
+                    return compiled
             tile_m, tile_k = extra["TM"], extra["TK"]
             return _both_apply_kernel[(m // tile_m, k // tile_k)](
                 x, q, qt, rs, cs, m, k, x.stride(0), x.stride(1), k // 128, FMAX=FP8_MAX[E4M3], OUT=tk._tl_dtype(E4M3),
@@ -262,6 +267,8 @@ VARIANTS = {
     "check": [("fsdp8", {}), ("widened", {})],
     "two_kernels": [("fsdp8", {})] + [("two_kernels", {"RB": rb, "TM": tm, "TK": tkk}) for rb in (8,)
                                       for tm, tkk in ((32, 128), (64, 64), (64, 128), (128, 64), (128, 128))],
+    "passes": [("two_kernels", {"RB": rb, "TM": 64, "TK": 128, "ONLY": 1}) for rb in (4, 8, 16, 32)] + [
+        ("two_kernels", {"RB": 8, "TM": tm, "TK": tkk, "ONLY": 2}) for tm, tkk in ((32, 128), (64, 64), (64, 128))],
     "pipelined": [("looped", {"T": t, "NS": ns}) for t in (2, 4) for ns in (1, 2, 3)],
 }
 
