@@ -21,6 +21,9 @@ Variants:
                weights' block amax kernel does), pass 2 reads it again in TM x TK tiles and
                writes both quantizations: 6 bytes moved per element instead of 4, but no
                reductions in the pass that stores.
+  --variants cols_then_both: pass 1 finds the column scales only (elementwise maxima, one
+               reduction at the end); pass 2 reads TM whole row blocks, finds their row
+               scales and writes both quantizations.
   --variants passes: each pass of two_kernels alone (bytes not equal: timing only).
   --variants pipelined: native, T column tiles per program in a loop of NS software-pipeline stages.
 """
@@ -203,6 +206,47 @@ def _both_apply_kernel(x_ptr, q_ptr, qt_ptr, rs_ptr, cs_ptr, M, K, sxm, sxk, KB,
     tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col), mask=(rk[:, None] < K) & (rm[None, :] < M))
 
 
+@triton.jit
+def _col_scales_kernel(x_ptr, cs_ptr, sinv_t_ptr, M, K, sxm, sxk, MB,
+                       FMAX: tl.constexpr, B: tl.constexpr, RB: tl.constexpr):
+    """Pass 1 of cols_then_both: the 128x1 column scales of a 128x128 tile, its maxima kept
+    elementwise RB rows at a time (as the weights' block amax kernel) and reduced once."""
+    mb, kb = tl.program_id(0), tl.program_id(1)
+    rk = kb * B + tl.arange(0, B)
+    acc = tl.zeros([RB, B], dtype=tl.float32)
+    acc_nan = tl.zeros([RB, B], dtype=tl.int32)
+    for r0 in range(0, B, RB):
+        rm = mb * B + r0 + tl.arange(0, RB)
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & (rk[None, :] < K),
+                    other=0.0)
+        acc = tl.maximum(acc, tl.abs(x).to(tl.float32))
+        acc_nan = acc_nan | (x != x).to(tl.int32)
+    col_scale = _scale_from_amax(tl.where(tl.max(acc_nan, axis=0) > 0, float("nan"), tl.max(acc, axis=0)), FMAX)
+    tl.store(cs_ptr + mb * K + rk, col_scale, mask=rk < K)
+    tl.store(sinv_t_ptr + rk * MB + mb, _reciprocal(col_scale), mask=rk < K)
+
+
+@triton.jit
+def _rows_and_apply_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, cs_ptr, M, K, sxm, sxk, KB,
+                           FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr, TM: tl.constexpr):
+    """Pass 2 of cols_then_both: TM whole 1x128 row blocks, their scales found here (a
+    reduction inside a warp), quantized both ways with pass 1's column scales."""
+    pm, kb = tl.program_id(0), tl.program_id(1)
+    rm = pm * TM + tl.arange(0, TM)
+    rk = kb * B + tl.arange(0, B)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0)
+    nan = (x != x).to(tl.int8)
+    row_amax = tl.where(tl.max(nan, axis=1) > 0, float("nan"), tl.max(tl.abs(x), axis=1).to(tl.float32))
+    row_scale = _scale_from_amax(row_amax, FMAX)
+    col_scale = tl.load(cs_ptr + ((pm * TM) // B) * K + rk, mask=rk < K, other=1.0)
+    tl.store(q_ptr + rm[:, None] * K + rk[None, :], _clamp_cast(x.to(tl.float32) * row_scale[:, None], FMAX, OUT),
+             mask=mask)
+    q_col = _clamp_cast(x.to(tl.float32) * col_scale[None, :], FMAX, OUT)
+    tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col), mask=(rk[:, None] < K) & (rm[None, :] < M))
+    tl.store(sinv_ptr + rm * KB + kb, _reciprocal(row_scale), mask=rm < M)
+
+
 def bits(t):
     """The tensor's bits, so that torch.equal compares NaN scales too."""
     return t.view(torch.uint8) if t.dtype == E4M3 else t.view(torch.int32)
@@ -237,6 +281,17 @@ def launcher(name, warps, extra):
             return _both_apply_kernel[(m // tile_m, k // tile_k)](
                 x, q, qt, rs, cs, m, k, x.stride(0), x.stride(1), k // 128, FMAX=FP8_MAX[E4M3], OUT=tk._tl_dtype(E4M3),
                 B=128, TM=tile_m, TK=tile_k, num_warps=warps, **opts)
+        if name == "cols_then_both":
+            cs = torch.empty((m // 128, k), device=x.device)
+            if extra.get("ONLY") != 2:
+                compiled = _col_scales_kernel[(m // 128, k // 128)](x, cs, sinv_t, m, k, x.stride(0), x.stride(1),
+                                                                    m // 128, FMAX=FP8_MAX[E4M3], B=128,
+                                                                    RB=extra["RB"], num_warps=4)
+                if extra.get("ONLY") == 1:
+                    return compiled
+            return _rows_and_apply_kernel[(m // extra["TM"], k // 128)](
+                x, q, qt, sinv, cs, m, k, x.stride(0), x.stride(1), k // 128, FMAX=FP8_MAX[E4M3],
+                OUT=tk._tl_dtype(E4M3), B=128, TM=extra["TM"], num_warps=warps, **opts)
         if name == "fsdp8":
             return tk._rows_and_cols_kernel[grid](*args, RELOAD_T=False, **common)
         kernel = {"native": _native_kernel, "col_strips": _col_strips_kernel, "row_strips": _row_strips_kernel,
@@ -272,6 +327,9 @@ VARIANTS = {
     "passes": [("two_kernels", {"RB": rb, "TM": 64, "TK": 128, "ONLY": 1}) for rb in (4, 8, 16, 32)] + [
         ("two_kernels", {"RB": 8, "TM": tm, "TK": tkk, "ONLY": 2}) for tm, tkk in ((32, 128), (64, 64), (64, 128))] + [
         ("two_kernels", {"RB": rb, "TM": tm, "TK": 128}) for rb in (4, 8, 16) for tm in (32, 64)] + [("fsdp8", {})],
+    "cols_then_both": [("fsdp8", {})] + [("cols_then_both", {"RB": rb, "TM": 64, "ONLY": 1}) for rb in (4, 8, 16)]
+    + [("cols_then_both", {"RB": 8, "TM": tm, "ONLY": 2}) for tm in (16, 32, 64)]
+    + [("cols_then_both", {"RB": rb, "TM": tm}) for rb in (4, 8) for tm in (16, 32, 64)],
     "pipelined": [("looped", {"T": t, "NS": ns}) for t in (2, 4) for ns in (1, 2, 3)],
 }
 
