@@ -10,12 +10,13 @@ compiled variant.
 Variants:
   fsdp8        triton_kernels._rows_and_cols_kernel (since 2026-11-24 the native layout).
   widened      the 128x128 tile widened to fp32 as it is loaded (fsdp8's kernel before).
-  native       the tile held in its own dtype (bf16), converted to fp32 only to be scaled.
+  native       the tile held in its own dtype (bf16), converted to fp32 only to be scaled: measured
+               best, so it is fsdp8's kernel now (the two names run the same code).
   col_strips   the tile read S columns at a time: each strip's column blocks are complete,
                so they are quantized and stored (transposed) at once while the rows' amaxes
                accumulate; a second pass over the strips (from L1/L2) quantizes the rows.
   row_strips   the same with R rows at a time: rows first, columns in the second pass.
-  --variants registers: fsdp8 and native with maxnreg (fewer registers, more programs per SM).
+  --variants registers: fsdp8 and widened with maxnreg (fewer registers, more programs per SM).
   --variants check: fsdp8's kernel against the widened one only.
   --variants two_kernels: pass 1 reads the tile RB rows at a time for both scales (as the
                weights' block amax kernel does), pass 2 reads it again in TM x TK tiles and
@@ -46,27 +47,6 @@ from fsdp8.fp8.triton_kernels import _clamp_cast, _reciprocal, _scale_from_amax 
 
 
 @triton.jit
-def _native_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, mb, kb,
-                 FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr):
-    rm = mb * B + tl.arange(0, B)
-    rk = kb * B + tl.arange(0, B)
-    mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0)
-    ax = tl.abs(x)
-    nan = (x != x).to(tl.int8)
-    row_amax = tl.where(tl.max(nan, axis=1) > 0, float("nan"), tl.max(ax, axis=1).to(tl.float32))
-    col_amax = tl.where(tl.max(nan, axis=0) > 0, float("nan"), tl.max(ax, axis=0).to(tl.float32))
-    row_scale = _scale_from_amax(row_amax, FMAX)
-    col_scale = _scale_from_amax(col_amax, FMAX)
-    tl.store(q_ptr + rm[:, None] * K + rk[None, :], _clamp_cast(x.to(tl.float32) * row_scale[:, None], FMAX, OUT),
-             mask=mask)
-    q_col = _clamp_cast(x.to(tl.float32) * col_scale[None, :], FMAX, OUT)
-    tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col), mask=(rk[:, None] < K) & (rm[None, :] < M))
-    tl.store(sinv_ptr + rm * KB + kb, _reciprocal(row_scale), mask=rm < M)
-    tl.store(sinv_t_ptr + rk * MB + mb, _reciprocal(col_scale), mask=rk < K)
-
-
-@triton.jit
 def _widened_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
                     FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr):
     mb, kb = tl.program_id(0), tl.program_id(1)
@@ -85,21 +65,14 @@ def _widened_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, 
 
 
 @triton.jit
-def _native_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
-                   FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr):
-    _native_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, tl.program_id(0),
-                 tl.program_id(1), FMAX, OUT, B)
-
-
-@triton.jit
 def _looped_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
                    FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr, T: tl.constexpr, NS: tl.constexpr):
     """T column tiles per program in a loop the compiler may pipeline (NS stages): the next
     tile's load in flight while this one is quantized. Needs KB % T == 0."""
     mb = tl.program_id(0)
     for i in tl.range(0, T, num_stages=NS):
-        _native_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, mb,
-                     tl.program_id(1) * T + i, FMAX, OUT, B)
+        tk._rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, mb,
+                               tl.program_id(1) * T + i, FMAX, OUT, False, B)
 
 
 @triton.jit
@@ -292,9 +265,9 @@ def launcher(name, warps, extra):
             return _rows_and_apply_kernel[(m // extra["TM"], k // 128)](
                 x, q, qt, sinv, cs, m, k, x.stride(0), x.stride(1), k // 128, FMAX=FP8_MAX[E4M3],
                 OUT=tk._tl_dtype(E4M3), B=128, TM=extra["TM"], num_warps=warps, **opts)
-        if name == "fsdp8":
+        if name in ("fsdp8", "native"):  # the native layout is fsdp8's kernel since it was measured best
             return tk._rows_and_cols_kernel[grid](*args, RELOAD_T=False, **common)
-        kernel = {"native": _native_kernel, "col_strips": _col_strips_kernel, "row_strips": _row_strips_kernel,
+        kernel = {"col_strips": _col_strips_kernel, "row_strips": _row_strips_kernel,
                   "looped": _looped_kernel, "widened": _widened_kernel}[name]
         return kernel[grid](*args, **common, **extra)
     return run
@@ -317,10 +290,9 @@ def timed(fn, iters):
 
 # maxnreg caps the registers per thread (spilling the rest), so more programs share an SM.
 VARIANTS = {
-    "layouts": [("fsdp8", {}), ("widened", {}), ("native", {})] + [("col_strips", {"S": s}) for s in (16, 32, 64)] + [
+    "layouts": [("fsdp8", {}), ("widened", {})] + [("col_strips", {"S": s}) for s in (16, 32, 64)] + [
         ("row_strips", {"R": r}) for r in (16, 32, 64)],
-    "registers": [(name, {"maxnreg": n}) for name in ("fsdp8", "native") for n in (96, 128, 168)] + [
-        ("native", {})],
+    "registers": [(name, {"maxnreg": n}) for name in ("fsdp8", "widened") for n in (96, 128, 168)],
     "check": [("fsdp8", {}), ("widened", {})],
     "two_kernels": [("fsdp8", {})] + [("two_kernels", {"RB": rb, "TM": tm, "TK": tkk}) for rb in (8,)
                                       for tm, tkk in ((32, 128), (64, 64), (64, 128), (128, 64), (128, 128))],

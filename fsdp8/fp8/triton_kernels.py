@@ -123,26 +123,26 @@ if triton is not None:
     @triton.jit
     def _rows_and_cols_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
                               FMAX: tl.constexpr, OUT: tl.constexpr, RELOAD_T: tl.constexpr, B: tl.constexpr):
-        _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, FMAX, OUT, RELOAD_T, B)
+        _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, tl.program_id(0),
+                            tl.program_id(1), FMAX, OUT, RELOAD_T, B)
 
     @triton.jit
     def _rows_and_cols_op_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
                                  E5M2: tl.constexpr, RELOAD_T: tl.constexpr, B: tl.constexpr):
         """The same for a compiled graph, which takes plain constants only (no Triton dtype)."""
         if E5M2:
-            _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, 57344.0,
-                                tl.float8e5, RELOAD_T, B)
+            _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, tl.program_id(0),
+                                tl.program_id(1), 57344.0, tl.float8e5, RELOAD_T, B)
         else:
-            _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, 448.0,
-                                tl.float8e4nv, RELOAD_T, B)
+            _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, tl.program_id(0),
+                                tl.program_id(1), 448.0, tl.float8e4nv, RELOAD_T, B)
 
     @triton.jit
-    def _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
+    def _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, mb, kb,
                             FMAX: tl.constexpr, OUT: tl.constexpr, RELOAD_T: tl.constexpr, B: tl.constexpr):
-        """One BxB tile read once, quantized two ways: 1xB blocks along its rows (written
+        """Tile (mb, kb), BxB, read once, quantized two ways: 1xB blocks along its rows (written
         row-major) and Bx1 blocks down its columns (written transposed, i.e. 1xB blocks of
         x.t()). An activation or gradient needs both for its two GEMMs."""
-        mb, kb = tl.program_id(0), tl.program_id(1)
         rm = mb * B + tl.arange(0, B)
         rk = kb * B + tl.arange(0, B)
         mask = (rm[:, None] < M) & (rk[None, :] < K)
