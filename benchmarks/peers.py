@@ -103,6 +103,9 @@ class Result:
     tokens_per_s_per_gpu: float | None = None
     step_ms_median: float | None = None
     step_ms_mean_wall: float | None = None
+    # Host during the timed steps, to tell a slow host from a slow GPU: this process's CPU
+    # time (all threads) per step, garbage collections, and the machine's 1-minute load.
+    host: dict = field(default_factory=dict)
     mfu: float | None = None
     peak_alloc_gib: float | None = None
     peak_reserved_gib: float | None = None
@@ -242,14 +245,15 @@ def train_step(built: Built, batch: torch.Tensor, ctx: Context) -> torch.Tensor:
     return loss.detach()
 
 
-def run_steps(built: Built, batches: list[torch.Tensor], ctx: Context) -> tuple[list[torch.Tensor], list[float], float]:
-    """Warmup then timed steps: (losses of all steps, timed per-step ms, mean wall ms of timed steps)."""
+def run_steps(built: Built, batches: list[torch.Tensor], ctx: Context) -> tuple[list[torch.Tensor], list[float], float, dict]:
+    """Warmup then timed steps: (losses of all steps, timed per-step ms, mean wall ms of timed
+    steps, the host's figures over the timed steps)."""
     warmup = ctx.args.warmup
     losses = [train_step(built, b, ctx) for b in batches[:warmup]]
     cuda = ctx.device.type == "cuda"
     _sync(ctx)
     dist.barrier()
-    wall0 = time.perf_counter()
+    wall0, cpu0, gc0 = time.perf_counter(), time.process_time(), _gc_collections()
     marks = []
     for batch in batches[warmup:]:
         start = _mark(cuda)
@@ -257,8 +261,14 @@ def run_steps(built: Built, batches: list[torch.Tensor], ctx: Context) -> tuple[
         marks.append((start, _mark(cuda)))
     _sync(ctx)
     wall_ms = (time.perf_counter() - wall0) * 1e3 / len(marks)
+    host = {"cpu_ms_per_step": round((time.process_time() - cpu0) * 1e3 / len(marks), 2),
+            "gc_collections": _gc_collections() - gc0, "loadavg_1min": round(os.getloadavg()[0], 2)}
     step_ms = [s.elapsed_time(e) if cuda else (e - s) * 1e3 for s, e in marks]
-    return losses, step_ms, wall_ms
+    return losses, step_ms, wall_ms, host
+
+
+def _gc_collections() -> int:
+    return sum(generation["collections"] for generation in gc.get_stats())
 
 
 def _mark(cuda: bool):
@@ -293,7 +303,7 @@ def measure(spec: ModelSpec, stack: str, ctx: Context, result: Result) -> None:
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)  # peak of training, not of the full-model init
 
-    losses, step_ms, wall_ms = run_steps(built, batches, ctx)
+    losses, step_ms, wall_ms, result.host = run_steps(built, batches, ctx)
 
     mean_losses = [x / ctx.world for x in _all_reduce([x.item() for x in losses], dist.ReduceOp.SUM, ctx)]
     result.losses = [round(x, 5) for x in mean_losses]
@@ -523,7 +533,8 @@ def main(argv=None) -> None:
             if ctx.rank == 0:  # partial results survive a timeout: printed, and in the JSON
                 print(f"[peers] {name} {stack} (mesh {result.mesh or 'n/a'}): {result.status} "
                       f"{_fmt(result.tokens_per_s_per_gpu, ',.0f')} tok/s/GPU, "
-                      f"peak {_fmt(result.peak_alloc_gib, '.2f')} GiB {result.note}", flush=True)
+                      f"peak {_fmt(result.peak_alloc_gib, '.2f')} GiB {result.note}"
+                      f"{'; host ' + json.dumps(result.host) if result.host else ''}", flush=True)
                 write_json(args.out, env, orders, results, complete=False)
     results.sort(key=lambda r: args.models.index(r.model))
     if ctx.rank == 0:

@@ -33,6 +33,9 @@ def test_tp_stacks_of_the_peer_benchmark_agree(tmp_path):
     assert fsdp8_tp["mesh"] == fsdp2_tp["mesh"] == "1 dp x 2 tp"
     assert len(fsdp8_tp["losses"]) == 4 and fsdp8_tp["losses"] == fsdp2_tp["losses"]
     assert fsdp8_tp["losses"][-1] < fsdp8_tp["losses"][0]  # it trains
+    # The host's figures over the timed steps (a slow host tells itself from a slow GPU).
+    host = fsdp8_tp["host"]
+    assert set(host) == {"cpu_ms_per_step", "gc_collections", "loadavg_1min"} and host["cpu_ms_per_step"] > 0
     # The torchao FP8 TP peer says why it cannot run on gloo instead of failing.
     assert results["torchao-tp-fp8"]["status"] == "skipped" and "CUDA only" in results["torchao-tp-fp8"]["note"]
 

@@ -3,7 +3,7 @@
 # gather pack kernels (per weight against one launch per unit), then model A compiled, block
 # beside current scaling, each stack in its own process, with a step profile.
 #   OUT=$OUT [MODELS="A"] [STACKS=...] [SKIP_TESTS=1] [SKIP_KERNELS=1] [SKIP_PACK=1]
-#     [VARIANTS="layouts registers pipelined"] [WARPS=4,8,16] bash benchmarks/debug/gpu_block_pack.sh
+#     [VARIANTS="layouts registers pipelined"] [WARPS=4,8,16] [REPEAT=1] [EXTRA_ARGS=...peers.py flags] bash benchmarks/debug/gpu_block_pack.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh >/dev/null 2>&1
 record_env
@@ -16,8 +16,13 @@ if [ -z "${SKIP_KERNELS:-}" ]; then
   grep -E "^\||best" "$OUT/both_ways.txt"
   [ -z "${SKIP_PACK:-}" ] && timeout 100 python3 benchmarks/debug/pack_kernels.py 2>&1 | grep -v Warn >"$OUT/pack.txt"; grep "^|" "$OUT/pack.txt"
 fi
-for model in ${MODELS:-A}; do
-  MODEL=$model STEPS=10 PEERS_ARGS="--skip-packed-check --profile $OUT/prof" \
-    STACKS="${STACKS:-fsdp8-fp8-block-compile fsdp8-fp8-current-compile}" bash benchmarks/gpu_fp8_table.sh
+for rep in $(seq ${REPEAT:-1}); do  # REPEAT: the stacks again, new processes (per-process variance)
+  for model in ${MODELS:-A}; do
+    mkdir -p "$OUT/run$rep"
+    OUT="$OUT/run$rep" MODEL=$model STEPS=10 PEERS_ARGS="--skip-packed-check --profile $OUT/prof/run$rep ${EXTRA_ARGS:-}" \
+      STACKS="${STACKS:-fsdp8-fp8-block-compile fsdp8-fp8-current-compile}" bash benchmarks/gpu_fp8_table.sh
+    grep -h "host {" "$OUT/run$rep"/$model-*.log | sed 's/.*\] //' | cut -c1-200
+  done
 done
-rm -f "$OUT"/prof/*.json.gz; [ -d "$OUT/prof" ] && tar czf "$OUT/prof.tgz" -C "$OUT" prof && rm -rf "$OUT/prof"
+[ -n "$(ls "$OUT"/run* 2>/dev/null)" ] && tar czf "$OUT/runs.tgz" -C "$OUT" $(cd "$OUT" && ls -d run*) && rm -rf "$OUT"/run*
+rm -f "$OUT"/prof/*/*.json.gz; [ -d "$OUT/prof" ] && tar czf "$OUT/prof.tgz" -C "$OUT" prof && rm -rf "$OUT/prof"
