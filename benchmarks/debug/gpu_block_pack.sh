@@ -14,15 +14,17 @@ fi
 if [ -z "${SKIP_KERNELS:-}" ]; then
   for v in ${VARIANTS:-layouts}; do timeout 200 python3 benchmarks/debug/both_ways_kernels.py --variants $v --warps ${WARPS:-4,8,16} 2>&1 | grep -v Warn; done >"$OUT/both_ways.txt"
   grep -E "^\||best" "$OUT/both_ways.txt"
-  [ -z "${SKIP_PACK:-}" ] && timeout 100 python3 benchmarks/debug/pack_kernels.py 2>&1 | grep -v Warn >"$OUT/pack.txt"; grep "^|" "$OUT/pack.txt"
+  [ -z "${SKIP_PACK:-}" ] && timeout 100 python3 benchmarks/debug/pack_kernels.py 2>&1 | grep -v Warn >"$OUT/pack.txt"; grep -s "^|" "$OUT/pack.txt"
 fi
+base=$OUT
 for rep in $(seq ${REPEAT:-1}); do  # REPEAT: the stacks again, new processes (per-process variance)
   for model in ${MODELS:-A}; do
-    mkdir -p "$OUT/run$rep"
-    OUT="$OUT/run$rep" MODEL=$model STEPS=10 PEERS_ARGS="--skip-packed-check --profile $OUT/prof/run$rep ${EXTRA_ARGS:-}" \
+    mkdir -p "$base/run$rep"
+    OUT="$base/run$rep" MODEL=$model STEPS=10 PEERS_ARGS="--skip-packed-check --profile $base/prof/run$rep ${EXTRA_ARGS:-}" \
       STACKS="${STACKS:-fsdp8-fp8-block-compile fsdp8-fp8-current-compile}" bash benchmarks/gpu_fp8_table.sh
-    grep -h "host {" "$OUT/run$rep"/$model-*.log | sed 's/.*\] //' | cut -c1-200
+    grep -h "host {" "$base/run$rep"/$model-*.log | sed 's/.*\] //' | cut -c1-200
   done
 done
-[ -n "$(ls "$OUT"/run* 2>/dev/null)" ] && tar czf "$OUT/runs.tgz" -C "$OUT" $(cd "$OUT" && ls -d run*) && rm -rf "$OUT"/run*
+runs=$(cd "$OUT" && ls -d run[0-9]* 2>/dev/null)
+[ -n "$runs" ] && tar czf "$OUT/runs.tgz" -C "$OUT" $runs && (cd "$OUT" && rm -rf $runs)
 rm -f "$OUT"/prof/*/*.json.gz; [ -d "$OUT/prof" ] && tar czf "$OUT/prof.tgz" -C "$OUT" prof && rm -rf "$OUT/prof"
