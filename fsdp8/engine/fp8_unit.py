@@ -306,8 +306,9 @@ class Float8Unit(ShardedUnit):
                 scale = self.scale_of(slot)
                 if (rows.untyped_storage().data_ptr() != self.main.untyped_storage().data_ptr()
                         or not rows.is_contiguous()):
-                    raise RuntimeError(f"the main shard of {slot.fqn} no longer views its unit's main buffer; "
-                                       "replace parameter values with copy_ (load_state_dict does), not by assigning .data")
+                    raise RuntimeError(f"the main shard of {slot.fqn} no longer views its unit's main buffer as "
+                                       "contiguous rows; replace parameter values with copy_ (load_state_dict does), "
+                                       "not by assigning .data")
                 src, scale_at = rows.storage_offset() - self.main.storage_offset(), \
                     scale.storage_offset() - self._scale_flat.storage_offset()
                 if self.granularity is Granularity.TENSOR:
