@@ -213,24 +213,38 @@ def quantize_rows_with_grid(rows: torch.Tensor, row_start: int, scale_grid: torc
 
     ``via``: round the rows to this dtype first (the engine quantizes its fp32 main rows as
     the compute dtype holds them). ``out``: a contiguous FP8 tensor of the rows' shape to
-    write into (a region of a send buffer). On CUDA all of it is one pass: read the rows
-    once, write one byte per element."""
+    write into (a region of a send buffer). On CUDA it is one piece of the engine's pack
+    kernels (quantize_pieces, quantize_block_pieces): read the rows once, write one byte
+    per element."""
     if granularity not in (Granularity.TENSOR, Granularity.BLOCK_128x128):
         raise ValueError(f"agreed scales exist for whole-tensor and 128x128 scaling, not {granularity.value}")
-    if use_triton(rows) and rows.numel():
-        from . import triton_weights
+    m, k = rows.shape
+    if granularity is Granularity.BLOCK_128x128:
+        need = (math.ceil((row_start + m) / 128), math.ceil(k / 128))
+        if scale_grid.dim() != 2 or scale_grid.shape[0] < need[0] or scale_grid.shape[1] != need[1]:
+            raise ValueError(f"rows [{row_start}, {row_start + m}) of {k} columns need a 128x128 scale grid of "
+                             f"at least {need[0]} rows and exactly {need[1]} columns, got {tuple(scale_grid.shape)}")
+    if out is not None and (not out.is_contiguous() or out.shape != rows.shape or out.dtype != fp8_dtype):
+        raise ValueError(f"out must be a contiguous {fp8_dtype} tensor of shape {tuple(rows.shape)}, "
+                         f"got {out.dtype} {tuple(out.shape)} (contiguous: {out.is_contiguous()})")
+    if use_triton(rows) and rows.numel() and torch.float64 not in (rows.dtype, via):
+        out = torch.empty((m, k), dtype=fp8_dtype, device=rows.device) if out is None else out
+        src, scales = rows.contiguous().view(-1), scale_grid.float().contiguous().view(-1)
+        if granularity is Granularity.TENSOR:
+            quantize_pieces(src, out.view(-1), scales, [(0, 0, m * k, 0)], fp8_dtype, via)
+        else:
+            quantize_block_pieces(src, out.view(-1), scales, [(0, 0, m, k, row_start, 0)], fp8_dtype, via)
+        return out
+    q = _rows_with_grid_reference(rows, row_start, scale_grid, granularity, fp8_dtype, via)
+    return q if out is None else out.copy_(q)
 
-        return triton_weights.quantize_rows_with_grid(rows, row_start, scale_grid, fp8_dtype, granularity, via, out)
+
+def _rows_with_grid_reference(rows, row_start, scale_grid, granularity, fp8_dtype, via):
     x = rows if via is None else rows.to(via)
     if granularity is Granularity.TENSOR:
-        q = saturate_cast(x, scale_grid, fp8_dtype)
-    else:
-        row_block = (torch.arange(x.shape[0], device=x.device) + row_start) // 128
-        scales = scale_grid[row_block].repeat_interleave(128, dim=1)[:, : x.shape[1]]
-        q = saturate_cast(x, scales, fp8_dtype)
-    if out is None:
-        return q
-    return out.copy_(q)
+        return saturate_cast(x, scale_grid, fp8_dtype)
+    row_block = (torch.arange(x.shape[0], device=x.device) + row_start) // 128
+    return saturate_cast(x, scale_grid[row_block].repeat_interleave(128, dim=1)[:, : x.shape[1]], fp8_dtype)
 
 
 def quantize_pieces(src: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, pieces: Sequence[Tuple[int, int, int, int]],
@@ -274,7 +288,7 @@ def quantize_block_pieces(src: torch.Tensor, out: torch.Tensor, scales: torch.Te
     cols, row_start, scale_offset)``, the ``rows x cols`` rows at ``src[src_offset:]`` are
     rows ``[row_start, row_start + rows)`` of a weight whose block scales are the grid
     ``scales[scale_offset:]`` (``ceil(cols / 128)`` columns), quantized as
-    quantize_rows_with_grid does into ``out[out_offset:]``.
+    quantize_rows_with_grid defines into ``out[out_offset:]``.
 
     The engine's gather pack for block scaling: every FP8 weight of a unit in one launch on
     CUDA (the table of offsets uploaded once) instead of one launch per weight."""
@@ -302,8 +316,9 @@ def quantize_block_pieces(src: torch.Tensor, out: torch.Tensor, scales: torch.Te
     for s_off, o_off, rows, cols, row_start, g_off in pieces:
         grid_rows = math.ceil((row_start + rows) / 128)
         grid = scales[g_off : g_off + grid_rows * math.ceil(cols / 128)].view(grid_rows, -1)
-        quantize_rows_with_grid(src[s_off : s_off + rows * cols].view(rows, cols), row_start, grid,
-                                Granularity.BLOCK_128x128, fp8_dtype, via, out=out[o_off : o_off + rows * cols].view(rows, cols))
+        q = _rows_with_grid_reference(src[s_off : s_off + rows * cols].view(rows, cols), row_start, grid,
+                                      Granularity.BLOCK_128x128, fp8_dtype, via)
+        out[o_off : o_off + rows * cols].copy_(q.flatten())
     return out
 
 

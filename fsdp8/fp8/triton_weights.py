@@ -1,46 +1,23 @@
 """Triton kernels for the engine's FP8 weight shards, bit for bit kernels.py's results on CUDA.
 
 Each runs once per unit or per step on the weights' fp32 main shards, with scales agreed
-before the gather: quantizing rows into a send buffer (one weight per launch, or every piece
-of a unit in one launch through a table of offsets), and the amaxes or 128x128 block amax
-grids of many weights in one launch (a table of pointers). The activation kernels, and the
+before the gather: quantizing every piece of a unit into a send buffer in one launch (a
+table of offsets; per-tensor or 128x128 scales), and the amaxes or 128x128 block amax grids
+of many weights in one launch (a table of pointers). The activation kernels, and the
 shared cast and scale helpers, are in triton_kernels.py.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from .formats import FP8_MAX, Granularity
+from .formats import FP8_MAX
 from .triton_kernels import _TL_FLOAT, _tl_dtype, triton
 
 if triton is not None:
     import triton.language as tl
 
     from .triton_kernels import _clamp_cast
-
-    @triton.jit
-    def _rows_with_grid_kernel(x_ptr, q_ptr, grid_ptr, M, K, sxm, sxk, KB, row_start,
-                               FMAX: tl.constexpr, OUT: tl.constexpr, GRID: tl.constexpr, VIA: tl.constexpr,
-                               TM: tl.constexpr, B: tl.constexpr):
-        """Rows [row_start, row_start + M) of a tensor whose scale is given: one scalar, or
-        (GRID) its 128x128 block scales. VIA: round the input to that dtype first (None: no)."""
-        rm = tl.program_id(0) * TM + tl.arange(0, TM)
-        kb = tl.program_id(1)
-        rk = kb * B + tl.arange(0, B)
-        mask = (rm[:, None] < M) & (rk[None, :] < K)
-        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0)
-        if VIA is not None:
-            x = x.to(VIA, fp_downcast_rounding="rtne")
-        x = x.to(tl.float32)
-        if GRID:
-            scale = tl.load(grid_ptr + ((row_start + rm) // B) * KB + kb, mask=rm < M, other=1.0)[:, None]
-        else:
-            scale = tl.load(grid_ptr)
-        q = _clamp_cast(x * scale, FMAX, OUT)
-        tl.store(q_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
 
     @triton.jit
     def _pieces_kernel(src_ptr, out_ptr, scale_ptr, table_ptr, FMAX: tl.constexpr, OUT: tl.constexpr,
@@ -161,28 +138,6 @@ if triton is not None:
             has_nan = tl.max(tl.max(nan, axis=1), axis=0) > 0
             out = tl.load(table_ptr + 4 * T + t) + block_row * grid_cols + block_col
             tl.store(out_ptr + out, tl.where(has_nan, float("nan"), tile))
-
-
-def quantize_rows_with_grid(rows: torch.Tensor, row_start: int, scale_grid: torch.Tensor, fp8_dtype: torch.dtype,
-                            granularity: Granularity = Granularity.BLOCK_128x128, via: Optional[torch.dtype] = None,
-                            out: Optional[torch.Tensor] = None):
-    m, k = rows.shape
-    if out is None:
-        out = torch.empty((m, k), dtype=fp8_dtype, device=rows.device)
-    elif not out.is_contiguous() or out.shape != rows.shape or out.dtype != fp8_dtype:
-        raise ValueError(f"out must be a contiguous {fp8_dtype} tensor of shape {tuple(rows.shape)}, "
-                         f"got {out.dtype} {tuple(out.shape)} (contiguous: {out.is_contiguous()})")
-    if m == 0:
-        return out
-    grid_t = scale_grid.float().contiguous()
-    rounds = via is not None and via != rows.dtype and via != torch.float32
-    tm = 32
-    _rows_with_grid_kernel[(triton.cdiv(m, tm), triton.cdiv(k, 128))](
-        rows, out, grid_t, m, k, rows.stride(0), rows.stride(1), grid_t.shape[1] if grid_t.dim() == 2 else 1,
-        row_start, FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype), GRID=granularity is Granularity.BLOCK_128x128,
-        VIA=_TL_FLOAT[via] if rounds else None, TM=tm, B=128,
-    )
-    return out
 
 
 _TABLES: "dict[tuple, torch.Tensor]" = {}

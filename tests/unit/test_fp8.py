@@ -183,6 +183,17 @@ def test_quantize_pieces_rejects_pieces_outside_the_buffers():
         quantize_pieces(src, out.view(torch.uint8), scales, [(0, 0, 4, 0)], E4M3)
 
 
+def test_rows_with_grid_rejects_a_grid_of_the_wrong_shape():
+    rows = torch.zeros(10, 300)  # 3 grid columns; rows 250..259 reach grid row 2
+    quantize_rows_with_grid(rows, 250, torch.ones(3, 3), Granularity.BLOCK_128x128, E4M3)
+    for grid in (torch.ones(3, 2), torch.ones(2, 3), torch.ones(9)):
+        with pytest.raises(ValueError, match="scale grid"):
+            quantize_rows_with_grid(rows, 250, grid, Granularity.BLOCK_128x128, E4M3)
+    with pytest.raises(ValueError, match="out must be"):
+        quantize_rows_with_grid(rows, 250, torch.ones(3, 3), Granularity.BLOCK_128x128, E4M3,
+                                out=torch.empty(10, 300, dtype=E5M2))
+
+
 def _block_pieces_reference(src, scales, pieces, fp8, out_numel):
     """What quantize_block_pieces must write, from the block-scale definition: each element
     times its 128x128 block's scale (row block (row_start + r) // 128), via bf16."""
