@@ -1,7 +1,8 @@
-"""The FP8 gather pack of one model-B decoder layer on one GPU: the per-weight Triton kernel
-(quantize_rows_with_grid, one launch per weight) against the one-launch quantize_pieces at
-several block sizes and warp counts; then the same for 128x128 block scales
-(quantize_block_pieces at several rows per tile and warp counts). Prints GPU time per pack (CUDA events, median of 50),
+"""The FP8 gather pack of one model-B decoder layer on one GPU: one launch per weight
+(quantize_rows_with_grid; until 2026-11-24 its own kernel, now a one-piece launch of the
+pack kernels) against the one-launch quantize_pieces at several block sizes and warp counts;
+then the same for 128x128 block scales (quantize_block_pieces at several rows per tile and
+warp counts). Every row's bytes are checked against the torch code's. Prints GPU time per pack (CUDA events, median of 50),
 host time per pack (launches only) and the achieved bandwidth (4 bytes read + 1 written per
 element). --world W packs this rank's rows of a W-way shard (default 2).
 
@@ -9,6 +10,8 @@ element). --world W packs this rank's rows of a W-way shard (default 2).
 """
 
 import argparse
+import functools
+import os
 import statistics
 import sys
 import time
@@ -20,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fsdp8.fp8 import triton_weights  # noqa: E402
 from fsdp8.fp8.formats import E4M3, Granularity  # noqa: E402
-from fsdp8.fp8.kernels import quantize_rows_with_grid, saturate_cast  # noqa: E402
+from fsdp8.fp8.kernels import quantize_rows_with_grid  # noqa: E402
 
 H, I, KV = 4096, 14336, 1024
 SHAPES = [(H, H), (KV, H), (KV, H), (H, H), (I, H), (I, H), (H, I)]  # q k v o gate up down
@@ -65,35 +68,38 @@ def main():
         for v, o, (_, _, _, k) in zip(views, outs, pieces):
             quantize_rows_with_grid(v, 0, scales[k], Granularity.TENSOR, E4M3, via=torch.bfloat16, out=o)
 
+    gbytes = total * 5 / 1e9
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; one layer at world {args.world}: "
+          f"{total / 1e6:.1f}M elements")
+    variants = [(f"pieces block {block} warps {warps}",
+                 functools.partial(triton_weights.quantize_pieces, main_buf, out.view(E4M3), scales, tuple(pieces), E4M3,
+                                   torch.bfloat16, block=block, num_warps=warps))
+                for block in (1024, 2048, 4096, 8192) for warps in (4, 8)]
+    table("pack", per_weight, variants, out, gbytes)
+    block_scales(args.world, rows, pieces, views, outs, main_buf, out, gbytes)
+
+
+def table(title, per_weight, variants, out, gbytes):
+    """GPU and host ms of ``per_weight`` (one launch per weight) and of each one-launch variant,
+    every one's bytes checked against the torch code's (FSDP8_TRITON=0)."""
+    os.environ["FSDP8_TRITON"] = "0"
     out.zero_()
     per_weight()
     expected = out.clone()
-    gbytes = total * 5 / 1e9
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; one layer at world {args.world}: "
-          f"{total / 1e6:.1f}M elements\n")
-    print("| pack | GPU ms | host ms | TB/s |\n|---|---|---|---|")
-    g, h = timed(per_weight)
-    print(f"| per weight (7 launches) | {g:.3f} | {h:.3f} | {gbytes / g:.2f} |")
-    for block in (1024, 2048, 4096, 8192):
-        for warps in (4, 8):
-            def pieces_pack(block=block, warps=warps):
-                triton_weights.quantize_pieces(main_buf, out.view(E4M3), scales, tuple(pieces), E4M3, torch.bfloat16,
-                                               block=block, num_warps=warps)
-            out.zero_()
-            pieces_pack()
-            same = torch.equal(out, expected)
-            g, h = timed(pieces_pack)
-            print(f"| pieces block {block} warps {warps}{'' if same else ' (DIFFERENT BYTES)'} | {g:.3f} | {h:.3f} "
-                  f"| {gbytes / g:.2f} |")
-    ref = saturate_cast(views[0].to(torch.bfloat16), scales[0], E4M3)
-    assert torch.equal(outs[0].view(torch.uint8), ref.view(torch.uint8))
-    block_scales(args.world, rows, pieces, views, outs, main_buf, out, gbytes)
+    del os.environ["FSDP8_TRITON"]
+    print(f"\n| {title} | GPU ms | host ms | TB/s |\n|---|---|---|---|")
+    for label, fn in [("per weight (7 launches)", per_weight)] + variants:
+        out.zero_()
+        fn()
+        same = torch.equal(out, expected)
+        g, h = timed(fn)
+        print(f"| {label}{'' if same else ' (DIFFERENT BYTES)'} | {g:.3f} | {h:.3f} | {gbytes / g:.2f} |", flush=True)
 
 
 def block_scales(world, rows, pieces, views, outs, main_buf, out, gbytes):
     """128x128 scales: this rank's rows start at rank 1's first row of each weight."""
     grids, g_off, block_pieces = [], 0, []
-    for (s_off, o_off, _, _), (r, c), v in zip(pieces, rows, views):
+    for (s_off, o_off, _, _), (r, c) in zip(pieces, rows):
         start = r  # rank 1 of 2 (world rows per weight)
         total = r * world
         shape = ((total + 127) // 128, (c + 127) // 128)
@@ -106,23 +112,11 @@ def block_scales(world, rows, pieces, views, outs, main_buf, out, gbytes):
         for v, o, (_, _, _, _, start, _), g in zip(views, outs, block_pieces, grids):
             quantize_rows_with_grid(v, start, g, Granularity.BLOCK_128x128, E4M3, via=torch.bfloat16, out=o)
 
-    out.zero_()
-    per_weight()
-    expected = out.clone()
-    print("\n| 128x128 pack | GPU ms | host ms | TB/s |\n|---|---|---|---|")
-    g, h = timed(per_weight)
-    print(f"| per weight (7 launches) | {g:.3f} | {h:.3f} | {gbytes / g:.2f} |")
-    for tile_rows in (8, 16, 32, 64):
-        for warps in (4, 8):
-            def pack(tile_rows=tile_rows, warps=warps):
-                triton_weights.quantize_block_pieces(main_buf, out.view(E4M3), flat_scales, tuple(block_pieces), E4M3,
-                                                     torch.bfloat16, rows_per_tile=tile_rows, num_warps=warps)
-            out.zero_()
-            pack()
-            same = torch.equal(out, expected)
-            g, h = timed(pack)
-            print(f"| pieces, {tile_rows} rows per tile, warps {warps}{'' if same else ' (DIFFERENT BYTES)'} | "
-                  f"{g:.3f} | {h:.3f} | {gbytes / g:.2f} |")
+    variants = [(f"pieces, {tile_rows} rows per tile, warps {warps}",
+                 functools.partial(triton_weights.quantize_block_pieces, main_buf, out.view(E4M3), flat_scales,
+                                   tuple(block_pieces), E4M3, torch.bfloat16, rows_per_tile=tile_rows, num_warps=warps))
+                for tile_rows in (8, 16, 32, 64) for warps in (4, 8)]
+    table("128x128 pack", per_weight, variants, out, gbytes)
 
 
 if __name__ == "__main__":
