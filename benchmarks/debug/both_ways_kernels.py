@@ -18,14 +18,11 @@ Variants:
   row_strips   the same with R rows at a time: rows first, columns in the second pass.
   --variants registers: fsdp8 and widened with maxnreg (fewer registers, more programs per SM).
   --variants check: fsdp8's kernel against the widened one only.
-  --variants two_kernels: pass 1 reads the tile RB rows at a time for both scales (as the
-               weights' block amax kernel does), pass 2 reads it again in TM x TK tiles and
-               writes both quantizations: 6 bytes moved per element instead of 4, but no
-               reductions in the pass that stores.
-  --variants cols_then_both: pass 1 finds the column scales only (elementwise maxima, one
-               reduction at the end); pass 2 reads TM whole row blocks, finds their row
-               scales and writes both quantizations.
-  --variants passes: each pass of two_kernels alone (bytes not equal: timing only).
+  --variants cols_then_both: two kernels, 6 bytes moved per element instead of 4. Pass 1
+               finds the column scales only (elementwise maxima RB rows at a time, as the
+               weights' block amax kernel, one reduction at the end); pass 2 reads TM whole
+               row blocks, finds their row scales and writes both quantizations. ONLY times
+               one pass alone (its bytes then differ).
   --variants pipelined: native, T column tiles per program in a loop of NS software-pipeline stages.
 """
 
@@ -136,50 +133,6 @@ def _row_strips_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sx
 
 
 @triton.jit
-def _both_scales_kernel(x_ptr, rs_ptr, cs_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB,
-                        FMAX: tl.constexpr, B: tl.constexpr, RB: tl.constexpr):
-    """Pass 1 of two_kernels: a 128x128 tile read RB rows at a time; each row's 1x128 scale is
-    complete at once (a reduction inside a warp), the columns' maxima are kept elementwise
-    and reduced across warps once at the end. Writes the scales and scale_invs."""
-    mb, kb = tl.program_id(0), tl.program_id(1)
-    rk = kb * B + tl.arange(0, B)
-    acc = tl.zeros([RB, B], dtype=tl.float32)
-    acc_nan = tl.zeros([RB, B], dtype=tl.int32)
-    for r0 in range(0, B, RB):
-        rm = mb * B + r0 + tl.arange(0, RB)
-        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & (rk[None, :] < K),
-                    other=0.0)
-        ax = tl.abs(x).to(tl.float32)
-        nan = (x != x).to(tl.int32)
-        row_scale = _scale_from_amax(tl.where(tl.max(nan, axis=1) > 0, float("nan"), tl.max(ax, axis=1)), FMAX)
-        tl.store(rs_ptr + rm * KB + kb, row_scale, mask=rm < M)
-        tl.store(sinv_ptr + rm * KB + kb, _reciprocal(row_scale), mask=rm < M)
-        acc = tl.maximum(acc, ax)
-        acc_nan = acc_nan | nan
-    col_amax = tl.where(tl.max(acc_nan, axis=0) > 0, float("nan"), tl.max(acc, axis=0))
-    col_scale = _scale_from_amax(col_amax, FMAX)
-    tl.store(cs_ptr + mb * K + rk, col_scale, mask=rk < K)
-    tl.store(sinv_t_ptr + rk * MB + mb, _reciprocal(col_scale), mask=rk < K)
-
-
-@triton.jit
-def _both_apply_kernel(x_ptr, q_ptr, qt_ptr, rs_ptr, cs_ptr, M, K, sxm, sxk, KB,
-                       FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr, TM: tl.constexpr, TK: tl.constexpr):
-    """Pass 2: a TM x TK tile (inside one 128x128 block) quantized with the scales of pass 1,
-    written row-major and transposed; no reductions, so few registers and many programs."""
-    pm, pk = tl.program_id(0), tl.program_id(1)
-    rm = pm * TM + tl.arange(0, TM)
-    rk = pk * TK + tl.arange(0, TK)
-    mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
-    row_scale = tl.load(rs_ptr + rm * KB + (pk * TK) // B, mask=rm < M, other=1.0)
-    col_scale = tl.load(cs_ptr + ((pm * TM) // B) * K + rk, mask=rk < K, other=1.0)
-    tl.store(q_ptr + rm[:, None] * K + rk[None, :], _clamp_cast(x * row_scale[:, None], FMAX, OUT), mask=mask)
-    q_col = _clamp_cast(x * col_scale[None, :], FMAX, OUT)
-    tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col), mask=(rk[:, None] < K) & (rm[None, :] < M))
-
-
-@triton.jit
 def _col_scales_kernel(x_ptr, cs_ptr, sinv_t_ptr, M, K, sxm, sxk, MB,
                        FMAX: tl.constexpr, B: tl.constexpr, RB: tl.constexpr):
     """Pass 1 of cols_then_both: the 128x1 column scales of a 128x128 tile, its maxima kept
@@ -241,22 +194,9 @@ def launcher(name, warps, extra):
         args = (x, q, qt, sinv, sinv_t, m, k, x.stride(0), x.stride(1), k // 128, m // 128)
         common = dict(FMAX=FP8_MAX[E4M3], OUT=tk._tl_dtype(E4M3), B=128, num_warps=warps, **opts)
         grid = (m // 128, k // 128 // extra.get("T", 1))
-        if name == "two_kernels":
-            rs = torch.empty((m, k // 128), device=x.device)
-            cs = torch.empty((m // 128, k), device=x.device)
-            if extra.get("ONLY") != 2:  # ONLY: time one pass (the bytes then differ)
-                compiled = _both_scales_kernel[(m // 128, k // 128)](
-                    *args[:1], rs, cs, sinv, sinv_t, *args[5:], FMAX=FP8_MAX[E4M3], B=128, RB=extra["RB"],
-                    num_warps=warps if extra.get("ONLY") == 1 else 4)
-                if extra.get("ONLY") == 1:
-                    return compiled
-            tile_m, tile_k = extra["TM"], extra["TK"]
-            return _both_apply_kernel[(m // tile_m, k // tile_k)](
-                x, q, qt, rs, cs, m, k, x.stride(0), x.stride(1), k // 128, FMAX=FP8_MAX[E4M3], OUT=tk._tl_dtype(E4M3),
-                B=128, TM=tile_m, TK=tile_k, num_warps=warps, **opts)
         if name == "cols_then_both":
             cs = torch.empty((m // 128, k), device=x.device)
-            if extra.get("ONLY") != 2:
+            if extra.get("ONLY") != 2:  # ONLY: time one pass (the bytes then differ)
                 compiled = _col_scales_kernel[(m // 128, k // 128)](x, cs, sinv_t, m, k, x.stride(0), x.stride(1),
                                                                     m // 128, FMAX=FP8_MAX[E4M3], B=128,
                                                                     RB=extra["RB"], num_warps=4)
@@ -294,11 +234,6 @@ VARIANTS = {
         ("row_strips", {"R": r}) for r in (16, 32, 64)],
     "registers": [(name, {"maxnreg": n}) for name in ("fsdp8", "widened") for n in (96, 128, 168)],
     "check": [("fsdp8", {}), ("widened", {})],
-    "two_kernels": [("fsdp8", {})] + [("two_kernels", {"RB": rb, "TM": tm, "TK": tkk}) for rb in (8,)
-                                      for tm, tkk in ((32, 128), (64, 64), (64, 128), (128, 64), (128, 128))],
-    "passes": [("two_kernels", {"RB": rb, "TM": 64, "TK": 128, "ONLY": 1}) for rb in (4, 8, 16, 32)] + [
-        ("two_kernels", {"RB": 8, "TM": tm, "TK": tkk, "ONLY": 2}) for tm, tkk in ((32, 128), (64, 64), (64, 128))] + [
-        ("two_kernels", {"RB": rb, "TM": tm, "TK": 128}) for rb in (4, 8, 16) for tm in (32, 64)] + [("fsdp8", {})],
     "cols_then_both": [("fsdp8", {})] + [("cols_then_both", {"RB": rb, "TM": 64, "ONLY": 1}) for rb in (4, 8, 16)]
     + [("cols_then_both", {"RB": 8, "TM": tm, "ONLY": 2}) for tm in (16, 32, 64)]
     + [("cols_then_both", {"RB": rb, "TM": tm}) for rb in (4, 8) for tm in (16, 32, 64)],
