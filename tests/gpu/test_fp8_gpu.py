@@ -9,8 +9,7 @@ from fsdp8.fp8 import triton_kernels
 from fsdp8.fp8.formats import E4M3, E5M2, Granularity, amax_to_scale
 from fsdp8.fp8.kernels import (
     amax, amaxes, block_amax_grids, cast_transpose, partial_block_amax, quantize, quantize_block_pieces, quantize_pieces,
-    quantize_reference,
-    quantize_rows_with_grid, saturate_cast,
+    quantize_reference, quantize_rows_with_grid, saturate_cast,
 )
 
 pytestmark = [
