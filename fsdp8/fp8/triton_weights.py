@@ -163,7 +163,7 @@ def _device_table(device: torch.device, values: tuple) -> torch.Tensor:
 
 def quantize_pieces(src, out, scales, pieces, fp8_dtype, via, block: int = 4096, num_warps: int = 4):
     """See kernels.quantize_pieces: one launch for every piece. Block 4096 measured best on H200
-    (benchmarks/debug/pack_kernels.py: 3.55 TB/s for a model-B layer, 2.8 for the per-weight kernel)."""
+    (benchmarks/debug/pack_kernels.py: 3.55 TB/s for a model-B layer, 2.8 for the per-weight kernel it replaced)."""
     longest = max(n for _, _, n, _ in pieces)
     if longest == 0:
         return
