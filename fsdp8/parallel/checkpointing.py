@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from typing import Callable, Dict, Iterable, Optional
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-KwargsFilter = Callable[[dict], dict]
+# Given a unit's forward, the function that adapts each checkpointed call's (args, kwargs).
+CallFilter = Callable[[Callable], Callable[[tuple, dict], Tuple[tuple, dict]]]
 
 _aten = torch.ops.aten
 
@@ -77,26 +78,29 @@ def selective_contexts():
     return create_selective_checkpoint_contexts(_selective_policy(defaultdict(int)))
 
 
-def _checkpointed(forward: Callable, context_fn: Optional[Callable], filter_kwargs: Optional[KwargsFilter]):
+def _checkpointed(forward: Callable, context_fn: Optional[Callable], filter_call: Optional[CallFilter]):
+    adapt = filter_call(forward) if filter_call is not None else None
+
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)  # nothing is saved for a backward that never comes
-        if filter_kwargs is not None:
-            kwargs = filter_kwargs(kwargs)
+        if adapt is not None:
+            args, kwargs = adapt(args, kwargs)
         extra = {"context_fn": context_fn} if context_fn is not None else {}
         return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
     return run
 
 
-def checkpoint_units(modules: Iterable[nn.Module], mode: str, filter_kwargs: Optional[KwargsFilter] = None) -> None:
+def checkpoint_units(modules: Iterable[nn.Module], mode: str, filter_call: Optional[CallFilter] = None) -> None:
     """Recompute each module's activations in backward: ``mode`` ``"full"`` or ``"selective"``.
 
-    ``filter_kwargs`` adapts the keyword arguments of a checkpointed call (Hugging Face
-    layers drop their KV cache: a recomputation would append to it a second time)."""
+    ``filter_call(forward)`` gives the function that adapts the arguments of each checkpointed
+    call (Hugging Face layers drop their KV cache: a recomputation would append to it a second
+    time)."""
     if mode not in ("full", "selective"):
         raise ValueError(f"activation checkpointing mode {mode!r}: use 'full' or 'selective'")
     context_fn = selective_contexts if mode == "selective" else None
     for module in modules:
-        module.forward = _checkpointed(module.forward, context_fn, filter_kwargs)
+        module.forward = _checkpointed(module.forward, context_fn, filter_call)

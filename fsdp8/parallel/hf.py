@@ -6,13 +6,16 @@ Nothing here imports transformers unless the model is one of its models.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch.nn as nn
 
-# Keyword arguments of a decoder layer that carry the KV cache (5.x name, 4.5x name).
-_CACHE_KWARGS = ("past_key_values", "past_key_value")
+# Keyword arguments of a decoder layer that carry the KV cache: "cache" in recent 5.x (which
+# deprecates "past_key_values"), "past_key_values" in earlier 5.x, "past_key_value" in 4.5x,
+# "layer_past" in a few older architectures (transformers' own checkpointing drops the same).
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -34,15 +37,34 @@ def decoder_layers(model: nn.Module) -> Optional[Callable[[str, nn.Module], bool
     return is_layer
 
 
-def without_cache(kwargs: dict) -> dict:
-    """A checkpointed layer's keyword arguments without its KV cache, as transformers' own
-    gradient checkpointing does: recomputation would append the keys and values again."""
-    if not any(kwargs.get(k) is not None for k in _CACHE_KWARGS) and not kwargs.get("use_cache"):
-        return kwargs
-    kwargs = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
-    if "use_cache" in kwargs:
-        kwargs["use_cache"] = False
-    return kwargs
+def without_cache(forward: Callable) -> Callable[[tuple, dict], Tuple[tuple, dict]]:
+    """For a decoder layer's ``forward``, the function that takes the KV cache out of a
+    checkpointed call's arguments, as transformers' own gradient checkpointing does:
+    recomputation would append the keys and values again (and attend to twice as many under
+    selective checkpointing's replay). The cache may come by keyword or by position (GPT-2's
+    blocks take it second), so the forward's signature says where to look."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C forward: keywords only
+        params = []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    at = set()
+    for i, p in enumerate(params):
+        if p.kind not in positional:
+            break
+        if p.name in _CACHE_KWARGS:
+            at.add(i)
+
+    def adapt(args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        if any(i < len(args) and args[i] is not None for i in at):
+            args = tuple(None if i in at else a for i, a in enumerate(args))
+        if any(kwargs.get(k) is not None for k in _CACHE_KWARGS) or kwargs.get("use_cache"):
+            kwargs = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
+            if "use_cache" in kwargs:
+                kwargs["use_cache"] = False
+        return args, kwargs
+
+    return adapt
 
 
 def skip_packed_sequence_check() -> None:

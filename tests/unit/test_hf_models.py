@@ -287,3 +287,40 @@ def test_fp8_gpt2_reads_hf_conv1d_weights_transposed(tmp_path):
     load_pretrained(again, exported)
     assert _equal_states(again, fresh)
     assert isinstance(again.lm_head, Float8Linear)
+
+
+# -- activation checkpointing of decoder layers -----------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointed_layers_recompute_without_the_kv_cache(kind, mode):
+    # The model makes a KV cache (use_cache defaults to True) and passes it to every layer under
+    # this transformers' name for it, by keyword (Llama) or by position (GPT-2). A recomputation
+    # that appended to it again would attend to twice the keys: selective checkpointing refuses
+    # the changed op sequence (full recomputation happens to slice the extra keys off again).
+    # Gradients must equal the run without checkpointing.
+    from fsdp8.parallel.checkpointing import checkpoint_units
+    from fsdp8.parallel.hf import decoder_layers, without_cache
+
+    reference, model = hf_model(kind), hf_model(kind)
+    is_layer = decoder_layers(model)
+    checkpoint_units([m for n, m in model.named_modules() if is_layer(n, m)], mode, filter_call=without_cache)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    for m in (reference, model):
+        m(input_ids=tokens, labels=tokens).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values", "past_key_value", "layer_past"])
+def test_without_cache_drops_every_transformers_name_of_the_cache(name):
+    from fsdp8.parallel.hf import without_cache
+
+    cache = object()
+    scope = {}
+    exec(f"def forward(hidden, {name}=None, mask=None, *rest, use_cache=False, **kwargs): pass", scope)
+    adapt = without_cache(scope["forward"])
+    assert adapt((1, cache, 2, cache), {"use_cache": True}) == ((1, None, 2, cache), {"use_cache": False})
+    assert adapt((1,), {name: cache, "use_cache": True, "position_ids": 3}) == (
+        (1,), {name: None, "use_cache": False, "position_ids": 3})
+    assert adapt((1, None), {"position_ids": 3}) == ((1, None), {"position_ids": 3})
