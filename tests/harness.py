@@ -61,10 +61,30 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
         module, name, args = task
         try:
             fn = getattr(importlib.import_module(module), name)
-            results.put((rank, True, fn(*args)))
+            value = fn(*args)
         except BaseException:  # report everything, keep serving
-            results.put((rank, False, traceback.format_exc()))
+            results.put((rank, False, traceback.format_exc(), _threads()))
+        else:
+            results.put((rank, True, value, _threads()))
     dist.destroy_process_group()
+
+
+def _threads() -> int:
+    """This process's thread count (0 where /proc is not there)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+# [Note: recycling pools]
+# Every gloo process group a test makes (each device mesh dimension, each new_group) keeps
+# its own polling threads for the life of the process, and torch's DTensor caches forbid
+# destroying groups behind meshes that compare equal to later ones. After a few hundred tests
+# a pool's idle workers held ~540 threads each and four of them took most of a core from
+# whatever test ran next. So a pool whose workers have grown past MAX_THREADS is closed after
+# its task, and the next test of that world size starts a fresh one (3-7 s).
+MAX_THREADS = int(os.environ.get("FSDP8_TEST_MAX_THREADS", "100"))
 
 
 class RankPool:
@@ -78,6 +98,7 @@ class RankPool:
             ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
             for r in range(world)
         ]
+        self.threads = 0  # the most any worker has had after a task
         for p in self.procs:
             p.start()
 
@@ -87,7 +108,7 @@ class RankPool:
         out: Dict[int, Any] = {}
         for _ in range(self.world):
             try:
-                rank, ok, value = self.results.get(timeout=timeout)
+                rank, ok, value, threads = self.results.get(timeout=timeout)
             except queue.Empty:
                 self.close()
                 raise RankFailure(f"{fn.__name__} timed out after {timeout}s at world size {self.world} (hang?)")
@@ -96,6 +117,7 @@ class RankPool:
                 self.close()
                 raise RankFailure(f"{fn.__name__} failed on rank {rank} of {self.world}:\n{value}")
             out[rank] = value
+            self.threads = max(self.threads, threads)
         return [out[r] for r in range(self.world)]
 
     def close(self) -> None:
@@ -137,7 +159,8 @@ def run_on_ranks(world: int, fn: Callable, *args, timeout: float = 240.0) -> Lis
     try:
         return pool.run(fn, *args, timeout=timeout)
     finally:
-        if not pool.alive:
+        if not pool.alive or pool.threads > MAX_THREADS:  # see [Note: recycling pools]
+            pool.close()
             _POOLS.pop(world, None)
 
 

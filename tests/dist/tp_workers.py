@@ -72,10 +72,15 @@ def _hf_loss(model, x, y):
 
 def compare_training(model: nn.Module, loss_fn: Callable, tp: int, steps: int = 3, lp: bool = False,
                      lr: float = 0.5, foreach: bool = True, **tp_kw) -> Dict[str, float]:
-    """Worst relative error of the TP run against one process: loss and every gradient per
-    step, and every weight after ``steps`` SGD steps (keys ``loss``, ``grad:<name>``,
-    ``weight:<name>``; a tied parameter split in two shows as ``tied parameters split``),
-    and the sequence lengths the first decoder layer's input had on this rank.
+    """Worst relative error of the TP run against one process: loss, every gradient and every
+    weight after each of ``steps`` SGD steps (keys ``loss``, ``grad:<name>``, ``weight:<name>``;
+    a tied parameter split in two shows as ``tied parameters split``), and the sequence
+    lengths the first decoder layer's input had on this rank.
+
+    Each step starts the reference from the TP run's weights, so that a step's errors are that
+    step's rounding alone: carried over at lr 0.5, the previous steps' rounding grows into the
+    next gradients by a factor that depends on the CPU's summation order (3.6e-6 after three
+    steps on an AVX2 machine, where one step is 4e-7). Every step's update is still checked.
 
     SGD, not AdamW: Adam's update of an element whose gradient is ~0 is +-lr whatever
     its size, so fp32 rounding differences (~3e-7 relative, the floor of a reordered
@@ -97,6 +102,11 @@ def compare_training(model: nn.Module, loss_fn: Callable, tp: int, steps: int = 
         worst[key] = max(worst.get(key, 0.0), err)
 
     for step in range(steps):
+        with torch.no_grad():
+            params = dict(model.named_parameters())
+            for name, ref in reference.named_parameters():
+                if params[name].shape == ref.shape:  # else reported below as split tied parameters
+                    ref.copy_(_full(params[name]))
         x, y = (t.to(common.device()) for t in common.global_batch(step, 4, 8, vocab))
         with loss_parallel() if lp else contextlib.nullcontext():
             loss = loss_fn(model, x, y)
@@ -111,9 +121,9 @@ def compare_training(model: nn.Module, loss_fn: Callable, tp: int, steps: int = 
         opt_ref.step()
         opt.zero_grad()
         opt_ref.zero_grad()
+        for name, ref in reference.named_parameters():
+            note(f"weight:{name}", _rel(params[name], ref))
     params = dict(model.named_parameters())
-    for name, ref in reference.named_parameters():
-        note(f"weight:{name}", _rel(params[name], ref))
     if len(params) != len(dict(reference.named_parameters())):
         worst["tied parameters split"] = float("inf")
     return worst, sorted(set(seen))
