@@ -2,8 +2,8 @@
 
 Tolerances, derived:
 - fp32: TP reorders sums (row-parallel partial sums all-reduced, vocabulary-parallel
-  log-softmax); each fp32 run is within 4-7e-7 of the float64 gradients (measured on AVX2
-  and AVX-512 CPUs: the q/k projection gradients are small differences of large terms), so
+  log-softmax); each fp32 run is within 4-7e-7 of the float64 gradients (measured on two
+  machines: the q/k projection gradients are small differences of large terms), so
   two runs differ by up to ~1.4e-6 (1.1e-6 the most measured), and SGD (linear in the
   gradients) keeps the updated weights that close: 3e-6. Each step starts the reference from
   the TP weights (tp_workers.compare_training), so earlier steps' rounding is not amplified

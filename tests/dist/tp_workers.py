@@ -80,7 +80,7 @@ def compare_training(model: nn.Module, loss_fn: Callable, tp: int, steps: int = 
     Each step starts the reference from the TP run's weights, so that a step's errors are that
     step's rounding alone: carried over at lr 0.5, the previous steps' rounding grows into the
     next gradients by a factor that depends on the CPU's summation order (3.6e-6 after three
-    steps on an AVX2 machine, where one step is 4e-7). Every step's update is still checked.
+    steps on one AVX2 machine, where one step is 4e-7). Every step's update is still checked.
 
     SGD, not AdamW: Adam's update of an element whose gradient is ~0 is +-lr whatever
     its size, so fp32 rounding differences (~3e-7 relative, the floor of a reordered

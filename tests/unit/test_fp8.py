@@ -479,7 +479,7 @@ def test_delayed_scaling_traced_under_torch_compile():
     compute, as in the engine's compiled tests: the FP8 bytes are equal, and the emulated
     GEMMs' fp64 products of dequantized FP8 values are nearly exact. The weight and bias
     gradients are sums over the n = 64 rows, which the compiled code may order otherwise
-    (it does on AVX2 CPUs, not on AVX-512 ones): each order of a sum of n products is within
+    (it does on one AVX2 machine, not on the CI machine of earlier runs): each order of a sum of n products is within
     n u sum|a b| of the exact one (u = eps / 2; n - 1 additions and the products' rounding),
     so two are within n eps sum|a b| of each other; the dequantized operands are at most
     1/8 (e5m2 dy) and 1/16 (e4m3 x) larger than dy and x, hence the factor 1.2 on
