@@ -12,7 +12,7 @@ from typing import Callable, Optional, Tuple
 
 import torch.nn as nn
 
-# Keyword arguments of a decoder layer that carry the KV cache: "cache" in recent 5.x (which
+# Names of a decoder layer's argument that carries the KV cache: "cache" in recent 5.x (which
 # deprecates "past_key_values"), "past_key_values" in earlier 5.x, "past_key_value" in 4.5x,
 # "layer_past" in a few older architectures (transformers' own checkpointing drops the same).
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -40,9 +40,9 @@ def decoder_layers(model: nn.Module) -> Optional[Callable[[str, nn.Module], bool
 def without_cache(forward: Callable) -> Callable[[tuple, dict], Tuple[tuple, dict]]:
     """For a decoder layer's ``forward``, the function that takes the KV cache out of a
     checkpointed call's arguments, as transformers' own gradient checkpointing does:
-    recomputation would append the keys and values again (and attend to twice as many under
-    selective checkpointing's replay). The cache may come by keyword or by position (GPT-2's
-    blocks take it second), so the forward's signature says where to look."""
+    recomputation would append the keys and values again and attend to twice as many. The
+    cache may come by keyword or by position (GPT-2's blocks take it second), so the
+    forward's signature, read once here, says where to look."""
     try:
         params = list(inspect.signature(forward).parameters.values())
     except (TypeError, ValueError):  # a builtin or C forward: keywords only

@@ -101,12 +101,11 @@ def compare_training(model: nn.Module, loss_fn: Callable, tp: int, steps: int = 
     def note(key, err):
         worst[key] = max(worst.get(key, 0.0), err)
 
+    params = dict(model.named_parameters())
     for step in range(steps):
         with torch.no_grad():
-            params = dict(model.named_parameters())
             for name, ref in reference.named_parameters():
-                if params[name].shape == ref.shape:  # else reported below as split tied parameters
-                    ref.copy_(_full(params[name]))
+                ref.copy_(_full(params[name]))
         x, y = (t.to(common.device()) for t in common.global_batch(step, 4, 8, vocab))
         with loss_parallel() if lp else contextlib.nullcontext():
             loss = loss_fn(model, x, y)
@@ -114,7 +113,6 @@ def compare_training(model: nn.Module, loss_fn: Callable, tp: int, steps: int = 
         ref_loss = loss_fn(reference, x, y)
         ref_loss.backward()
         note("loss", _rel(loss, ref_loss))
-        params = dict(model.named_parameters())
         for name, ref in reference.named_parameters():
             note(f"grad:{name}", _rel(params[name].grad, ref.grad))
         opt.step()
@@ -123,7 +121,6 @@ def compare_training(model: nn.Module, loss_fn: Callable, tp: int, steps: int = 
         opt_ref.zero_grad()
         for name, ref in reference.named_parameters():
             note(f"weight:{name}", _rel(params[name], ref))
-    params = dict(model.named_parameters())
     if len(params) != len(dict(reference.named_parameters())):
         worst["tied parameters split"] = float("inf")
     return worst, sorted(set(seen))

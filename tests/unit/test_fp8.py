@@ -474,16 +474,17 @@ def test_delayed_scaling_traced_under_torch_compile():
     """Delayed scaling with its states updated between steps (as the engine does) compiles
     into one graph (fullgraph: a graph break fails) that reads the scale buffers and folds
     the amaxes of x and w (forward) and dy (backward) into the pending buffers in place.
-    Over four steps (scales from the history from step 1 on) it gives eager's outputs,
-    input and weight gradients, pending amaxes, histories and scales bit for bit. fp64
-    compute, as in the engine's compiled tests: the FP8 bytes are equal, and the emulated
-    GEMMs' fp64 products of dequantized FP8 values are nearly exact. The weight and bias
-    gradients are sums over the n = 64 rows, which the compiled code may order otherwise
-    (it does on one AVX2 machine, not on the CI machine of earlier runs): each order of a sum of n products is within
-    n u sum|a b| of the exact one (u = eps / 2; n - 1 additions and the products' rounding),
-    so two are within n eps sum|a b| of each other; the dequantized operands are at most
-    1/8 (e5m2 dy) and 1/16 (e4m3 x) larger than dy and x, hence the factor 1.2 on
-    sum|dy| |x|. The bias gradient's products are exact (dy times 1): (n - 1) eps sum|dy|."""
+    Over four steps (scales from the history from step 1 on) it gives eager's outputs, input
+    gradients, pending amaxes, histories and scales bit for bit, and its weight and bias
+    gradients within the bound of a reordered sum. fp64 compute, as in the engine's compiled
+    tests: the FP8 bytes are equal, and the emulated GEMMs' fp64 products of dequantized FP8
+    values are nearly exact. The weight and bias gradients are sums over the n = 64 rows,
+    which the compiled code may order otherwise (it does on one AVX2 machine, not on the CI
+    machine of earlier runs): each order of a sum of n products is within n u sum|a b| of
+    the exact one (u = eps / 2; n - 1 additions and the products' rounding), so two are
+    within n eps sum|a b| of each other; the dequantized operands are at most 1/8 (e5m2 dy)
+    and 1/16 (e4m3 x) larger than dy and x, hence the factor 1.2 on sum|dy| |x|. The bias
+    gradient's products are exact (dy times 1): (n - 1) eps sum|dy|."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -499,8 +500,8 @@ def test_delayed_scaling_traced_under_torch_compile():
     inputs, dys = {}, {}  # eager's, per linear: what bounds its weight gradient
     for name in ("up", "down"):
         layer = getattr(eager, name)
-        layer.register_forward_hook(lambda module, args, out, name=name: inputs.__setitem__(name, args[0].detach()))
-        layer.register_full_backward_hook(lambda module, grad_in, grad_out, name=name: dys.__setitem__(name, grad_out[0]))
+        layer.register_forward_hook(lambda m, args, out, name=name: inputs.__setitem__(name, args[0].detach()))
+        layer.register_full_backward_hook(lambda m, grad_in, grad_out, name=name: dys.__setitem__(name, grad_out[0]))
 
     def states(model):
         return [m.delayed_state(torch.device("cpu")) for m in model.modules() if isinstance(m, Float8Linear)]
