@@ -251,6 +251,8 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity, 
 
 def dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
     """Row-block (1x32 MX, 1x128) FP8 data to ``dtype`` in one pass (see kernels.Quantized)."""
+    if dtype == torch.float64:  # the torch code's fp32 products, widened (the kernel only rounds down)
+        return dequantize_rows(data, scale_inv, block, torch.float32).double()
     m, k = data.shape
     out = torch.empty((m, k), dtype=dtype, device=data.device)
     if out.numel():

@@ -61,7 +61,7 @@ def test_triton_block_amax_grids_match_each_partial_grid(dtype):
 
 @pytest.mark.parametrize("granularity", [Granularity.MX_1x32, Granularity.ROW_1x128])
 @pytest.mark.parametrize("shape", [(4096, 1024), (257, 300), (33, 4096)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_triton_dequantize_rows_matches_reference_bit_for_bit(granularity, shape, dtype, monkeypatch):
     """The one-pass dequantization (eager MX and 1x128 operands) equals the torch code's."""
     x = _inputs(shape, torch.float32, seed=7)
