@@ -102,7 +102,8 @@ def main():
     import triton.testing
 
     torch.manual_seed(0)
-    cols = ["shape", "tensor", "tensor fast", "block cuBLAS"] + configs + ["best / cuBLAS", "best / tensor", "err cuBLAS"] + [f"err {c}" for c in configs]
+    cols = (["shape", "tensor", "tensor fast", "block cuBLAS"] + configs
+            + ["best / cuBLAS", "best / tensor", "err cuBLAS"] + [f"err {c}" for c in configs])
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols), flush=True)
     results = []
     for name, kind, m, n, k in shapes(args.tokens, args.models.split(",")):
@@ -131,9 +132,10 @@ def main():
         runs = {}
         for c in configs:
             bm, bn, st, w, compact, unroll, ws, maxnreg, plain = CONFIGS[c]
-            runs[c] = (lambda bm=bm, bn=bn, st=st, w=w, compact=compact, unroll=unroll, ws=ws, maxnreg=maxnreg, plain=plain: block_scaled_mm(
-                qa.data, sa_outer, qb.data, sb_outer, b_rows, block_m=bm, block_n=bn, stages=st, num_warps=w,
-                compact=compact, unroll=unroll, warp_specialized=ws, maxnreg=maxnreg, plain=plain))
+            options = dict(block_m=bm, block_n=bn, stages=st, num_warps=w, compact=compact, unroll=unroll,
+                           warp_specialized=ws, maxnreg=maxnreg, plain=plain)
+            runs[c] = (lambda options=options: block_scaled_mm(qa.data, sa_outer, qb.data, sb_outer, b_rows,
+                                                                **options))
             row[c] = us(runs[c])
         exact = qa.dequantize(torch.float64) @ qb.dequantize(torch.float64).t()
         mag = qa.dequantize(torch.float64).abs() @ qb.dequantize(torch.float64).abs().t()

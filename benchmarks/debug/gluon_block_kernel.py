@@ -100,7 +100,8 @@ if gluon is not None:
     @gluon.jit
     def _block_scaled_mm_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, M, N, K,
                                 sa_stride_m, sa_stride_k, sb_stride_n, sb_stride_k,
-                                B_ROWS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, COMPACT: gl.constexpr,
+                                B_ROWS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                                COMPACT: gl.constexpr,
                                 UNROLL: gl.constexpr, PLAIN: gl.constexpr, num_warps: gl.constexpr):
         BM: gl.constexpr = c_desc.block_type.shape[0]
         BN: gl.constexpr = c_desc.block_type.shape[1]
@@ -225,7 +226,8 @@ if gluon is not None:
             sa = sa_next
             sb = sb_next
             sa_next, sb_next = _load_scales(gl.minimum(kb + 1, num_k - 1), sa_ptr, sa_stride_m, sa_stride_k, rows,
-                                            row_ok, sb_ptr, sb_stride_n, sb_stride_k, cols, col_ok, off_n, B_ROWS, SCALAR_B)
+                                            row_ok, sb_ptr, sb_stride_n, sb_stride_k, cols, col_ok, off_n, B_ROWS,
+                                            SCALAR_B)
             p = warpgroup_mma_wait(num_outstanding=0, deps=(p_run, ))
             mbarrier.arrive(empty.index(slot), count=1)
             acc = _add_scaled(acc, p, sa, sb, SCALAR_B, COMPACT)
@@ -273,7 +275,8 @@ if gluon is not None:
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
         acc, = gl.warp_specialize([
             (_ws_mma_partition, (acc, ready, empty, a_bufs, b_bufs, num_k, sa_ptr, sa_stride_m, sa_stride_k, rows,
-                                 row_ok, sb_ptr, sb_stride_n, sb_stride_k, cols, col_ok, off_n, B_ROWS, SCALAR_B, COMPACT,
+                                 row_ok, sb_ptr, sb_stride_n, sb_stride_k, cols, col_ok, off_n, B_ROWS, SCALAR_B,
+                                 COMPACT,
                                  STAGES)),
             (_ws_load_partition, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, off_m, off_n, num_k, STAGES)),
         ], [1], [40])
@@ -320,7 +323,8 @@ def block_scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torc
         _block_scaled_mm_ws_kernel[grid](*args, B_ROWS=b_rows, STAGES=stages, GROUP_M=group_m,
                                          COMPACT=compact and b_rows == 1, num_warps=num_warps, **options)
     else:
+        fitting = next(u for u in (8, 4, 2, 1) if u <= unroll and (k // SCALE_BLOCK) % u == 0)
         _block_scaled_mm_kernel[grid](*args, B_ROWS=b_rows, STAGES=stages, GROUP_M=group_m,
-                                      COMPACT=compact and b_rows == 1, UNROLL=next(u for u in (8, 4, 2, 1) if u <= unroll and (k // SCALE_BLOCK) % u == 0),
+                                      COMPACT=compact and b_rows == 1, UNROLL=fitting,
                                       PLAIN=plain, num_warps=num_warps, **options)
     return c
