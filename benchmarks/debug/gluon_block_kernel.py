@@ -43,6 +43,26 @@ SCALE_BLOCK = 128
 if gluon is not None:
 
     @gluon.jit
+    def _tile(M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, COMPACT: gl.constexpr,
+              mma_layout: gl.constexpr, num_warps: gl.constexpr):
+        """This program's output tile: its origin, and its row and column indices with their
+        bounds (columns one a thread with COMPACT, else in the MMA layout). Tiles go in groups
+        of GROUP_M rows so neighbouring programs share b in L2."""
+        pid = gl.program_id(0)
+        num_n = gl.cdiv(N, BN)
+        per_group = GROUP_M * num_n
+        first_m = (pid // per_group) * GROUP_M
+        size_m = gl.minimum(gl.cdiv(M, BM) - first_m, GROUP_M)
+        off_m = (first_m + (pid % per_group) % size_m) * BM
+        off_n = ((pid % per_group) // size_m) * BN
+        rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
+        if COMPACT:
+            cols = off_n + gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+        else:
+            cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
+        return off_m, off_n, rows, rows < M, cols, cols < N
+
+    @gluon.jit
     def _issue_loads(kb, a_desc, b_desc, off_m, off_n, bars, a_bufs, b_bufs, STAGES: gl.constexpr, pred):
         slot = kb % STAGES
         bar = bars.index(slot)
@@ -53,24 +73,17 @@ if gluon is not None:
     SCALE_BLOCK_K = gl.constexpr(SCALE_BLOCK)
 
     @gluon.jit
-    def _issue_mma(kb, regs, a_desc, b_desc, off_m, off_n, bars, a_bufs, b_bufs, STAGES: gl.constexpr, num_k):
+    def _issue_mma(kb, regs, a_desc, b_desc, off_m, off_n, bars, a_bufs, b_bufs, STAGES: gl.constexpr, num_k,
+                   USE_ACC: gl.constexpr = False):
         # Refill the slot of block kb-2 (its MMA was seen finished when block kb-1's was issued)
-        # with block kb+STAGES-2, then start block kb's product into ``regs`` (values ignored).
+        # with block kb+STAGES-2, then start block kb's product into ``regs`` (their values
+        # ignored unless USE_ACC: the unscaled ablation accumulates).
         nxt = kb + STAGES - 2
         _issue_loads(nxt, a_desc, b_desc, off_m, off_n, bars, a_bufs, b_bufs, STAGES, nxt < num_k)
         slot = kb % STAGES
         mbarrier.wait(bars.index(slot), (kb // STAGES) & 1)
-        return warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), regs, use_acc=False,
+        return warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), regs, use_acc=USE_ACC,
                              is_async=True)
-
-
-    @gluon.jit
-    def _issue_mma_acc(kb, acc, a_desc, b_desc, off_m, off_n, bars, a_bufs, b_bufs, STAGES: gl.constexpr, num_k):
-        nxt = kb + STAGES - 2
-        _issue_loads(nxt, a_desc, b_desc, off_m, off_n, bars, a_bufs, b_bufs, STAGES, nxt < num_k)
-        slot = kb % STAGES
-        mbarrier.wait(bars.index(slot), (kb // STAGES) & 1)
-        return warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
 
     @gluon.jit
     def _load_scales(kb, sa_ptr, sa_stride_m, sa_stride_k, rows, row_ok, sb_ptr, sb_stride_n, sb_stride_k, cols,
@@ -108,27 +121,9 @@ if gluon is not None:
         SCALAR_B: gl.constexpr = B_ROWS > 1 and B_ROWS % BN == 0
         gl.static_assert(a_desc.block_type.shape[1] == SCALE_BLOCK_K)
 
-        # Tiles in groups of GROUP_M rows so neighbouring programs share b in L2.
-        pid = gl.program_id(0)
-        num_m = gl.cdiv(M, BM)
-        num_n = gl.cdiv(N, BN)
-        per_group = GROUP_M * num_n
-        first_m = (pid // per_group) * GROUP_M
-        size_m = gl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % size_m
-        pid_n = (pid % per_group) // size_m
-        off_m = pid_m * BM
-        off_n = pid_n * BN
-
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                               instr_shape=[16, BN, 32])
-        rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
-        row_ok = rows < M
-        if COMPACT:
-            cols = off_n + gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-        else:
-            cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
-        col_ok = cols < N
+        off_m, off_n, rows, row_ok, cols, col_ok = _tile(M, N, BM, BN, GROUP_M, COMPACT, mma_layout, num_warps)
 
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -175,7 +170,7 @@ if gluon is not None:
             run = warpgroup_mma_init(acc)
             for kb in range(num_k):
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(run, ))
-                run = _issue_mma_acc(kb, acc, a_desc, b_desc, off_m, off_n, bars, a_bufs, b_bufs, STAGES, num_k)
+                run = _issue_mma(kb, acc, a_desc, b_desc, off_m, off_n, bars, a_bufs, b_bufs, STAGES, num_k, True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(run, ))
         else:
             # The next block's scales are loaded a step ahead, so their latency hides behind an MMA.
@@ -243,26 +238,9 @@ if gluon is not None:
         BM: gl.constexpr = c_desc.block_type.shape[0]
         BN: gl.constexpr = c_desc.block_type.shape[1]
         SCALAR_B: gl.constexpr = B_ROWS > 1 and B_ROWS % BN == 0
-        pid = gl.program_id(0)
-        num_m = gl.cdiv(M, BM)
-        num_n = gl.cdiv(N, BN)
-        per_group = GROUP_M * num_n
-        first_m = (pid // per_group) * GROUP_M
-        size_m = gl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % size_m
-        pid_n = (pid % per_group) // size_m
-        off_m = pid_m * BM
-        off_n = pid_n * BN
-
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                               instr_shape=[16, BN, 32])
-        rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
-        row_ok = rows < M
-        if COMPACT:
-            cols = off_n + gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-        else:
-            cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
-        col_ok = cols < N
+        off_m, off_n, rows, row_ok, cols, col_ok = _tile(M, N, BM, BN, GROUP_M, COMPACT, mma_layout, num_warps)
 
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
