@@ -29,9 +29,12 @@ def available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _clamp_cast(y, FMAX: tl.constexpr, OUT: tl.constexpr):
-        y = tl.maximum(y, -FMAX, propagate_nan=tl.PropagateNan.ALL)
-        y = tl.minimum(y, FMAX, propagate_nan=tl.PropagateNan.ALL)
+    def _clamp_cast(y, FMAX: tl.constexpr, OUT: tl.constexpr, SATURATE: tl.constexpr = False):
+        """round_to_nearest_even(clamp(y, -FMAX, FMAX)) in OUT. SATURATE (see saturating_cast):
+        the cast itself saturates on this GPU, so the clamp would change no byte."""
+        if not SATURATE:
+            y = tl.maximum(y, -FMAX, propagate_nan=tl.PropagateNan.ALL)
+            y = tl.minimum(y, FMAX, propagate_nan=tl.PropagateNan.ALL)
         return y.to(OUT, fp_downcast_rounding="rtne")
 
     @triton.jit
@@ -140,13 +143,6 @@ if triton is not None:
                                 tl.program_id(1), 448.0, tl.float8e4nv, RELOAD_T, B, SATURATE)
 
     @triton.jit
-    def _cast(y, FMAX: tl.constexpr, OUT: tl.constexpr, SATURATE: tl.constexpr):
-        if SATURATE:  # sm89+: the cast is cvt.rn.satfinite, the same bytes as clamping first
-            return y.to(OUT, fp_downcast_rounding="rtne")
-        else:
-            return _clamp_cast(y, FMAX, OUT)
-
-    @triton.jit
     def _rows_and_cols_tile(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB, MB, mb, kb,
                             FMAX: tl.constexpr, OUT: tl.constexpr, RELOAD_T: tl.constexpr, B: tl.constexpr,
                             SATURATE: tl.constexpr):
@@ -176,15 +172,15 @@ if triton is not None:
             col_amax = tl.max(bits, axis=0).to(tl.float32, bitcast=True)
         row_scale = _scale_from_amax(row_amax, FMAX)
         col_scale = _scale_from_amax(col_amax, FMAX)
-        q_row = _cast(x.to(tl.float32) * row_scale[:, None], FMAX, OUT, SATURATE)
+        q_row = _clamp_cast(x.to(tl.float32) * row_scale[:, None], FMAX, OUT, SATURATE)
         if RELOAD_T:  # see _cast_transpose_kernel
             tl.store(q_ptr + rm[:, None] * K + rk[None, :], q_row, mask=mask)
             mask_t = (rk[:, None] < K) & (rm[None, :] < M)
             xt = tl.load(x_ptr + rk[:, None] * sxk + rm[None, :] * sxm, mask=mask_t, other=0.0).to(tl.float32)
-            tl.store(qt_ptr + rk[:, None] * M + rm[None, :], _cast(xt * col_scale[:, None], FMAX, OUT, SATURATE),
+            tl.store(qt_ptr + rk[:, None] * M + rm[None, :], _clamp_cast(xt * col_scale[:, None], FMAX, OUT, SATURATE),
                      mask=mask_t)
         else:
-            q_col = _cast(x.to(tl.float32) * col_scale[None, :], FMAX, OUT, SATURATE)
+            q_col = _clamp_cast(x.to(tl.float32) * col_scale[None, :], FMAX, OUT, SATURATE)
             tl.store(q_ptr + rm[:, None] * K + rk[None, :], q_row, mask=mask)
             tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col),
                      mask=(rk[:, None] < K) & (rm[None, :] < M))
@@ -273,7 +269,7 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity, 
 
 def dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
     """Row-block (1x32 MX, 1x128) FP8 data to ``dtype`` in one pass (see kernels.Quantized)."""
-    if dtype == torch.float64:  # the torch code's fp32 products, widened (the kernel only rounds down)
+    if dtype == torch.float64:  # the torch code's fp32 products, widened (the kernel's cast narrows only)
         return dequantize_rows(data, scale_inv, block, torch.float32).double()
     m, k = data.shape
     out = torch.empty((m, k), dtype=dtype, device=data.device)
@@ -286,8 +282,9 @@ def dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor, block: int, dty
 
 @functools.lru_cache(maxsize=None)
 def saturating_cast(device: torch.device) -> bool:
-    """Whether Triton's FP8 casts on ``device`` saturate (cvt.rn.satfinite, sm89 and later), so
-    that a clamp before them changes nothing."""
+    """Whether Triton's FP8 casts on ``device`` saturate (cvt.rn.satfinite on sm89 and later,
+    read in the PTX): finite overflow and infinities go to +-max and NaN stays NaN, so a clamp
+    before them changes nothing (_clamp_cast's SATURATE)."""
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
