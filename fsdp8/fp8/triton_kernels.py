@@ -321,7 +321,8 @@ if triton is not None:
     # 137 ms on another machine, so its effect in the model is not known; this one stays.
     # Since 2026-11-26 the kernel finds its amaxes as integer maxima and leaves saturation to
     # the cast (_rows_and_cols_tile): 0.130 ms for the gate gradient (0.173 before), model A's
-    # 112 calls 7.1 ms a step, and the compiled block step 72.4k -> 75.4k tokens/s.
+    # 112 calls 7.1 ms a step, and the compiled block step from 72.1-73.4k to 74.9-75.4k
+    # tokens/s on an H200 (docs/PERFORMANCE.md, 2026-11-26).
     # FSDP8_TRITON_OP=0 leaves the quantization to Inductor.
     def _both_ways_op(x, e5m2):
         m, k = x.shape
