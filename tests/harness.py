@@ -164,6 +164,14 @@ def run_on_ranks(world: int, fn: Callable, *args, timeout: float = 240.0) -> Lis
             _POOLS.pop(world, None)
 
 
+def retire_pool(world: int) -> None:
+    """Close the pool of ``world`` processes so the next run starts a fresh one (after a task
+    that left a collective pending on purpose and caught its error)."""
+    pool = _POOLS.pop(world, None)
+    if pool is not None:
+        pool.close()
+
+
 @atexit.register
 def _close_all() -> None:
     for pool in _POOLS.values():

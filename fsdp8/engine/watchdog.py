@@ -20,6 +20,13 @@ and a slow one costs two store writes, nothing next to a second of waiting. A ra
 entered the collective less than the announcement delay before the deadline is counted
 as missing; it is late by nearly the whole timeout either way.
 
+A rank that gives up (raises) keeps its entry: its collective stays posted in gloo and never
+completes, so it still is in it. Emptying the entry would make a waiting rank whose deadline
+comes a moment later (it entered later, or its clock of the deadline started later) blame
+the rank that has just given up, a rank that did join. The group is unusable after a give-up
+anyway (the stalled collective is still pending on some ranks), so the stale entry misleads
+no later collective of it.
+
 No monitored barrier on a side group: only its rank 0 learns who is missing (the others
 time out waiting for rank 0 and would blame it), and a side gloo group costs every process
 a full mesh of connections and threads for the whole run.
@@ -93,6 +100,7 @@ def wait(work, group, what: str) -> None:
     me = dist.get_rank()
     store = dist.distributed_c10d._get_default_store()
     store.set(_key(group, me), what)
+    stalled = False
     try:
         if _done_within(work, deadline - early):
             return
@@ -101,8 +109,11 @@ def wait(work, group, what: str) -> None:
         waiting = {r: what for r, what in entries.items() if what}
         missing = [r for r in ranks if r not in waiting]
         if missing and not work.is_completed():
+            stalled = True
             raise Stalled(deadline, missing, waiting)
         work.wait()  # everyone is here: slow, or disagreeing about the order; the group's timeout decides
     finally:
-        # Emptied, not deleted: a reader that saw the key must not block in get().
-        store.set(_key(group, me), "")
+        # Emptied, not deleted: a reader that saw the key must not block in get(). A rank that
+        # gives up keeps its entry (see [Note: finding the missing ranks]).
+        if not stalled:
+            store.set(_key(group, me), "")

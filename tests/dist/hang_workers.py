@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import fsdp8
 from fsdp8.engine import watchdog
+from fsdp8.engine.comm import CollectiveError
 
 from . import common
 
@@ -19,14 +20,32 @@ def forward_on_some_ranks(deadline_s: float, forwarding: int):
     (a generate() there)."""
     os.environ[watchdog.TIMEOUT_ENV] = str(deadline_s)
     try:
-        sharded = fsdp8.fully_shard(common.build("llama"))
-        x, y = common.global_batch(0, 2, 8, common.vocab_of(sharded))
-        sharded(x, y).backward()
-        if common.rank() < forwarding:
-            with torch.no_grad():
-                sharded(x)
+        _step_then_forward_on_some_ranks(forwarding)
     finally:
         del os.environ[watchdog.TIMEOUT_ENV]
+
+
+def stalled_messages_with_staggered_deadlines(deadline_s: float, forwarding: int, stagger_s: float):
+    """As forward_on_some_ranks, with rank r's deadline ``deadline_s + r * stagger_s``: each
+    forwarding rank returns its error message (None where no error), so the test sees the
+    later ranks' view too, after the earlier ones have given up."""
+    os.environ[watchdog.TIMEOUT_ENV] = str(deadline_s + common.rank() * stagger_s)
+    try:
+        _step_then_forward_on_some_ranks(forwarding)
+        return None
+    except CollectiveError as e:
+        return str(e)
+    finally:
+        del os.environ[watchdog.TIMEOUT_ENV]
+
+
+def _step_then_forward_on_some_ranks(forwarding: int):
+    sharded = fsdp8.fully_shard(common.build("llama"))
+    x, y = common.global_batch(0, 2, 8, common.vocab_of(sharded))
+    sharded(x, y).backward()
+    if common.rank() < forwarding:
+        with torch.no_grad():
+            sharded(x)
 
 
 class _SlowWork:
