@@ -5,7 +5,7 @@ fsdp8's kernel and prints a table of milliseconds (median of --iters, CUDA event
 bandwidth (2 bytes read and 2 written per element), with the registers and spills of each
 compiled variant.
 
-    python benchmarks/debug/both_ways_kernels.py [--iters 100]
+    python benchmarks/debug/both_ways_kernels.py [--iters 100] [--variants V] [--graph]
 
 Variants:
   fsdp8        triton_kernels._rows_and_cols_kernel (since 2026-11-24 the native layout).
@@ -24,6 +24,9 @@ Variants:
                row blocks, finds their row scales and writes both quantizations. ONLY times
                one pass alone (its bytes then differ).
   --variants pipelined: native, T column tiles per program in a loop of NS software-pipeline stages.
+  --variants tma: the tile in and both casts out through TMA descriptors (no per-element
+               addresses or masks: 204 registers at 4 warps against 242), one tile per program or
+               PERSISTENT programs (PER_SM a multiprocessor) looping over tiles in NS stages.
   --variants lean: fewer instructions an element (amaxes as integer maxima of |x|'s bits; no clamps,
                sm90's saturating cast does the same). ncu on fsdp8's kernel (2026-11-26): 255
                registers, spills, 12.5% occupancy, DRAM 25% busy.
@@ -220,6 +223,42 @@ def _lean_kernel(x_ptr, q_ptr, qt_ptr, sinv_ptr, sinv_t_ptr, M, K, sxm, sxk, KB,
     tl.store(sinv_t_ptr + rk * MB + mb, _reciprocal(col_scale), mask=rk < K)
 
 
+@triton.jit
+def _tma_tile(x_desc, q_desc, qt_desc, sinv_ptr, sinv_t_ptr, M, K, KB, MB, mb, kb,
+              FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr):
+    """fsdp8's one-pass tile through TMA: the tile arrives in shared memory by one descriptor
+    load (zero-filled past the edges, as the masked load's other=0) and both casts leave by
+    descriptor stores, so no thread holds addresses or masks for its elements."""
+    x = x_desc.load([mb * B, kb * B])
+    bits = x.to(tl.int16, bitcast=True) & 0x7FFF
+    row_amax = tl.max(bits, axis=1).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    col_amax = tl.max(bits, axis=0).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    row_scale = _scale_from_amax(row_amax, FMAX)
+    col_scale = _scale_from_amax(col_amax, FMAX)
+    q_desc.store([mb * B, kb * B], (x.to(tl.float32) * row_scale[:, None]).to(OUT, fp_downcast_rounding="rtne"))
+    q_col = (x.to(tl.float32) * col_scale[None, :]).to(OUT, fp_downcast_rounding="rtne")
+    qt_desc.store([kb * B, mb * B], tl.trans(q_col))
+    rm = mb * B + tl.arange(0, B)
+    rk = kb * B + tl.arange(0, B)
+    tl.store(sinv_ptr + rm * KB + kb, _reciprocal(row_scale), mask=rm < M)
+    tl.store(sinv_t_ptr + rk * MB + mb, _reciprocal(col_scale), mask=rk < K)
+
+
+@triton.jit
+def _tma_kernel(x_desc, q_desc, qt_desc, sinv_ptr, sinv_t_ptr, M, K, KB, MB,
+                FMAX: tl.constexpr, OUT: tl.constexpr, B: tl.constexpr, PERSISTENT: tl.constexpr,
+                NS: tl.constexpr):
+    """One tile per program, or (PERSISTENT) a grid of a few programs per SM striding over the
+    tiles in a loop of NS stages: the next tiles' loads in flight (in shared memory, not in
+    registers) while this one is quantized. bf16 input, sm90's saturating cast."""
+    if PERSISTENT:
+        for t in tl.range(tl.program_id(0), MB * KB, tl.num_programs(0), num_stages=NS):
+            _tma_tile(x_desc, q_desc, qt_desc, sinv_ptr, sinv_t_ptr, M, K, KB, MB, t // KB, t % KB, FMAX, OUT, B)
+    else:
+        _tma_tile(x_desc, q_desc, qt_desc, sinv_ptr, sinv_t_ptr, M, K, KB, MB, tl.program_id(0), tl.program_id(1),
+                  FMAX, OUT, B)
+
+
 def bits(t):
     """The tensor's bits, so that torch.equal compares NaN scales too."""
     return t.view(torch.uint8) if t.dtype == E4M3 else t.view(torch.int32)
@@ -252,6 +291,15 @@ def launcher(name, warps, extra):
             return _rows_and_apply_kernel[(m // extra["TM"], k // 128)](
                 x, q, qt, sinv, cs, m, k, x.stride(0), x.stride(1), k // 128, FMAX=FP8_MAX[E4M3],
                 OUT=tk._tl_dtype(E4M3), B=128, TM=extra["TM"], num_warps=warps, **opts)
+        if name == "tma":
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            descs = [TensorDescriptor.from_tensor(t, [128, 128]) for t in (x, q, qt)]
+            if extra.get("PERSISTENT"):
+                sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+                grid = (min(sms * extra["PER_SM"], (m // 128) * (k // 128)),)
+            tma_args = dict(PERSISTENT=bool(extra.get("PERSISTENT")), NS=extra.get("NS", 1))
+            return _tma_kernel[grid](*descs, sinv, sinv_t, m, k, k // 128, m // 128, **common, **tma_args)
         if name in ("fsdp8", "native"):  # the native layout is fsdp8's kernel since it was measured best
             return tk._rows_and_cols_kernel[grid](*args, RELOAD_T=False, SATURATE=True, **common)
         kernel = {"col_strips": _col_strips_kernel, "row_strips": _row_strips_kernel,
@@ -260,10 +308,18 @@ def launcher(name, warps, extra):
     return run
 
 
-def timed(fn, iters):
+def timed(fn, iters, graph=False):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    if graph:  # launches captured in a CUDA graph: the kernels' own time, without the host's launch cost
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(20):
+                fn()
+        g.replay()
+        torch.cuda.synchronize()
+        fn = g.replay
     events = []
     for _ in range(iters):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -272,7 +328,7 @@ def timed(fn, iters):
         e.record()
         events.append((s, e))
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    return statistics.median(s.elapsed_time(e) for s, e in events) / (20 if graph else 1)
 
 
 # maxnreg caps the registers per thread (spilling the rest), so more programs share an SM.
@@ -284,6 +340,8 @@ VARIANTS = {
     "cols_then_both": [("fsdp8", {})] + [("cols_then_both", {"RB": rb, "TM": 64, "ONLY": 1}) for rb in (4, 8, 16)]
     + [("cols_then_both", {"RB": 8, "TM": tm, "ONLY": 2}) for tm in (16, 32, 64)]
     + [("cols_then_both", {"RB": rb, "TM": tm}) for rb in (4, 8) for tm in (16, 32, 64)],
+    "tma": [("fsdp8", {}), ("tma", {})] + [("tma", {"PERSISTENT": 1, "PER_SM": p, "NS": ns})
+                                          for p in (1, 2, 3) for ns in (1, 2, 3)],
     "pipelined": [("looped", {"T": t, "NS": ns}) for t in (2, 4) for ns in (1, 2, 3)],
     "lean": [("fsdp8", {})] + [("lean", {"NAN_MAX": n, "SATURATE": sat}) for n in (0, 1) for sat in (0, 1)]
     + [("lean", {"NAN_MAX": 1, "SATURATE": 1, "EVEN": True}), ("lean", {"NAN_MAX": 1, "SATURATE": 1, "maxnreg": 128})],
@@ -295,6 +353,8 @@ def main():
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--warps", default="4,8,16")
     p.add_argument("--variants", choices=sorted(VARIANTS), default="layouts")
+    p.add_argument("--graph", action="store_true", help="time 20 launches replayed from a CUDA graph (kernel time "
+                   "alone: the small shapes' plain timings include the host's launch cost)")
     args = p.parse_args()
     torch.manual_seed(0)
     # Model A (tokens 8192): gate/up, q/o/down, k/v output gradients.
@@ -321,7 +381,7 @@ def main():
                     continue
                 got = [bits(t) for t in out]
                 same = all(torch.equal(g, e) for g, e in zip(got, expected))
-                ms = timed(lambda: launcher(name, warps, extra)(x, out), args.iters)
+                ms = timed(lambda: launcher(name, warps, extra)(x, out), args.iters, args.graph)
                 regs = getattr(compiled, "n_regs", "?")
                 spills = getattr(compiled, "n_spills", "?")
                 print(f"| {shape} | {name} {extra or ''} | {warps} | {ms:.4f} | {moved / ms / 1e9:.2f} | {regs} | "
