@@ -140,6 +140,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default="",
                    help="directory: after timing, profile one more step of each stack and write where its "
                         "GPU time went (benchmarks/step_profile.py; rank 0's trace kept as .json.gz)")
+    p.add_argument("--profile-top", type=int, default=20, help="kernels listed by --profile, costliest first")
     p.add_argument("--skip-packed-check", action="store_true",
                    help="for every stack, replace transformers' per-forward packed-sequence check (a device-to-host "
                         "sync at the start of each forward: py-spy found the host waiting there most of a step) by "
@@ -362,7 +363,8 @@ def profile_one_step(spec: ModelSpec, stack: str, built: Built, batch: torch.Ten
     base = out / f"{spec.name}-{stack}-rank{ctx.rank}"
     kernels = profile_step(lambda: train_step(built, batch, ctx),
                            trace_path=str(base) + ".json.gz" if ctx.rank == 0 else None)
-    text = format_summary(f"{stack}, model {spec.name}, rank {ctx.rank} of {ctx.world}", summarize(kernels))
+    text = format_summary(f"{stack}, model {spec.name}, rank {ctx.rank} of {ctx.world}",
+                          summarize(kernels, top=ctx.args.profile_top))
     base.with_suffix(".md").write_text(text + "\n")
     if ctx.rank == 0:
         print(text, flush=True)

@@ -112,7 +112,7 @@ def format_summary(title: str, summary: dict) -> str:
         "| kernel | ms | count |",
         "|---|---|---|",
     ]
-    lines += [f"| {k['name'][:110]} | {k['ms']:.2f} | {k['count']} |" for k in s["costliest"]]
+    lines += [f"| {k['name'][:160]} | {k['ms']:.2f} | {k['count']} |" for k in s["costliest"]]
     return "\n".join(lines)
 
 

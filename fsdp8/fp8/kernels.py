@@ -204,6 +204,35 @@ def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[Q
             quantize_reference(x.t(), fp8_dtype, Granularity.ROW_1x128))
 
 
+def quantize_transposed(x: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity,
+                        scale: Optional[torch.Tensor] = None) -> Quantized:
+    """``quantize(x.t().contiguous(), ...)``, the same bytes: a linear's input transposed for
+    its weight gradient. 1x128 blocks of ``x.t()`` are found as 128x1 column blocks of ``x``
+    where the torch code runs (CPU, and inside compiled graphs, where ``x`` is often
+    recomputed from its producer's inputs): see ``_transposed_by_column_blocks``."""
+    if (granularity is Granularity.ROW_1x128 and scale is None and x.dim() == 2 and x.shape[0] % 128 == 0
+            and not use_triton(x)):
+        return _transposed_by_column_blocks(x, fp8_dtype)
+    return quantize(x.t().contiguous(), fp8_dtype, granularity, scale)
+
+
+def _transposed_by_column_blocks(x: torch.Tensor, fp8_dtype: torch.dtype) -> Quantized:
+    """``x.t()`` in 1x128 blocks, found as 128x1 column blocks of ``x``. Each block's amax is
+    the larger of its two 64-row halves': Inductor keeps a reduction over up to 64 strided rows
+    in registers (one pass over ``x``) and loops twice over one of 128. Written as the
+    transpose's own blocks, Inductor's code made an fp32 copy of the scaled values in that
+    looping kernel and cast it in a second, transposing one (0.217 + 0.084 ms for model A's
+    SwiGLU output on an H200); written so, the amaxes take one reading kernel and the cast
+    joins the SwiGLU backward's (docs/PERFORMANCE.md, 2026-11-26 second session)."""
+    m, k = x.shape
+    xf = x.detach().float()
+    amax = xf.abs().reshape(m // 128, 2, 64, k).amax(dim=2).amax(dim=1)  # (m / 128, k)
+    scale, scale_inv = scales_for(amax, Granularity.ROW_1x128, fp8_dtype)
+    fmax = FP8_MAX[fp8_dtype]
+    q = (xf.reshape(m // 128, 128, k) * scale[:, None, :]).clamp(-fmax, fmax).to(fp8_dtype)
+    return Quantized(q.view(m, k).t().contiguous(), scale_inv.t().contiguous(), Granularity.ROW_1x128)
+
+
 def quantize_rows_with_grid(rows: torch.Tensor, row_start: int, scale_grid: torch.Tensor,
                             granularity: Granularity, fp8_dtype: torch.dtype, via: Optional[torch.dtype] = None,
                             out: Optional[torch.Tensor] = None) -> torch.Tensor:

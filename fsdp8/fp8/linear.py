@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .formats import Granularity, amax_to_scale, scale_inv_to_e8m0
-from .kernels import Quantized, amax, cast_transpose, quantize, quantize_1x128_both_ways
+from .kernels import Quantized, amax, cast_transpose, quantize, quantize_1x128_both_ways, quantize_transposed
 from .recipes import G, W, X, DelayedBuffers, DelayedState, Recipe, record_amax, update_delayed_states
 from .tensor import Float8Tensor, transpose_of
 
@@ -214,9 +214,9 @@ class _Float8LinearFn(torch.autograd.Function):
         qw_t = ctx.qw_t if ctx.qw_t is not None else _weight_transposed(ctx.weight, ctx.qw)
         qx_t = ctx.qx_t
         if qx_t is None:  # the same bytes and scales as quantizing both ways in forward
-            x_t = ctx.x.detach().reshape(-1, ctx.x_shape[-1]).t().contiguous()  # fused away when compiled
             x_scale = ctx.state.scale[X] if ctx.state is not None else None
-            qx_t = quantize(x_t, recipe.fwd_dtype, recipe.x_granularity, x_scale)
+            qx_t = quantize_transposed(ctx.x.detach().reshape(-1, ctx.x_shape[-1]), recipe.fwd_dtype,
+                                       recipe.x_granularity, x_scale)
         dx = fp8_mm(qdy, qw_t, ctx.compute_dtype, recipe)
         dw = fp8_mm(qdy_t, qx_t, ctx.compute_dtype, recipe)
         dbias = dy2d.sum(0) if ctx.has_bias else None

@@ -283,6 +283,30 @@ def test_1x128_both_ways_in_a_compiled_graph_is_the_triton_op(shape, fp8, dtype,
             assert torch.allclose(scale_inv, ref.scale_inv, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("shape", [(4096, 1024), (384, 257), (300, 257)])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_1x128_transposed_in_a_compiled_graph_matches_reference(shape, fp8, dtype):
+    """A linear's input transposed for the weight gradient (quantize_transposed) inside a
+    compiled graph, fed by a producer (Inductor's kernels, from 128x1 column blocks where the
+    rows are whole blocks): the bytes of quantizing the materialized transpose. NaN, zero and
+    infinite blocks included."""
+    from fsdp8.fp8.kernels import quantize_transposed
+
+    x = _inputs(shape, dtype, 13)
+    x[-1, 0] = -float("inf")
+
+    def fn(t):
+        q = quantize_transposed(t * 2.0, fp8, Granularity.ROW_1x128)
+        return q.data, q.scale_inv
+
+    ref = quantize_reference((x * 2.0).t().contiguous(), fp8, Granularity.ROW_1x128)
+    torch._dynamo.reset()
+    data, scale_inv = torch.compile(fn, fullgraph=True)(x)
+    assert _same(data, ref.data)
+    assert torch.allclose(scale_inv, ref.scale_inv, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("recipe_name", ["fp8-current", "fp8-block", "fp8-mxfp8"])
 def test_compiled_float8_linear_matches_eager_with_native_gemm(recipe_name):
     """A Float8Linear traced by torch.compile (compiler-generated quantization feeding

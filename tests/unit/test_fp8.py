@@ -13,7 +13,7 @@ from fsdp8.fp8.formats import (
 )
 from fsdp8.fp8.kernels import (
     Quantized, amax, amaxes, partial_block_amax, quantize, quantize_block_pieces, quantize_pieces, quantize_reference,
-    quantize_rows_with_grid, saturate_cast,
+    quantize_rows_with_grid, quantize_transposed, saturate_cast,
 )
 from fsdp8.fp8.linear import Float8Linear
 from fsdp8.fp8.recipes import (
@@ -50,6 +50,29 @@ def _slow_block_quantize(x, fp8, granularity):
             inv[i, j] = scale_inv
             data[i * bm:(i + 1) * bm, j * bk:(j + 1) * bk] = (block * scale).clamp(-FP8_MAX[fp8], FP8_MAX[fp8]).to(fp8)
     return data, inv
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(256, 200), (130, 64)])
+def test_quantize_transposed_is_the_transpose_quantized(fp8, dtype, shape):
+    """A linear's input transposed for its weight gradient, 1x128 blocks of x.t(): whole
+    128-row blocks of x go through 128x1 column blocks (amaxes as maxima of 64-row halves),
+    other heights through the transpose itself. Byte for byte the block-by-block reference
+    on finite values, and quantizing the materialized transpose with NaN, infinite and zero
+    blocks (which the block-by-block reference does not treat as fsdp8 does)."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[1])).to(dtype)
+    x[:128, 5] = 0.0
+    q = quantize_transposed(x, fp8, Granularity.ROW_1x128)
+    data, inv = _slow_block_quantize(x.t(), fp8, Granularity.ROW_1x128)
+    assert torch.equal(q.data.view(torch.uint8), data.view(torch.uint8))
+    assert torch.equal(q.scale_inv, inv.float())
+    x[3, 1], x[100, 2] = float("nan"), -float("inf")
+    q = quantize_transposed(x, fp8, Granularity.ROW_1x128)
+    ref = quantize_reference(x.t().contiguous(), fp8, Granularity.ROW_1x128)
+    assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.allclose(q.scale_inv, ref.scale_inv, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("granularity", [Granularity.ROW_1x128, Granularity.BLOCK_128x128, Granularity.MX_1x32])
