@@ -308,6 +308,9 @@ def launcher(name, warps, extra):
     return run
 
 
+GRAPH_LAUNCHES = 20
+
+
 def timed(fn, iters, graph=False):
     for _ in range(3):
         fn()
@@ -315,7 +318,7 @@ def timed(fn, iters, graph=False):
     if graph:  # launches captured in a CUDA graph: the kernels' own time, without the host's launch cost
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            for _ in range(20):
+            for _ in range(GRAPH_LAUNCHES):
                 fn()
         g.replay()
         torch.cuda.synchronize()
@@ -328,7 +331,7 @@ def timed(fn, iters, graph=False):
         e.record()
         events.append((s, e))
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events) / (20 if graph else 1)
+    return statistics.median(s.elapsed_time(e) for s, e in events) / (GRAPH_LAUNCHES if graph else 1)
 
 
 # maxnreg caps the registers per thread (spilling the rest), so more programs share an SM.
@@ -353,7 +356,7 @@ def main():
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--warps", default="4,8,16")
     p.add_argument("--variants", choices=sorted(VARIANTS), default="layouts")
-    p.add_argument("--graph", action="store_true", help="time 20 launches replayed from a CUDA graph (kernel time "
+    p.add_argument("--graph", action="store_true", help=f"time {GRAPH_LAUNCHES} launches replayed from a CUDA graph (kernel time "
                    "alone: the small shapes' plain timings include the host's launch cost)")
     args = p.parse_args()
     torch.manual_seed(0)

@@ -167,9 +167,7 @@ def quantize_with_block_amax(x, block_amaxes, fp8_dtype, granularity, margin: in
     scale, scale_inv = scales_for(block_amaxes, granularity, fp8_dtype, margin)
     if granularity is Granularity.TENSOR:
         return Quantized(saturate_cast(x, scale, fp8_dtype), scale_inv, granularity)
-    blocks = _padded_blocks(x.float(), granularity.block)
-    fmax = FP8_MAX[fp8_dtype]
-    q = (blocks * scale[:, None, :, None]).clamp(-fmax, fmax).to(fp8_dtype)
+    q = saturate_cast(_padded_blocks(x.float(), granularity.block), scale[:, None, :, None], fp8_dtype)
     mb, bm, kb, bk = q.shape
     data = q.reshape(mb * bm, kb * bk)[: x.shape[0], : x.shape[1]].contiguous()
     return Quantized(data, scale_inv, granularity)
@@ -228,8 +226,7 @@ def _transposed_by_column_blocks(x: torch.Tensor, fp8_dtype: torch.dtype) -> Qua
     xf = x.detach().float()
     amax = xf.abs().reshape(m // 128, 2, 64, k).amax(dim=2).amax(dim=1)  # (m / 128, k)
     scale, scale_inv = scales_for(amax, Granularity.ROW_1x128, fp8_dtype)
-    fmax = FP8_MAX[fp8_dtype]
-    q = (xf.reshape(m // 128, 128, k) * scale[:, None, :]).clamp(-fmax, fmax).to(fp8_dtype)
+    q = saturate_cast(xf.reshape(m // 128, 128, k), scale[:, None, :], fp8_dtype)
     return Quantized(q.view(m, k).t().contiguous(), scale_inv.t().contiguous(), Granularity.ROW_1x128)
 
 
