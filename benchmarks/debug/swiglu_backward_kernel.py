@@ -168,11 +168,8 @@ if triton is not None:
         return (a * u).to(dt), (dh * a).to(dt), (da * s * (1.0 + g * (1.0 - s))).to(dt)
 
     @triton.jit
-    def _swiglu_col_amax_kernel(dh_ptr, g_ptr, u_ptr, amax_ptr, M, N, R: tl.constexpr, FAST: tl.constexpr):
-        """Pass 1: the amaxes of h's, du's and dg's 128x1 column blocks, R rows at a time
-        (amax_ptr: (3, N, M / 128) fp32)."""
-        mb, nb = tl.program_id(0), tl.program_id(1)
-        rn = nb * 128 + tl.arange(0, 128)
+    def _col_amaxes(dh_ptr, g_ptr, u_ptr, mb, rn, N, R: tl.constexpr, FAST: tl.constexpr):
+        """The amaxes of h's, du's and dg's 128x1 column blocks in tile (mb, rn), R rows at a time."""
         h_max = tl.zeros((128, ), dtype=tl.float32)
         du_max = tl.zeros((128, ), dtype=tl.float32)
         dg_max = tl.zeros((128, ), dtype=tl.float32)
@@ -182,6 +179,14 @@ if triton is not None:
             h_max = tl.maximum(h_max, _amax_bits(h, 0), propagate_nan=tl.PropagateNan.ALL)
             du_max = tl.maximum(du_max, _amax_bits(du, 0), propagate_nan=tl.PropagateNan.ALL)
             dg_max = tl.maximum(dg_max, _amax_bits(dg, 0), propagate_nan=tl.PropagateNan.ALL)
+        return h_max, du_max, dg_max
+
+    @triton.jit
+    def _swiglu_col_amax_kernel(dh_ptr, g_ptr, u_ptr, amax_ptr, M, N, R: tl.constexpr, FAST: tl.constexpr):
+        """Pass 1: the column blocks' amaxes into amax_ptr ((3, N, M / 128) fp32)."""
+        mb, nb = tl.program_id(0), tl.program_id(1)
+        rn = nb * 128 + tl.arange(0, 128)
+        h_max, du_max, dg_max = _col_amaxes(dh_ptr, g_ptr, u_ptr, mb, rn, N, R, FAST)
         at = rn * (M // 128) + mb
         tl.store(amax_ptr + at, h_max)
         tl.store(amax_ptr + N * (M // 128) + at, du_max)
@@ -199,21 +204,19 @@ if triton is not None:
         tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q))
 
     @triton.jit
-    def _swiglu_cast_kernel(dh_ptr, g_ptr, u_ptr, amax_ptr, dg_ptr, dg_s, dgt_ptr, dgt_s, du_ptr, du_s, dut_ptr,
-                            dut_s, ht_ptr, ht_s, M, N, GRAD_E5M2: tl.constexpr, FWD_E5M2: tl.constexpr,
-                            SATURATE: tl.constexpr, R: tl.constexpr, FAST: tl.constexpr):
-        """Pass 2: the values again, R rows at a time: du and dg in 1x128 row blocks (their
-        scales found here), and h, du and dg by column blocks with pass 1's amaxes."""
+    def _cast_tile(dh_ptr, g_ptr, u_ptr, h_max, du_max, dg_max, dg_ptr, dg_s, dgt_ptr, dgt_s, du_ptr, du_s, dut_ptr,
+                   dut_s, ht_ptr, ht_s, mb, nb, rn, M, N, GRAD_E5M2: tl.constexpr, FWD_E5M2: tl.constexpr,
+                   SATURATE: tl.constexpr, R: tl.constexpr, FAST: tl.constexpr):
+        """The values again, R rows at a time: du and dg in 1x128 row blocks (their scales found
+        here), and h, du and dg by column blocks with the given column amaxes."""
         GMAX: tl.constexpr = 57344.0 if GRAD_E5M2 else 448.0
         GOUT: tl.constexpr = tl.float8e5 if GRAD_E5M2 else tl.float8e4nv
         HMAX: tl.constexpr = 57344.0 if FWD_E5M2 else 448.0
         HOUT: tl.constexpr = tl.float8e5 if FWD_E5M2 else tl.float8e4nv
-        mb, nb = tl.program_id(0), tl.program_id(1)
-        rn = nb * 128 + tl.arange(0, 128)
         at = rn * (M // 128) + mb
-        h_scale = _scale_from_amax(tl.load(amax_ptr + at), HMAX)
-        du_scale = _scale_from_amax(tl.load(amax_ptr + N * (M // 128) + at), GMAX)
-        dg_scale = _scale_from_amax(tl.load(amax_ptr + 2 * N * (M // 128) + at), GMAX)
+        h_scale = _scale_from_amax(h_max, HMAX)
+        du_scale = _scale_from_amax(du_max, GMAX)
+        dg_scale = _scale_from_amax(dg_max, GMAX)
         tl.store(ht_s + at, _reciprocal(h_scale))
         tl.store(dut_s + at, _reciprocal(du_scale))
         tl.store(dgt_s + at, _reciprocal(dg_scale))
@@ -224,12 +227,41 @@ if triton is not None:
             _cast_chunk(du, du_scale, du_ptr, du_s, dut_ptr, rm, rn, M, N, nb, True, GMAX, GOUT, SATURATE)
             _cast_chunk(dg, dg_scale, dg_ptr, dg_s, dgt_ptr, rm, rn, M, N, nb, True, GMAX, GOUT, SATURATE)
 
-    def two_pass(dh, g, u, outs, grad_e5m2, fwd_e5m2, rows=32, warps=4, fast=0):
-        """The two passes into ``outs`` (dg, its scales, dg_t, ..., h_t's scales, as SwiGLUGrads orders them)."""
+    @triton.jit
+    def _swiglu_cast_kernel(dh_ptr, g_ptr, u_ptr, amax_ptr, dg_ptr, dg_s, dgt_ptr, dgt_s, du_ptr, du_s, dut_ptr,
+                            dut_s, ht_ptr, ht_s, M, N, GRAD_E5M2: tl.constexpr, FWD_E5M2: tl.constexpr,
+                            SATURATE: tl.constexpr, R: tl.constexpr, FAST: tl.constexpr):
+        """Pass 2: every cast, with pass 1's column amaxes."""
+        mb, nb = tl.program_id(0), tl.program_id(1)
+        rn = nb * 128 + tl.arange(0, 128)
+        at = rn * (M // 128) + mb
+        _cast_tile(dh_ptr, g_ptr, u_ptr, tl.load(amax_ptr + at), tl.load(amax_ptr + N * (M // 128) + at),
+                   tl.load(amax_ptr + 2 * N * (M // 128) + at), dg_ptr, dg_s, dgt_ptr, dgt_s, du_ptr, du_s, dut_ptr,
+                   dut_s, ht_ptr, ht_s, mb, nb, rn, M, N, GRAD_E5M2, FWD_E5M2, SATURATE, R, FAST)
+
+    @triton.jit
+    def _swiglu_reread_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, dg_s, dgt_ptr, dgt_s, du_ptr, du_s, dut_ptr, dut_s, ht_ptr,
+                              ht_s, M, N, GRAD_E5M2: tl.constexpr, FWD_E5M2: tl.constexpr, SATURATE: tl.constexpr,
+                              R: tl.constexpr, FAST: tl.constexpr):
+        """Both passes in one program: the tile's second read comes from L2 (96 KB just read)."""
+        mb, nb = tl.program_id(0), tl.program_id(1)
+        rn = nb * 128 + tl.arange(0, 128)
+        h_max, du_max, dg_max = _col_amaxes(dh_ptr, g_ptr, u_ptr, mb, rn, N, R, FAST)
+        _cast_tile(dh_ptr, g_ptr, u_ptr, h_max, du_max, dg_max, dg_ptr, dg_s, dgt_ptr, dgt_s, du_ptr, du_s, dut_ptr,
+                   dut_s, ht_ptr, ht_s, mb, nb, rn, M, N, GRAD_E5M2, FWD_E5M2, SATURATE, R, FAST)
+
+    def two_pass(dh, g, u, outs, grad_e5m2, fwd_e5m2, rows=32, warps=4, fast=0, reread=False):
+        """The two passes into ``outs`` (dg, its scales, dg_t, ..., h_t's scales, as SwiGLUGrads
+        orders them); ``reread``: both in one program (_swiglu_reread_kernel)."""
         m, n = dh.shape
         dg, dg_s, dgt, dgt_s, du, du_s, dut, dut_s, ht, ht_s = outs
         amaxes = torch.empty((3, n, m // 128), dtype=torch.float32, device=dh.device)
         grid = (m // 128, n // 128)
+        if reread:
+            _swiglu_reread_kernel[grid](dh, g, u, dg, dg_s, dgt, dgt_s, du, du_s, dut, dut_s, ht, ht_s, m, n,
+                                        GRAD_E5M2=grad_e5m2, FWD_E5M2=fwd_e5m2, SATURATE=saturating_cast(dh.device),
+                                        R=rows, FAST=fast, num_warps=warps)
+            return
         _swiglu_col_amax_kernel[grid](dh, g, u, amaxes, m, n, R=rows, FAST=fast, num_warps=warps)
         _swiglu_cast_kernel[grid](dh, g, u, amaxes, dg, dg_s, dgt, dgt_s, du, du_s, dut, dut_s, ht, ht_s, m, n,
                                           GRAD_E5M2=grad_e5m2, FWD_E5M2=fwd_e5m2, SATURATE=saturating_cast(dh.device),

@@ -31,15 +31,16 @@ import swiglu_backward_kernel as swiglu  # noqa: E402
 
 def fused_with_warps(variant):
     """A variant by name. Three programs a tile: '<warps>' or '<warps>:<maxnreg>' (a register
-    cap, so more programs share an SM). The two passes: 'p<rows>x<warps>'. A trailing 'f': FAST=1
+    cap, so more programs share an SM). The two passes: 'p<rows>x<warps>'; both in one program,
+    the second reading from L2: 'r<rows>x<warps>'. A trailing 'f': FAST=1
     maths; 'ff': FAST=2 (two passes only)."""
-    if variant.startswith("p"):
+    if variant[0] in "pr":
         rows, _, warps = variant[1:].rstrip("f").partition("x")
 
         def two(dh, g, u):
             outs = _outputs(dh)
             fast = 2 if variant.endswith("ff") else int(variant.endswith("f"))
-            swiglu.two_pass(dh, g, u, outs, False, False, int(rows), int(warps), fast)
+            swiglu.two_pass(dh, g, u, outs, False, False, int(rows), int(warps), fast, reread=variant[0] == "r")
             return _grads(outs)
         return two
     fast = variant.endswith("f")
