@@ -1,13 +1,14 @@
-"""Experiment (issue 17): SwiGLU's backward with the block recipe's quantizations fused in
-(swiglu_backward_kernel.py) against the op-by-op code compiled as the model compiles it.
+"""Experiment (issue 17): fsdp8's fused SwiGLU backward (fsdp8/fp8/swiglu.py) and the other
+forms tried (swiglu_backward_kernel.py) against the op-by-op code compiled as the model
+compiles it.
 
 For model A's and B's MLP gradients, prints a table: milliseconds (CUDA-graph timed, the
 kernels' own time), bytes moved per second, and how many FP8 bytes of each output differ
 from the eager op-by-op code (``swiglu_backward_reference``); where bytes differ, the largest
-difference of the dequantized values, relative to the block's largest value.
+difference of the dequantized values, relative to the tensor's largest value.
 
     PYTHONPATH=$PWD python benchmarks/debug/swiglu_backward_kernels.py [--dtypes bfloat16]
-        [--warps 8:128f,p32x4,p32x4f]   # see fused_with_warps for the variants' names
+        [--variants two_passes,two_passes_exact,...]   # VARIANTS' names
 """
 
 from __future__ import annotations
@@ -22,48 +23,49 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import triton  # noqa: E402
 
+from fsdp8.fp8.swiglu import swiglu_backward  # noqa: E402
 from fsdp8.fp8.triton_kernels import saturating_cast  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from both_ways_kernels import timed  # noqa: E402
 import swiglu_backward_kernel as swiglu  # noqa: E402
 
+E4 = torch.float8_e4m3fn
 
-def fused_with_warps(variant):
-    """A variant by name. Three programs a tile: '<warps>' or '<warps>:<maxnreg>' (a register
-    cap, so more programs share an SM). The two passes: 'p<rows>x<warps>'; both in one program,
-    the second reading from L2: 'r<rows>x<warps>'. A trailing 'f': FAST=1
-    maths; 'ff': FAST=2 (two passes only)."""
-    if variant[0] in "pr":
-        rows, _, warps = variant[1:].rstrip("f").partition("x")
 
-        def two(dh, g, u):
-            outs = _outputs(dh)
-            fast = 2 if variant.endswith("ff") else int(variant.endswith("f"))
-            swiglu.two_pass(dh, g, u, outs, False, False, int(rows), int(warps), fast, reread=variant[0] == "r")
-            return _grads(outs)
-        return two
-    fast = variant.endswith("f")
-    warps, _, cap = variant.rstrip("f").partition(":")
-    options = {"num_warps": int(warps), "FAST": fast, **({"maxnreg": int(cap)} if cap else {})}
-
+def _two_passes(**options):
     def run(dh, g, u):
-        m, n = dh.shape
-        outs = _outputs(dh)
-        swiglu._swiglu_backward_kernel[(3, (m // 128) * (n // 128))](
-            dh, g, u, *outs, m, n, GRAD_E5M2=False, FWD_E5M2=False, SATURATE=saturating_cast(dh.device), **options)
+        outs = swiglu.swiglu_backward_outputs(dh, E4, E4)
+        swiglu.two_passes(dh, g, u, outs, False, False, **options)
         return _grads(outs)
     return run
 
 
-def _outputs(dh):
-    m, n = dh.shape
-    e4 = torch.float8_e4m3fn
+def _one_launch(kernel, grid, **options):
+    def run(dh, g, u):
+        m, n = dh.shape
+        outs = swiglu.swiglu_backward_outputs(dh, E4, E4)
+        kernel[grid(m, n)](dh, g, u, *outs, m, n, GRAD_E5M2=False, FWD_E5M2=False,
+                           SATURATE=saturating_cast(dh.device), **options)
+        return _grads(outs)
+    return run
 
-    def pair(rows, cols):
-        return [torch.empty((rows, cols), dtype=e4, device="cuda"), torch.empty((rows, cols // 128), device="cuda")]
 
-    return pair(m, n) + pair(n, m) + pair(m, n) + pair(n, m) + pair(n, m)
+def _three_programs(**options):
+    return _one_launch(swiglu._swiglu_backward_kernel, lambda m, n: (3, (m // 128) * (n // 128)), **options)
+
+
+VARIANTS = {
+    "fsdp8": lambda dh, g, u: swiglu_backward(dh, g, u, E4, E4),  # the graph op fsdp8 runs
+    "two_passes": _two_passes(),  # the same kernels, launched here
+    "two_passes_exact": _two_passes(exact=True),
+    "two_passes_rows_32_32": _two_passes(amax_rows=32, cast_rows=32),
+    "two_passes_rows_16_16": _two_passes(amax_rows=16, cast_rows=16),
+    "three_programs_8w_128r": _three_programs(num_warps=8, maxnreg=128),
+    "three_programs_8w_128r_exact": _three_programs(num_warps=8, maxnreg=128, EXACT=True),
+    "three_programs_16w": _three_programs(num_warps=16),
+    "reread_32r_4w": _one_launch(swiglu._swiglu_reread_kernel, lambda m, n: (m // 128, n // 128), R=32, num_warps=4),
+}
 
 
 def _grads(outs):
@@ -86,7 +88,7 @@ def differences(ref, got):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--warps", default="8:128,8:128f,p32x4,p32x4f,p32x8f,p64x8f")
+    p.add_argument("--variants", default="fsdp8,two_passes_exact,three_programs_8w_128r")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--dtypes", default="bfloat16,float32")
     args = p.parse_args()
@@ -110,8 +112,7 @@ def main():
             ref = swiglu.swiglu_backward_reference(dh, g, u, e4, e4)
             moved = 3 * dh.numel() * dh.element_size() + 5 * dh.numel()
             runs = [("op by op, compiled", lambda: compiled(dh, g, u))]
-            runs += [(f"fused {w}", (lambda f=fused_with_warps(w): f(dh, g, u)))
-                     for w in args.warps.split(",")]
+            runs += [(name, (lambda f=VARIANTS[name]: f(dh, g, u))) for name in args.variants.split(",")]
             for name, fn in runs:
                 try:
                     got = fn()

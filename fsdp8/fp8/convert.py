@@ -134,6 +134,10 @@ def convert_linears(model: nn.Module, recipe: Recipe, filter: Optional[LinearFil
             converted.append(full)
         elif filter is None:
             kept.append(KeptLayer(full, "x".join(map(str, _features(module))), _DIMS))
+    if converted:
+        from .mlp import fuse_swiglu_mlps
+
+        fuse_swiglu_mlps(model, recipe)
     return converted, kept
 
 
