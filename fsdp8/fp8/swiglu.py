@@ -11,9 +11,9 @@ makes from ``dh`` (the gradient of ``h = silu(g) * u``) and the saved ``g`` and 
 Op by op, a compiled step runs Inductor's column amaxes of ``h``, its elementwise backward
 writing ``dg`` and ``du`` in bf16, and the both-ways kernel over each: 0.72 ms for model A's
 8192 x 8192 on an H200. Two passes over the inputs without the bf16 ``dg`` and ``du`` take
-0.50 ms (benchmarks/debug/swiglu_backward_kernels.py): the column amaxes of all three, then
+0.46 ms (benchmarks/debug/swiglu_backward_kernels.py): the column amaxes of all three, then
 every cast, R rows of a 128x128 tile at a time. (Holding whole tiles took every register and
-ran slower; docs/PERFORMANCE.md, 2026-11-26.)
+ran slower; docs/PERFORMANCE.md, 2026-11-26 third session.)
 
 Values: those of the op-by-op code in the model's dtype, ``a = silu(g)``, ``h = a * u``,
 ``da = dh * u``, ``du = dh * a``, ``dg = silu_backward(da, g)``, each op rounded to the dtype
@@ -41,8 +41,11 @@ try:  # Triton ships with CUDA builds of torch; CPU builds have none.
 except ImportError:  # pragma: no cover - CPU-only machines
     triton = None
 
-AMAX_ROWS = 16  # rows of a tile per step of the amax pass (0.17 ms on A's 8192 x 8192; 32 rows: 0.20)
-CAST_ROWS = 32  # and of the cast pass (0.30 ms)
+# Rows of a tile per step and warps of each pass (benchmarks/debug/swiglu_backward_kernels.py,
+# model A's 8192 x 8192 on an H200): the amax pass 0.17 ms (32 rows: 0.20; 8 warps: 0.30), the
+# cast pass 0.27 ms (4 warps: 0.30; 64 rows: 0.32; 16 rows: 0.69).
+AMAX_ROWS, AMAX_WARPS = 16, 4
+CAST_ROWS, CAST_WARPS = 32, 8
 
 
 class SwiGLUGrads(NamedTuple):
@@ -208,15 +211,17 @@ if triton is not None:
                 + pair(n, m, fwd_dtype))
 
     def two_passes(dh, g, u, outs, grad_e5m2: bool, fwd_e5m2: bool, exact: bool = False, launch=lambda kernel: kernel,
-                   amax_rows: int = AMAX_ROWS, cast_rows: int = CAST_ROWS):
+                   amax_rows: int = AMAX_ROWS, cast_rows: int = CAST_ROWS, amax_warps: int = AMAX_WARPS,
+                   cast_warps: int = CAST_WARPS):
         """Both passes into ``outs`` (swiglu_backward_outputs). ``launch`` wraps each kernel (a
         compiled graph's wrap_triton)."""
         m, n = dh.shape
         amaxes = torch.empty((3, n, m // 128), dtype=torch.float32, device=dh.device)
         grid = (m // 128, n // 128)
-        launch(_swiglu_col_amax_kernel)[grid](dh, g, u, amaxes, m, n, R=amax_rows, EXACT=exact, num_warps=4)
+        launch(_swiglu_col_amax_kernel)[grid](dh, g, u, amaxes, m, n, R=amax_rows, EXACT=exact, num_warps=amax_warps)
         launch(_swiglu_cast_kernel)[grid](dh, g, u, amaxes, *outs, m, n, GRAD_E5M2=grad_e5m2, FWD_E5M2=fwd_e5m2,
-                                          SATURATE=saturating_cast(dh.device), R=cast_rows, EXACT=exact, num_warps=4)
+                                          SATURATE=saturating_cast(dh.device), R=cast_rows, EXACT=exact,
+                                          num_warps=cast_warps)
 
     def _swiglu_backward_op(dh, g, u, grad_e5m2, fwd_e5m2):
         outs = swiglu_backward_outputs(dh, torch.float8_e5m2 if grad_e5m2 else torch.float8_e4m3fn,

@@ -83,13 +83,13 @@ def test_fused_backward_within_an_ulp_of_eager(shape, dtype):
     _check(_grads(flat(dh, g, u)), want, exact=False)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_fused_mlp_on_the_gpu_matches_its_three_linears(compiled):
-    """A Llama MLP under block scaling with native GEMMs: the fused function against the
-    three linears, each eager or each compiled. Bound: the fused kernels' values may be one
-    bf16 ulp off (above); through the FP8 GEMMs such a byte moves a gradient by far less than
-    the 2% of its largest entry allowed here (the compiled graphs differ from each other more:
-    Inductor skips roundings in one graph that the fused kernel makes)."""
+def test_fused_mlp_on_the_gpu_matches_its_three_linears():
+    """A Llama MLP under block scaling with native GEMMs. Eager, the fused function against the
+    three linears: the kernels' values are those of eager's ops but for a rare ulp (above), so
+    nearly every FP8 byte is equal and the results agree to 1e-3 of each tensor's largest
+    entry. Compiled, both differ from eager (Inductor skips the roundings between the three
+    linears' fused ops, moving ~3% of their FP8 bytes; the fused kernel keeps them): the fused
+    graph is to be no further from the eager linears than the linears' own graph."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -105,12 +105,18 @@ def test_fused_mlp_on_the_gpu_matches_its_three_linears(compiled):
     assert type(fused).__name__ == "Float8SwiGLULlamaMLP"
     x = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x) * 1e-2
-    results = []
-    for module in (plain, fused):
-        run = torch.compile(module) if compiled else module
+
+    def run(module, compiled):
         xi = x.clone().requires_grad_()
-        y = run(xi)
+        y = (torch.compile(module) if compiled else module)(xi)
         y.backward(dy)
-        results.append([y.detach(), xi.grad] + [p.grad for p in module.parameters()])
-    for a, b in zip(*results):
-        torch.testing.assert_close(b.float(), a.float(), rtol=0, atol=2e-2 * a.float().abs().amax().item())
+        out = [y.detach().float(), xi.grad.float()] + [p.grad.float() for p in module.parameters()]
+        module.zero_grad(set_to_none=True)
+        return out
+
+    eager, eager_fused = run(plain, False), run(fused, False)
+    compiled, compiled_fused = run(plain, True), run(fused, True)
+    for want, a, b, c in zip(eager, eager_fused, compiled, compiled_fused):
+        top = want.abs().amax().item()
+        assert (a - want).abs().amax().item() <= 1e-3 * top
+        assert (c - want).abs().amax().item() <= 1.25 * (b - want).abs().amax().item() + 1e-3 * top
