@@ -74,30 +74,36 @@ class _Float8SwiGLUFn(torch.autograd.Function):
         u = fp8_mm(qx, qw_up, dtype, recipe, fast_accum=True)
         h = F.silu(g) * u
         out = fp8_mm(quantize(h, recipe.fwd_dtype, recipe.x_granularity), qw_down, dtype, recipe, fast_accum=True)
-        ctx.x, ctx.qx_t, ctx.g, ctx.u = saved_x, qx_t, g, u
+        # The activations through save_for_backward, not ctx attributes: in a compiled block,
+        # tensors kept as attributes lived until the whole backward was done (model B's g and
+        # u, 224 MiB a layer: benchmarks/debug/swiglu_memory.py). The weights stay attributes,
+        # as in _Float8LinearFn: the engine refills their gathered buffers in place.
+        ctx.save_for_backward(saved_x, g, u, *((qx_t.data, qx_t.scale_inv) if qx_t is not None else (None, None)))
         ctx.weights, ctx.qws = (w_gate, w_up, w_down), (qw_gate, qw_up, qw_down)
         ctx.recipe, ctx.x_shape = recipe, x.shape
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        recipe, dtype = ctx.recipe, ctx.g.dtype
+        recipe = ctx.recipe
+        x, g, u, qx_t_data, qx_t_scale = ctx.saved_tensors
         (w_gate, w_up, w_down), (qw_gate, qw_up, qw_down) = ctx.weights, ctx.qws
+        dtype = g.dtype
         qdy, qdy_t = _quantize_both_ways(dy.reshape(-1, dy.shape[-1]).to(dtype), recipe.g_granularity,
                                          recipe.bwd_dtype, None, G)
         dh = fp8_mm(qdy, _weight_transposed(w_down, qw_down), dtype, recipe)
-        grads = swiglu_backward(dh, ctx.g, ctx.u, recipe.bwd_dtype, recipe.fwd_dtype)
+        grads = swiglu_backward(dh, g, u, recipe.bwd_dtype, recipe.fwd_dtype)
         dw_down = fp8_mm(qdy_t, grads.h_t, dtype, recipe)
         # Autograd would add the two linears' input gradients in the dtype: the same sum.
         dx = (fp8_mm(grads.dg, _weight_transposed(w_gate, qw_gate), dtype, recipe)
               + fp8_mm(grads.du, _weight_transposed(w_up, qw_up), dtype, recipe))
-        qx_t = ctx.qx_t
-        if qx_t is None:
-            qx_t = quantize_transposed(ctx.x.detach().reshape(-1, ctx.x_shape[-1]), recipe.fwd_dtype,
-                                       recipe.x_granularity)
+        if qx_t_data is not None:
+            qx_t = Quantized(qx_t_data, qx_t_scale, recipe.x_granularity)
+        else:
+            qx_t = quantize_transposed(x.detach().reshape(-1, ctx.x_shape[-1]), recipe.fwd_dtype, recipe.x_granularity)
         dw_gate = fp8_mm(grads.dg_t, qx_t, dtype, recipe)
         dw_up = fp8_mm(grads.du_t, qx_t, dtype, recipe)
-        ctx.x = ctx.qx_t = ctx.g = ctx.u = ctx.weights = ctx.qws = None
+        ctx.weights = ctx.qws = None
         return (dx.view(ctx.x_shape), dw_gate.to(w_gate.dtype), dw_up.to(w_up.dtype), dw_down.to(w_down.dtype),
                 None, None, None)
 
