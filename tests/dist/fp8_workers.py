@@ -37,6 +37,31 @@ def fp8_parity(recipe_name, strategy="optim_grads_params", mesh_shape=None, oute
     return errors, kinds
 
 
+def fused_swiglu_runs(recipe_name, steps=2):
+    """How many MLP forwards ran as one function (fp8/mlp.py) under the engine in ``steps``
+    training steps, and how many decoder layers there are. (Checked where it runs: outside a
+    forward the engine's parameters are DTensor shards, which would send the MLP to its own
+    forward.)"""
+    from fsdp8.fp8 import mlp
+
+    calls = []
+    original = mlp.float8_swiglu
+
+    def counting(*args):
+        calls.append(type(args[1].weight).__name__)
+        return original(*args)
+
+    mlp.float8_swiglu = counting
+    try:
+        model = common.build_fp8_llama()
+        sharded = fsdp8.fully_shard(model, fp8=fp8_recipe(recipe_name),
+                                    precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        common.train_sharded(sharded, steps)
+    finally:
+        mlp.float8_swiglu = original
+    return calls, len(model.layers)
+
+
 def fp8_gathered_weight(recipe_name, strategy="optim_grads_params", mesh_shape=None, outer="no_shard", dim=32, ffn=64):
     """Compare each gathered FP8 weight with quantizing the full (fp32-gathered) weight, after a
     step (every unit's scales agreed at once) and after only this unit changed; count bytes."""

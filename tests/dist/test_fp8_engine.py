@@ -34,6 +34,18 @@ def test_fp8_training_parity(world, recipe):
     _check(run_on_ranks(world, workers.fp8_parity, recipe))
 
 
+@pytest.mark.parametrize("recipe", ["fp8-block", "fp8-current"])
+def test_block_scaling_runs_each_mlp_as_one_function_under_the_engine(recipe):
+    """Under fully_shard, every SwiGLU MLP's forward takes the fused function with block
+    scaling (on the engine's gathered FP8 weights), and none with current scaling; the parity
+    test above holds its values to the reference's."""
+    for calls, layers in run_on_ranks(2, workers.fused_swiglu_runs, recipe):
+        if recipe == "fp8-block":
+            assert len(calls) == 2 * layers and set(calls) == {"Float8Tensor"}, calls
+        else:
+            assert calls == []
+
+
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
 def test_fp8_parity_other_strategies(strategy):
     _check(run_on_ranks(2, workers.fp8_parity, "fp8-current", strategy))
