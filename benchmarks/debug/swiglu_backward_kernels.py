@@ -37,7 +37,7 @@ def _two_passes(**options):
     def run(dh, g, u):
         outs = swiglu.swiglu_backward_outputs(dh, E4, E4)
         swiglu.two_passes(dh, g, u, outs, False, False, **options)
-        return _grads(outs)
+        return swiglu.SwiGLUGrads.from_outputs(outs)
     return run
 
 
@@ -47,7 +47,7 @@ def _one_launch(kernel, grid, **options):
         outs = swiglu.swiglu_backward_outputs(dh, E4, E4)
         kernel[grid(m, n)](dh, g, u, *outs, m, n, GRAD_E5M2=False, FWD_E5M2=False,
                            SATURATE=saturating_cast(dh.device), **options)
-        return _grads(outs)
+        return swiglu.SwiGLUGrads.from_outputs(outs)
     return run
 
 
@@ -75,11 +75,6 @@ VARIANTS = {
 }
 
 
-def _grads(outs):
-    return swiglu.SwiGLUGrads(*(swiglu.Quantized(outs[i], outs[i + 1], swiglu.Granularity.ROW_1x128)
-                                for i in range(0, 10, 2)))
-
-
 def differences(ref, got):
     """'name: bytes differing (largest dequantized difference / block amax)' per output."""
     notes = []
@@ -103,20 +98,17 @@ def main():
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print("| tokens x ffn | dtype | code | ms | GB/s | against eager op by op |")
     print("|---|---|---|---:|---:|---|")
-    e4 = torch.float8_e4m3fn
-    flat = torch.compile(lambda dh, g, u: [t for q in swiglu.swiglu_backward_reference(dh, g, u, e4, e4)
+    flat = torch.compile(lambda dh, g, u: [t for q in swiglu.swiglu_backward_reference(dh, g, u, E4, E4)
                                            for t in (q.data, q.scale_inv)], fullgraph=True)
 
     def compiled(dh, g, u):
-        t = flat(dh, g, u)
-        return swiglu.SwiGLUGrads(*(swiglu.Quantized(t[i], t[i + 1], swiglu.Granularity.ROW_1x128)
-                                    for i in range(0, 10, 2)))
+        return swiglu.SwiGLUGrads.from_outputs(flat(dh, g, u))
     for (m, n) in [(8192, 8192), (4096, 14336), (1024, 1024)]:
         for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
             g = torch.randn(m, n, device="cuda", dtype=dtype) * 2
             u = torch.randn(m, n, device="cuda", dtype=dtype)
             dh = torch.randn(m, n, device="cuda", dtype=dtype) * torch.rand(n, device="cuda", dtype=dtype) * 1e-3
-            ref = swiglu.swiglu_backward_reference(dh, g, u, e4, e4)
+            ref = swiglu.swiglu_backward_reference(dh, g, u, E4, E4)
             moved = 3 * dh.numel() * dh.element_size() + 5 * dh.numel()
             runs = [("op by op, compiled", lambda: compiled(dh, g, u))]
             runs += [(name, (lambda f=VARIANTS[name]: f(dh, g, u))) for name in args.variants.split(",")]

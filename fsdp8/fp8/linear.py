@@ -169,6 +169,12 @@ def _weight_transposed(weight, qw: Quantized) -> Quantized:
     return transpose_of(qw)
 
 
+def input_transposed(x: torch.Tensor, recipe: Recipe, scale: Optional[torch.Tensor] = None) -> Quantized:
+    """A saved input's transpose quantized for the weight gradient, in backward: the same bytes
+    and scales as quantizing both ways in forward (compiled graphs save the input, not FP8)."""
+    return quantize_transposed(x.detach().reshape(-1, x.shape[-1]), recipe.fwd_dtype, recipe.x_granularity, scale)
+
+
 class _Float8LinearFn(torch.autograd.Function):
     """out = x @ w.T (+ bias) with FP8 GEMMs. Takes only tensors, the (frozen) recipe and the
     delayed-scaling state, so torch.compile can trace it when ``state`` is None: a compiled
@@ -213,10 +219,8 @@ class _Float8LinearFn(torch.autograd.Function):
                                          tp.amax_group(tp.dy_sharded) if tp else None)
         qw_t = ctx.qw_t if ctx.qw_t is not None else _weight_transposed(ctx.weight, ctx.qw)
         qx_t = ctx.qx_t
-        if qx_t is None:  # the same bytes and scales as quantizing both ways in forward
-            x_scale = ctx.state.scale[X] if ctx.state is not None else None
-            qx_t = quantize_transposed(ctx.x.detach().reshape(-1, ctx.x_shape[-1]), recipe.fwd_dtype,
-                                       recipe.x_granularity, x_scale)
+        if qx_t is None:
+            qx_t = input_transposed(ctx.x, recipe, ctx.state.scale[X] if ctx.state is not None else None)
         dx = fp8_mm(qdy, qw_t, ctx.compute_dtype, recipe)
         dw = fp8_mm(qdy_t, qx_t, ctx.compute_dtype, recipe)
         dbias = dy2d.sum(0) if ctx.has_bias else None

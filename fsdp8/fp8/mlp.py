@@ -28,9 +28,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from ..models.llama import FeedForward
 from .formats import Granularity
-from .kernels import Quantized, quantize, quantize_transposed
-from .linear import Float8Linear, _quantize_both_ways, _quantized_input, _weight_operands, _weight_transposed, fp8_mm
+from .kernels import Quantized, quantize
+from .linear import (
+    Float8Linear, _quantize_both_ways, _quantized_input, _weight_operands, _weight_transposed, fp8_mm, input_transposed,
+)
 from .recipes import G, Recipe
 from .swiglu import swiglu_backward
 
@@ -100,7 +103,7 @@ class _Float8SwiGLUFn(torch.autograd.Function):
         if qx_t_data is not None:
             qx_t = Quantized(qx_t_data, qx_t_scale, recipe.x_granularity)
         else:
-            qx_t = quantize_transposed(x.detach().reshape(-1, ctx.x_shape[-1]), recipe.fwd_dtype, recipe.x_granularity)
+            qx_t = input_transposed(x, recipe)
         dw_gate = fp8_mm(grads.dg_t, qx_t, dtype, recipe)
         dw_up = fp8_mm(grads.du_t, qx_t, dtype, recipe)
         ctx.weights = ctx.qws = None
@@ -146,8 +149,6 @@ _FUSED_CLASSES: Dict[type, type] = {}
 
 def _swiglu_names(module: nn.Module) -> Optional[Tuple[str, str, str]]:
     """The gate, up and down attribute names of a SwiGLU MLP fsdp8 knows, else None."""
-    from ..models.llama import FeedForward
-
     if type(module) is FeedForward:
         return ("w1", "w3", "w2")
     code = getattr(type(module).forward, "__code__", None)

@@ -58,6 +58,11 @@ class SwiGLUGrads(NamedTuple):
     du_t: Quantized
     h_t: Quantized  # h.t(): down's weight-gradient GEMM
 
+    @classmethod
+    def from_outputs(cls, outs) -> "SwiGLUGrads":
+        """From the kernels' ten outputs (dg, its scales, dg.t(), its scales, ..., h.t()'s scales)."""
+        return cls(*(Quantized(outs[i], outs[i + 1], Granularity.ROW_1x128) for i in range(0, 10, 2)))
+
 
 def swiglu_backward_reference(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, grad_dtype: torch.dtype,
                               fwd_dtype: torch.dtype) -> SwiGLUGrads:
@@ -78,10 +83,8 @@ def swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, grad_dty
             and g.shape == u.shape == dh.shape and g.dtype == u.dtype == dh.dtype
             and dh.dtype in (torch.bfloat16, torch.float16, torch.float32) and use_triton(dh, in_graph=True)):
         return swiglu_backward_reference(dh, g, u, grad_dtype, fwd_dtype)
-    outs = torch.ops.fsdp8.swiglu_backward_quantized(dh.contiguous(), g.contiguous(), u.contiguous(),
-                                                     grad_dtype == torch.float8_e5m2, fwd_dtype == torch.float8_e5m2)
-    row = Granularity.ROW_1x128
-    return SwiGLUGrads(*(Quantized(outs[i], outs[i + 1], row) for i in range(0, 10, 2)))
+    return SwiGLUGrads.from_outputs(torch.ops.fsdp8.swiglu_backward_quantized(
+        dh.contiguous(), g.contiguous(), u.contiguous(), grad_dtype == torch.float8_e5m2, fwd_dtype == torch.float8_e5m2))
 
 
 if triton is not None:
