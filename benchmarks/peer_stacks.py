@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -362,9 +363,11 @@ def _drop_init_hooks(param: torch.nn.Parameter) -> None:
 
 def _compile_layers(model: torch.nn.Module) -> None:
     """torch.compile each decoder layer's forward (fsdp8's hooks stay outside, in __call__;
-    Float8Linear calls are opaque breaks, everything between them is fused)."""
+    Float8Linear calls are opaque breaks, everything between them is fused). PEERS_COMPILE_MODE
+    (an experiment's knob, e.g. reduce-overhead) is passed as torch.compile's mode."""
+    mode = os.environ.get("PEERS_COMPILE_MODE") or None
     for layer in model.model.layers:
-        layer.forward = torch.compile(layer.forward)
+        layer.forward = torch.compile(layer.forward, mode=mode)
 
 
 def build_fsdp8_compiled(model: torch.nn.Module, ctx: Context) -> Built:

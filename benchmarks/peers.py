@@ -239,6 +239,8 @@ def flops_per_token(spec: ModelSpec, n_params: int) -> int:
 
 
 def train_step(built: Built, batch: torch.Tensor, ctx: Context) -> torch.Tensor:
+    if os.environ.get("PEERS_COMPILE_MODE") == "reduce-overhead":
+        torch.compiler.cudagraph_mark_step_begin()  # a new step: CUDA graphs may reuse last step's outputs
     loss = built.model(input_ids=batch, labels=batch).loss
     loss.backward()
     optimizer_step(built, ctx)
