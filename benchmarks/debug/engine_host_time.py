@@ -61,6 +61,7 @@ def timed(model, steps: int, profile: bool):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--rows", default="", help="comma list of row names to run (all by default)")
     p.add_argument("--profile", default="", help="profile this row (its name), e.g. fully_shard")
     args = p.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -76,7 +77,10 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("| model | ms per step |")
     print("|---|---:|")
+    chosen = set(args.rows.split(",")) if args.rows else None
     for name, make in rows:
+        if chosen is not None and name not in chosen:
+            continue
         ms = timed(make(), args.steps, name == args.profile)
         print(f"| {name} | {ms:.2f} |", flush=True)
     dist.destroy_process_group()

@@ -21,6 +21,7 @@ matches the ``Shard(0)`` rule (see ``ParamLayout.is_torch_chunk``).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence, Tuple
@@ -84,6 +85,17 @@ class ParamLayout:
     def chunk_shape(self, k: int) -> Tuple[int, ...]:
         start, stop = self.chunk_row_range(k)
         return (stop - start,) + tuple(self.shape[1:])
+
+    def chunk_extent(self, k: int) -> Tuple[int, int, Tuple[int, ...]]:
+        """(offset, elements, shape) of chunk ``k`` inside a flat chunk-layout buffer; cached,
+        since the engine takes these views for every parameter in every step."""
+        return _chunk_extent(self, k)
+
+
+@functools.lru_cache(maxsize=None)
+def _chunk_extent(layout: ParamLayout, k: int) -> Tuple[int, int, Tuple[int, ...]]:
+    shape = layout.chunk_shape(k)
+    return layout.offset, math.prod(shape), shape
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ them all. Many chunks (large shard groups) would mean many Python slices, so pas
 
 from __future__ import annotations
 
-from typing import List, Sequence
+import functools
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -48,23 +49,32 @@ def pack_rank_major(grads: Sequence[torch.Tensor], params: Sequence[ParamLayout]
 
 
 def _pack_by_pieces(grads, params, out) -> None:
-    dests: List[torch.Tensor] = []
-    sources: List[torch.Tensor] = []
-    padding: List[torch.Tensor] = []
-    for g, p in zip(grads, params):
-        flat = g.reshape(-1)
+    copies, pads = _piece_plan(tuple(params))
+    lines = out.unbind(0)
+    flats = [g.reshape(-1) for g in grads]
+    _copy_all([lines[k].narrow(0, at, n) for _, k, at, _, n in copies],
+              [flats[i].narrow(0, src, n) for i, _, _, src, n in copies])
+    if pads:
+        torch._foreach_zero_([lines[k].narrow(0, at, n) for k, at, n in pads])
+
+
+@functools.lru_cache(maxsize=None)
+def _piece_plan(params: Tuple[ParamLayout, ...]):
+    """Where each (gradient, chunk) piece goes: ``(copies, pads)``, copies as (gradient index,
+    chunk, offset in the chunk's row of ``out``, offset in the flat gradient, length), pads as
+    (chunk, offset, length). Pure layout arithmetic, fixed for a unit's life: computed once,
+    since the Python for it was most of the pack's host time in every backward pass."""
+    copies, pads = [], []
+    for i, p in enumerate(params):
         row = p.row_numel
         for k in range(p.num_chunks):
             start, stop = p.chunk_row_range(k)
             used = (stop - start) * row
             if used:
-                dests.append(out[k, p.offset : p.offset + used])
-                sources.append(flat[start * row : stop * row])
+                copies.append((i, k, p.offset, start * row, used))
             if used < p.chunk_numel:
-                padding.append(out[k, p.offset + used : p.offset + p.chunk_numel])
-    _copy_all(dests, sources)
-    if padding:
-        torch._foreach_zero_(padding)
+                pads.append((k, p.offset + used, p.chunk_numel - used))
+    return tuple(copies), tuple(pads)
 
 
 def _pack_by_params(grads, params, out) -> None:

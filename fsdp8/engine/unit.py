@@ -16,7 +16,6 @@ A unit owns three kinds of storage (sizes from ``layout.py``):
 from __future__ import annotations
 
 import enum
-import math
 import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -334,8 +333,8 @@ class ShardedUnit(GradientReduction):
 
     def _chunk_view(self, buffer: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
         """This rank's rows of ``slot`` inside a flat chunk-layout buffer (main or grads)."""
-        shape = slot.layout.chunk_shape(self.chunk_index)
-        return buffer[slot.layout.offset : slot.layout.offset + math.prod(shape)].view(shape)
+        offset, numel, shape = slot.layout.chunk_extent(self.chunk_index)
+        return buffer[offset : offset + numel].view(shape)
 
     # -- accounting ------------------------------------------------------------------------
     def persistent_compute_bytes(self) -> int:
