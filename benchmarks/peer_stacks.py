@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -361,18 +360,17 @@ def _drop_init_hooks(param: torch.nn.Parameter) -> None:
     del param.clear_high_precision_init_val
 
 
-def _compile_layers(model: torch.nn.Module) -> None:
+def _compile_layers(model: torch.nn.Module, ctx: Context) -> None:
     """torch.compile each decoder layer's forward (fsdp8's hooks stay outside, in __call__;
-    Float8Linear calls are opaque breaks, everything between them is fused). PEERS_COMPILE_MODE
-    (an experiment's knob, e.g. reduce-overhead) is passed as torch.compile's mode."""
-    mode = os.environ.get("PEERS_COMPILE_MODE") or None
+    Float8Linear calls are opaque breaks, everything between them is fused), in the mode
+    --compile-mode names."""
     for layer in model.model.layers:
-        layer.forward = torch.compile(layer.forward, mode=mode)
+        layer.forward = torch.compile(layer.forward, mode=ctx.args.compile_mode)
 
 
 def build_fsdp8_compiled(model: torch.nn.Module, ctx: Context) -> Built:
     built = build_fsdp8(model, ctx)
-    _compile_layers(built.model)
+    _compile_layers(built.model, ctx)
     return built
 
 
@@ -402,7 +400,7 @@ def build_fsdp8_fp8(model: torch.nn.Module, ctx: Context, recipe_name: str, prim
     keep_bf16 = None if keep is None else lambda n, m: fp8_friendly(n, m) and FP8_KEEP_RULES[keep](n, m)
     built = build_fsdp8(model, ctx, recipe_name=recipe_name, fp8_filter=keep_bf16)
     if compile_blocks:
-        _compile_layers(built.model)
+        _compile_layers(built.model, ctx)
     return built
 
 
@@ -417,7 +415,7 @@ def build_torchao(model: torch.nn.Module, ctx: Context, compile_blocks: bool) ->
     layers = model.model.layers
     if compile_blocks:
         for i, layer in enumerate(layers):
-            layers[i] = torch.compile(layer)
+            layers[i] = torch.compile(layer, mode=ctx.args.compile_mode)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in layers:
         fully_shard(layer, mesh=ctx.mesh, mp_policy=policy)

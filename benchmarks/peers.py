@@ -141,6 +141,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="directory: after timing, profile one more step of each stack and write where its "
                         "GPU time went (benchmarks/step_profile.py; rank 0's trace kept as .json.gz)")
     p.add_argument("--profile-top", type=int, default=20, help="kernels listed by --profile, costliest first")
+    p.add_argument("--compile-mode", default=None,
+                   help="torch.compile's mode for every compiled stack's layers (e.g. reduce-overhead: CUDA graphs, "
+                        "each step marked with cudagraph_mark_step_begin)")
     p.add_argument("--skip-packed-check", action="store_true",
                    help="for every stack, replace transformers' per-forward packed-sequence check (a device-to-host "
                         "sync at the start of each forward: py-spy found the host waiting there most of a step) by "
@@ -239,7 +242,7 @@ def flops_per_token(spec: ModelSpec, n_params: int) -> int:
 
 
 def train_step(built: Built, batch: torch.Tensor, ctx: Context) -> torch.Tensor:
-    if os.environ.get("PEERS_COMPILE_MODE") == "reduce-overhead":
+    if ctx.args.compile_mode == "reduce-overhead":
         torch.compiler.cudagraph_mark_step_begin()  # a new step: CUDA graphs may reuse last step's outputs
     loss = built.model(input_ids=batch, labels=batch).loss
     loss.backward()

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import LocalLRUCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -36,14 +37,10 @@ def main():
     missed = defaultdict(list)
     original = prop.propagate_op_sharding_non_cached
 
-    def recording(schema):
+    def recording(schema):  # called by the cache on a miss only
         missed[str(schema.op)].append(schema)
         return original(schema)
-    prop.propagate_op_sharding_non_cached = recording
-    prop.propagate_op_sharding.cache.cache_clear()
-    # the LRU wraps the original bound method; wrap it again so misses are seen
-    from torch.distributed.tensor._sharding_prop import LocalLRUCache
-    prop.propagate_op_sharding = LocalLRUCache(recording)
+    prop.propagate_op_sharding = LocalLRUCache(recording)  # a fresh cache in front of the recorder
     print(f"torch {torch.__version__}, {device}")
     for fused in ((False, True) if device == "cuda" else (False,)):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=not fused, fused=fused)

@@ -39,9 +39,10 @@ def main():
         ("torch.mm bf16", lambda: torch.mm(a, b.t())),
         ("F.linear bf16", lambda: torch.nn.functional.linear(a, b)),
         ("_scaled_mm tensorwise", lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16)),
-        ("_scaled_mm rowwise", lambda: torch._scaled_mm(a8, b8.t(), torch.ones(m, 1, device=dev),
-                                                        torch.ones(1, n, device=dev), out_dtype=torch.bfloat16)),
     ]
+    row_scale, col_scale = torch.ones(m, 1, device=dev), torch.ones(1, n, device=dev)
+    rows.append(("_scaled_mm rowwise", lambda: torch._scaled_mm(a8, b8.t(), row_scale, col_scale,
+                                                              out_dtype=torch.bfloat16)))
     sa = torch.ones(k // 128, m, device=dev).t()  # 1x128 blocks, M-major as cuBLAS wants
     sb = torch.ones(n // 128, k // 128, device=dev)  # 128x128 blocks
     rows.append(("_scaled_mm 1x128 x 128x128", lambda: torch._scaled_mm(a8, b8.t(), sa, sb.t(),
