@@ -105,9 +105,15 @@ def _padded_blocks(x: torch.Tensor, block) -> torch.Tensor:
 # -- reference ------------------------------------------------------------------------------
 def amax(x: torch.Tensor) -> torch.Tensor:
     """Largest magnitude as an fp32 scalar tensor; NaN propagates. One reduction pass
-    (min and max together), no temporary of ``x``'s size."""
+    (min and max together), no temporary of ``x``'s size. Under torch.compile it is
+    ``abs().amax()`` (the same value: both are exact): Inductor lowers aminmax to separate min
+    and max reductions, each split in two or three launches and some reading ``x`` twice,
+    where one max of the absolute values is one split reduction with ``abs`` fused in
+    (docs/PERFORMANCE.md, 2026-11-26 fifth session)."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
+    if torch.compiler.is_compiling():
+        return x.detach().abs().amax().float()
     low, high = torch.aminmax(x.detach())
     return torch.maximum(low.neg(), high).float()
 

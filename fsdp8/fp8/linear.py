@@ -183,7 +183,7 @@ class _Float8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: Recipe, state: Optional[DelayedState], qx_data=None, qx_scale_inv=None,
-                tp: Optional[TensorParallelGemm] = None, delayed_scale=None, delayed_pending=None):
+                tp: Optional[TensorParallelGemm] = None, delayed_scale=None, delayed_pending=None, x_scale=None):
         if delayed_pending is not None:
             state = DelayedBuffers(delayed_scale, delayed_pending)
         x2d = x.reshape(-1, x.shape[-1])
@@ -205,6 +205,7 @@ class _Float8LinearFn(torch.autograd.Function):
         if bias is not None:
             out = out + bias.to(compute_dtype)
         ctx.qx_t, ctx.x, ctx.qw, ctx.qw_t, ctx.weight = qx_t, saved_x, qw, qw_t, weight
+        ctx.x_scale = x_scale
         ctx.recipe, ctx.state, ctx.tp = recipe, state, tp
         ctx.has_bias, ctx.x_shape, ctx.compute_dtype = bias is not None, x_shape, compute_dtype
         ctx.weight_dtype = weight.dtype
@@ -220,15 +221,15 @@ class _Float8LinearFn(torch.autograd.Function):
         qw_t = ctx.qw_t if ctx.qw_t is not None else _weight_transposed(ctx.weight, ctx.qw)
         qx_t = ctx.qx_t
         if qx_t is None:
-            qx_t = input_transposed(ctx.x, recipe, ctx.state.scale[X] if ctx.state is not None else None)
+            qx_t = input_transposed(ctx.x, recipe, ctx.state.scale[X] if ctx.state is not None else ctx.x_scale)
         dx = fp8_mm(qdy, qw_t, ctx.compute_dtype, recipe)
         dw = fp8_mm(qdy_t, qx_t, ctx.compute_dtype, recipe)
         dbias = dy2d.sum(0) if ctx.has_bias else None
-        ctx.qx_t = ctx.x = ctx.qw = ctx.qw_t = ctx.weight = None
+        ctx.qx_t = ctx.x = ctx.qw = ctx.qw_t = ctx.weight = ctx.x_scale = None
         dx = dx.view(ctx.x_shape)
         if tp is not None and tp.gather_dim is not None:
             dx = _reduce_scatter_sum(dx, tp.gather_dim, tp.group)
-        return dx, dw.to(ctx.weight_dtype), dbias, None, None, None, None, None, None, None
+        return dx, dw.to(ctx.weight_dtype), dbias, None, None, None, None, None, None, None, None
 
 
 def _gathered_shape(shape, tp: TensorParallelGemm):
@@ -350,11 +351,18 @@ class Float8Linear(nn.Linear):
         # the input itself for backward, not an FP8 copy: the block keeps it (or what it is
         # recomputed from) anyway (a norm's input, the attention output, the MLP's gate and
         # up outputs), so the compiler saves no copy at all, where an FP8 copy per distinct
-        # input cost 104 MiB per layer on model B. Backward quantizes it again (same bytes).
+        # input cost 104 MiB per layer on model B. Backward quantizes it again (same bytes),
+        # with a per-tensor scale saved from here: finding it again from the input cost a
+        # reduction over every distinct input a layer (docs/PERFORMANCE.md, 2026-11-26 fifth
+        # session); block scales of the transpose are other blocks, found in backward.
         x2d = x.detach().reshape(-1, x.shape[-1])
         if state is None:
-            qx = quantize(x2d, self.recipe.fwd_dtype, self.recipe.x_granularity)
-            return _Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, None, qx.data, qx.scale_inv)
+            x_scale = None
+            if self.recipe.x_granularity is Granularity.TENSOR:
+                x_scale = amax_to_scale(amax(x2d), self.recipe.fwd_dtype)
+            qx = quantize(x2d, self.recipe.fwd_dtype, self.recipe.x_granularity, x_scale)
+            return _Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, None, qx.data, qx.scale_inv, None,
+                                         None, None, x_scale)
         # [Note: delayed scaling in a compiled block]
         # The scales come from the state's scale buffer and every amax (x here; w in forward
         # and dy in backward inside the function) is folded into its pending buffer with

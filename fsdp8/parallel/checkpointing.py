@@ -48,11 +48,12 @@ _MATMULS = _ops(_aten, "mm", "addmm", "_scaled_mm")
 # Outputs kept under "selective": expensive to recompute for their size. Attention
 # kernels (every SDPA backend, the CPU one included), reduce-scatters of sequence-parallel
 # layers (recomputing them would communicate again), and amaxes: the per-tensor FP8
-# scale's reduction over a whole activation (fsdp8's amax is aminmax; max for others').
+# scale's reduction over a whole activation (fsdp8's amax is aminmax, or amax of the absolute
+# values in compiled code; max for others').
 _SAVED = (
     _ops(_aten, "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
          "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-         "_scaled_dot_product_fused_attention_overrideable", "aminmax", "max")
+         "_scaled_dot_product_fused_attention_overrideable", "aminmax", "amax", "max")
     | _ops(torch.ops._c10d_functional, "reduce_scatter_tensor")
 )
 
