@@ -88,7 +88,7 @@ def swiglu_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, grad_dty
 
 
 if triton is not None:
-    from .triton_kernels import _clamp_cast, _reciprocal, _scale_from_amax, saturating_cast
+    from .triton_kernels import _clamp_cast, _reciprocal, _scale_from_amax, saturating_cast, scale_blocks_outer_major
 
     @triton.jit
     def _over_one_plus_exp(x, g, EXACT: tl.constexpr):
@@ -164,7 +164,7 @@ if triton is not None:
             row_scale = _scale_from_amax(_bits_amax(_abs_bits(x), x.dtype, 1), FMAX)
             tl.store(q_ptr + rm[:, None] * N + rn[None, :],
                      _clamp_cast(x.to(tl.float32) * row_scale[:, None], FMAX, OUT, SATURATE))
-            tl.store(s_ptr + rm * (N // 128) + nb, _reciprocal(row_scale))
+            tl.store(s_ptr + nb * M + rm, _reciprocal(row_scale))  # outer-major, as cuBLAS reads them
         q = _clamp_cast(x.to(tl.float32) * col_scale[None, :], FMAX, OUT, SATURATE)
         tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q))
 
@@ -177,7 +177,7 @@ if triton is not None:
         GOUT: tl.constexpr = tl.float8e5 if GRAD_E5M2 else tl.float8e4nv
         HMAX: tl.constexpr = 57344.0 if FWD_E5M2 else 448.0
         HOUT: tl.constexpr = tl.float8e5 if FWD_E5M2 else tl.float8e4nv
-        at = rn * (M // 128) + mb
+        at = mb * N + rn  # the transposes' scales, outer-major as cuBLAS reads them
         h_scale = _scale_from_amax(h_max, HMAX)
         du_scale = _scale_from_amax(du_max, GMAX)
         dg_scale = _scale_from_amax(dg_max, GMAX)
@@ -209,7 +209,7 @@ if triton is not None:
 
         def pair(rows, cols, dtype):
             return [torch.empty((rows, cols), dtype=dtype, device=dh.device),
-                    torch.empty((rows, cols // 128), dtype=torch.float32, device=dh.device)]
+                    scale_blocks_outer_major(rows, cols // 128, dh.device)]
 
         return (pair(m, n, grad_dtype) + pair(n, m, grad_dtype) + pair(m, n, grad_dtype) + pair(n, m, grad_dtype)
                 + pair(n, m, fwd_dtype))

@@ -184,8 +184,9 @@ if triton is not None:
             tl.store(q_ptr + rm[:, None] * K + rk[None, :], q_row, mask=mask)
             tl.store(qt_ptr + rk[:, None] * M + rm[None, :], tl.trans(q_col),
                      mask=(rk[:, None] < K) & (rm[None, :] < M))
-        tl.store(sinv_ptr + rm * KB + kb, _reciprocal(row_scale), mask=rm < M)
-        tl.store(sinv_t_ptr + rk * MB + mb, _reciprocal(col_scale), mask=rk < K)
+        # Scales outer-dimension-major, as cuBLAS reads 1x128 scales (scale_blocks_outer_major).
+        tl.store(sinv_ptr + kb * M + rm, _reciprocal(row_scale), mask=rm < M)
+        tl.store(sinv_t_ptr + mb * K + rk, _reciprocal(col_scale), mask=rk < K)
 
     @triton.jit
     def _tile_blocks_kernel(x_ptr, q_ptr, sinv_ptr, M, K, sxm, sxk, KB,
@@ -288,6 +289,14 @@ def saturating_cast(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def scale_blocks_outer_major(rows: int, blocks: int, device) -> torch.Tensor:
+    """An empty (rows, blocks) fp32 grid of 1x128 scales stored column by column, the layout
+    cuBLAS reads them in: a kernel writing them so spares fp8_mm a copy kernel per operand
+    (in model A's compiled block step ~15 launches a layer; docs/PERFORMANCE.md, 2026-11-26
+    fifth session)."""
+    return torch.empty_strided((rows, blocks), (1, rows), dtype=torch.float32, device=device)
+
+
 def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype):
     from .kernels import Quantized
 
@@ -295,8 +304,7 @@ def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype):
     mb, kb = triton.cdiv(m, 128), triton.cdiv(k, 128)
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
     qt = torch.empty((k, m), dtype=fp8_dtype, device=x.device)
-    sinv = torch.empty((m, kb), dtype=torch.float32, device=x.device)
-    sinv_t = torch.empty((k, mb), dtype=torch.float32, device=x.device)
+    sinv, sinv_t = scale_blocks_outer_major(m, kb, x.device), scale_blocks_outer_major(k, mb, x.device)
     _rows_and_cols_kernel[(mb, kb)](x, q, qt, sinv, sinv_t, m, k, x.stride(0), x.stride(1), kb, mb,
                                     FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype),
                                     RELOAD_T=x.dtype == torch.float32, B=128, SATURATE=saturating_cast(x.device))
@@ -330,8 +338,7 @@ if triton is not None:
         fp8_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
         q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
         qt = torch.empty((k, m), dtype=fp8_dtype, device=x.device)
-        sinv = torch.empty((m, kb), dtype=torch.float32, device=x.device)
-        sinv_t = torch.empty((k, mb), dtype=torch.float32, device=x.device)
+        sinv, sinv_t = scale_blocks_outer_major(m, kb, x.device), scale_blocks_outer_major(k, mb, x.device)
         torch.library.wrap_triton(_rows_and_cols_op_kernel)[(mb, kb)](
             x, q, qt, sinv, sinv_t, m, k, x.stride(0), x.stride(1), kb, mb, E5M2=e5m2,
             RELOAD_T=x.dtype == torch.float32, B=128, SATURATE=saturating_cast(x.device), num_warps=4)
