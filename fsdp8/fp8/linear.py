@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from .formats import Granularity, amax_to_scale, scale_inv_to_e8m0
 from .kernels import Quantized, amax, cast_transpose, quantize, quantize_1x128_both_ways, quantize_transposed
-from .recipes import G, W, X, DelayedBuffers, DelayedState, Recipe, record_amax, update_delayed_states
+from .recipes import G, W, X, DelayedBuffers, DelayedState, Recipe, inverses_of, record_amax, update_delayed_states
 from .tensor import Float8Tensor, transpose_of
 
 
@@ -129,10 +129,20 @@ def _quantize_both_ways(t: torch.Tensor, granularity: Granularity, fp8_dtype, st
         q, q_t, t_amax, inv = cast_transpose(t, fp8_dtype, scale)
         if state is not None:
             state.record(row, t_amax)
+        inv = _kept_inverse(state, row, inv)
         return Quantized(q, inv, granularity), Quantized(q_t, inv, granularity)
     if granularity is Granularity.ROW_1x128:
         return quantize_1x128_both_ways(t, fp8_dtype)
     return quantize(t, fp8_dtype, granularity), quantize(t.t(), fp8_dtype, granularity)
+
+
+def _kept_inverse(state, row: int, inverse: torch.Tensor) -> torch.Tensor:
+    """In a compiled graph under delayed scaling, the inverse of ``row``'s scale that the state
+    keeps (computed with the scale, once a step, bit for bit the same) instead of ``inverse``:
+    the compiler then drops the one-element kernel that computed it."""
+    if isinstance(state, DelayedBuffers) and state.scale_inv is not None:
+        return state.scale_inv[row]
+    return inverse
 
 
 def _quantized_input(x: torch.Tensor, x2d: torch.Tensor, recipe: Recipe, state: Optional[DelayedState], group=None):
@@ -183,9 +193,10 @@ class _Float8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: Recipe, state: Optional[DelayedState], qx_data=None, qx_scale_inv=None,
-                tp: Optional[TensorParallelGemm] = None, delayed_scale=None, delayed_pending=None, x_scale=None):
+                tp: Optional[TensorParallelGemm] = None, delayed_scale=None, delayed_pending=None, x_scale=None,
+                delayed_scale_inv=None):
         if delayed_pending is not None:
-            state = DelayedBuffers(delayed_scale, delayed_pending)
+            state = DelayedBuffers(delayed_scale, delayed_pending, delayed_scale_inv)
         x2d = x.reshape(-1, x.shape[-1])
         compute_dtype = x.dtype
         x_shape = x.shape
@@ -222,6 +233,7 @@ class _Float8LinearFn(torch.autograd.Function):
         qx_t = ctx.qx_t
         if qx_t is None:
             qx_t = input_transposed(ctx.x, recipe, ctx.state.scale[X] if ctx.state is not None else ctx.x_scale)
+            qx_t = Quantized(qx_t.data, _kept_inverse(ctx.state, X, qx_t.scale_inv), qx_t.granularity)
         dx = fp8_mm(qdy, qw_t, ctx.compute_dtype, recipe)
         dw = fp8_mm(qdy_t, qx_t, ctx.compute_dtype, recipe)
         dbias = dy2d.sum(0) if ctx.has_bias else None
@@ -229,7 +241,7 @@ class _Float8LinearFn(torch.autograd.Function):
         dx = dx.view(ctx.x_shape)
         if tp is not None and tp.gather_dim is not None:
             dx = _reduce_scatter_sum(dx, tp.gather_dim, tp.group)
-        return dx, dw.to(ctx.weight_dtype), dbias, None, None, None, None, None, None, None, None
+        return dx, dw.to(ctx.weight_dtype), dbias, None, None, None, None, None, None, None, None, None
 
 
 def _gathered_shape(shape, tp: TensorParallelGemm):
@@ -325,6 +337,8 @@ class Float8Linear(nn.Linear):
         state = self._delayed
         if state.history is not self.fp8_amax_history:  # the module was moved (.to / .cuda)
             state.history, state.scale, state.pending = self.fp8_amax_history, self.fp8_scale, self.fp8_amax_pending
+            # Not buffers (derived from the scales, which each update writes with them).
+            state.scale_inv = inverses_of(state.scale)
         return state
 
     def traced(self) -> bool:
@@ -376,8 +390,8 @@ class Float8Linear(nn.Linear):
         # same linear, or a state update, before this one's backward).
         qx = quantize(x2d, self.recipe.fwd_dtype, Granularity.TENSOR, state.scale[X])
         record_amax(state.pending, X, amax(x2d))
-        return _Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, None, qx.data, qx.scale_inv, None,
-                                     state.scale, state.pending)
+        return _Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, None, qx.data, state.scale_inv[X], None,
+                                     state.scale, state.pending, None, state.scale_inv)
 
     @torch.compiler.disable  # an opaque call in compiled blocks (see Float8Linear.traced)
     def _forward_opaque(self, x: torch.Tensor) -> torch.Tensor:

@@ -166,14 +166,26 @@ def record_amax(pending: torch.Tensor, row: int, amax: torch.Tensor) -> None:
 
 @dataclass(frozen=True)
 class DelayedBuffers:
-    """What a compiled graph touches of a DelayedState: the scales it reads and the pending
-    amaxes it writes, in place, with no host-side flag (its updates happen outside)."""
+    """What a compiled graph touches of a DelayedState: the scales (and their inverses) it
+    reads and the pending amaxes it writes, in place, with no host-side flag (its updates
+    happen outside, and compute the inverses with the scales)."""
 
     scale: torch.Tensor
     pending: torch.Tensor
+    scale_inv: Optional[tuple] = None  # DelayedState.scale_inv
 
     def record(self, row: int, amax: torch.Tensor) -> None:
         record_amax(self.pending, row, amax)
+
+
+def inverses_of(scale: torch.Tensor) -> tuple:
+    """``1 / scale`` of a DelayedState's three scales, each a 0-d tensor of its own: a compiled
+    graph reads them (not one inverse computed per quantization, a one-element kernel each:
+    14 a layer of model A) and hands them to cuBLAS as _scaled_mm scales, which must be
+    aligned: views into one 3-element buffer were not (CUBLAS_STATUS_NOT_SUPPORTED for the
+    third, an 8-byte offset), and indexing the buffer inside the graph failed Inductor's
+    _scaled_mm lowering (torch 2.11, sm90)."""
+    return tuple(scale_to_inv(s).clone() for s in scale.unbind(0))
 
 
 class DelayedState:
@@ -190,12 +202,14 @@ class DelayedState:
         self.history = torch.zeros(3, recipe.amax_history_len, device=device)
         self.scale = torch.ones(3, device=device)
         self.pending = torch.zeros(3, device=device)
+        self.scale_inv = inverses_of(self.scale)
         self.dirty = False  # host-side: amaxes recorded since the last update
         self.steps = 0
 
     def to(self, device: torch.device) -> "DelayedState":
         for name in ("history", "scale", "pending"):
             setattr(self, name, getattr(self, name).to(device))
+        self.scale_inv = inverses_of(self.scale)
         return self
 
     def record(self, row: int, amax: torch.Tensor) -> None:
@@ -213,12 +227,10 @@ class DelayedState:
         else:
             current = self.history[:, 0]
         self.scale.copy_(torch.stack([amax_to_scale(current[i], self.dtypes[i], self.recipe.margin) for i in range(3)]))
+        torch._foreach_copy_(list(self.scale_inv), list(scale_to_inv(self.scale).unbind(0)))
         self.pending.zero_()
         self.dirty = False
         self.steps += 1
-
-    def scale_inv(self, row: int) -> torch.Tensor:
-        return scale_to_inv(self.scale[row])
 
 
 def update_delayed_states(states: Sequence[DelayedState], group=None) -> None:
@@ -253,6 +265,7 @@ def update_states(states: Sequence[DelayedState], amaxes: torch.Tensor) -> torch
         dtypes = picked[0].dtypes
         new = torch.stack([amax_to_scale(current[:, r], dtypes[r], recipe.margin) for r in range(3)], dim=1)
         torch._foreach_copy_([s.scale for s in picked], list(new.unbind(0)))
+        torch._foreach_copy_([inv for s in picked for inv in s.scale_inv], list(scale_to_inv(new).flatten().unbind(0)))
         torch._foreach_zero_([s.pending for s in picked])
         for state in picked:
             state.dirty = False

@@ -26,7 +26,7 @@ class _MLP(nn.Module):
         return self.down(torch.relu(self.up(x))) + x
 
 
-def _graphs_of(model, x):
+def _graphs_of(model, x, partition_fn=min_cut_rematerialization_partition):
     """The forward and backward graphs of one compiled step of ``model`` on ``x``."""
     graphs = []
 
@@ -34,7 +34,7 @@ def _graphs_of(model, x):
         graphs.append(gm)
         return make_boxed_func(gm.forward)
 
-    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition)
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=partition_fn)
     torch._dynamo.reset()
     out = torch.compile(model, backend=backend, fullgraph=True)(x)
     out.square().mean().backward()
@@ -78,3 +78,34 @@ def test_compiled_weight_gradients_match_eager_with_the_saved_scale(recipe_name)
         grads.append([p.grad for p in model.parameters()])
     for got, want in zip(grads[1], grads[0]):
         assert (got - want).norm() <= 1e-12 * want.norm()
+
+
+def _inductor_graph_targets(model, x) -> list:
+    """The op targets of each graph Inductor compiles for one step of ``model`` (post-grad:
+    AOTAutograd's forward and backward graphs after Inductor's own passes)."""
+    import torch._inductor.config as inductor_config
+
+    graphs = []
+    torch._dynamo.reset()
+    with inductor_config.patch(post_grad_custom_post_pass=lambda g: graphs.append(
+            [n.target for n in g.nodes if n.op == "call_function"])):
+        torch.compile(model, fullgraph=True)(x).square().mean().backward()
+    assert len(graphs) == 2, f"expected one forward and one backward graph, got {len(graphs)}"
+    return graphs
+
+
+def test_delayed_scaling_reads_the_kept_scale_inverses():
+    """Delayed scaling (states updated outside, as under the engine) computes no scale inverse
+    in its compiled graphs: it reads the ones its states keep, so no one-element kernel per
+    quantization. Its amaxes: x's and both weights' in forward (x of ``down`` is relu's
+    output), the output gradients' in backward."""
+    torch.manual_seed(0)
+    model = convert_to_fp8(_MLP(), recipe_from_name("fp8-delayed"))
+    for m in model.modules():
+        if hasattr(m, "external_delayed_update"):
+            m.external_delayed_update = True
+    forward, backward = _inductor_graph_targets(model, torch.randn(2, 16, 64, requires_grad=True))
+    for targets in (forward, backward):
+        assert torch.ops.aten.reciprocal.default not in targets, targets
+    assert [t for t in forward if t in _AMAX_LIKE] == [torch.ops.aten.amax.default] * 4, forward
+    assert [t for t in backward if t in _AMAX_LIKE] == [torch.ops.aten.amax.default] * 2, backward
