@@ -637,3 +637,17 @@ def test_batched_delayed_update_with_several_recipes():
         scales = update_states(batched, amaxes)
         for a, b, row_scale in zip(alone, batched, scales):
             assert torch.equal(a.history, b.history) and torch.equal(a.scale, b.scale) and torch.equal(row_scale, b.scale)
+
+
+def test_outer_major_scale_grids_reach_the_gemm_without_a_copy():
+    """fp8_mm hands cuBLAS 1x128 scales outer-dimension-major; a grid made so (as the Triton
+    quantizations write theirs) passes through as it is, a row-major one is copied."""
+    from fsdp8.fp8.linear import _outer_major
+    from fsdp8.fp8.triton_kernels import scale_blocks_outer_major
+
+    grid = scale_blocks_outer_major(256, 3, torch.device("cpu"))
+    assert grid.shape == (256, 3) and grid.stride() == (1, 256)
+    assert _outer_major(grid).data_ptr() == grid.data_ptr()
+    assert grid.t().contiguous().data_ptr() == grid.data_ptr()  # the weight-gradient GEMM's second operand
+    row_major = torch.ones(256, 3)
+    assert _outer_major(row_major).data_ptr() != row_major.data_ptr()
