@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from .formats import Granularity, amax_to_scale, scale_inv_to_e8m0
 from .kernels import Quantized, amax, cast_transpose, quantize, quantize_1x128_both_ways, quantize_transposed
-from .recipes import G, W, X, DelayedBuffers, DelayedState, Recipe, inverses_of, record_amax, update_delayed_states
+from .recipes import G, W, X, DelayedBuffers, DelayedState, Recipe, record_amax, update_delayed_states
 from .tensor import Float8Tensor, transpose_of
 
 
@@ -140,7 +140,7 @@ def _kept_inverse(state, row: int, inverse: torch.Tensor) -> torch.Tensor:
     """In a compiled graph under delayed scaling, the inverse of ``row``'s scale that the state
     keeps (computed with the scale, once a step, bit for bit the same) instead of ``inverse``:
     the compiler then drops the one-element kernel that computed it."""
-    if isinstance(state, DelayedBuffers) and state.scale_inv is not None:
+    if isinstance(state, DelayedBuffers):
         return state.scale_inv[row]
     return inverse
 
@@ -189,7 +189,9 @@ class _Float8LinearFn(torch.autograd.Function):
     """out = x @ w.T (+ bias) with FP8 GEMMs. Takes only tensors, the (frozen) recipe and the
     delayed-scaling state, so torch.compile can trace it when ``state`` is None: a compiled
     graph passes delayed scaling's scale and pending buffers instead (``delayed_scale``,
-    ``delayed_pending``), which it reads and updates in place, in forward and in backward."""
+    ``delayed_pending``), which it reads and updates in place, in forward and in backward,
+    and the scales' kept inverses (``delayed_scale_inv``); under current scaling it passes the
+    input's per-tensor scale (``x_scale``) for the backward's transposed quantization."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: Recipe, state: Optional[DelayedState], qx_data=None, qx_scale_inv=None,
@@ -337,8 +339,7 @@ class Float8Linear(nn.Linear):
         state = self._delayed
         if state.history is not self.fp8_amax_history:  # the module was moved (.to / .cuda)
             state.history, state.scale, state.pending = self.fp8_amax_history, self.fp8_scale, self.fp8_amax_pending
-            # Not buffers (derived from the scales, which each update writes with them).
-            state.scale_inv = inverses_of(state.scale)
+            state.keep_inverses()
         return state
 
     def traced(self) -> bool:

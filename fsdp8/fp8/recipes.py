@@ -172,20 +172,10 @@ class DelayedBuffers:
 
     scale: torch.Tensor
     pending: torch.Tensor
-    scale_inv: Optional[tuple] = None  # DelayedState.scale_inv
+    scale_inv: tuple  # DelayedState.scale_inv
 
     def record(self, row: int, amax: torch.Tensor) -> None:
         record_amax(self.pending, row, amax)
-
-
-def inverses_of(scale: torch.Tensor) -> tuple:
-    """``1 / scale`` of a DelayedState's three scales, each a 0-d tensor of its own: a compiled
-    graph reads them (not one inverse computed per quantization, a one-element kernel each:
-    14 a layer of model A) and hands them to cuBLAS as _scaled_mm scales, which must be
-    aligned: views into one 3-element buffer were not (CUBLAS_STATUS_NOT_SUPPORTED for the
-    third, an 8-byte offset), and indexing the buffer inside the graph failed Inductor's
-    _scaled_mm lowering (torch 2.11, sm90)."""
-    return tuple(scale_to_inv(s).clone() for s in scale.unbind(0))
 
 
 class DelayedState:
@@ -202,15 +192,26 @@ class DelayedState:
         self.history = torch.zeros(3, recipe.amax_history_len, device=device)
         self.scale = torch.ones(3, device=device)
         self.pending = torch.zeros(3, device=device)
-        self.scale_inv = inverses_of(self.scale)
+        self.keep_inverses()
         self.dirty = False  # host-side: amaxes recorded since the last update
         self.steps = 0
 
     def to(self, device: torch.device) -> "DelayedState":
         for name in ("history", "scale", "pending"):
             setattr(self, name, getattr(self, name).to(device))
-        self.scale_inv = inverses_of(self.scale)
+        self.keep_inverses()
         return self
+
+    def keep_inverses(self) -> None:
+        """``1 / scale`` beside the scales (``scale_inv_column``, each update writes it): a
+        compiled graph reads ``scale_inv``, its three elements as 0-d tensors, instead of
+        computing one inverse per quantization (a one-element kernel each: 14 a layer of model
+        A). They reach cuBLAS as _scaled_mm scales, so each starts on a 16-byte boundary, as
+        the engine lays out its weights' scales (Float8Unit._allocate_scales): a view 8 bytes
+        into an allocation gave CUBLAS_STATUS_NOT_SUPPORTED. Not module buffers: derived."""
+        self.scale_inv_column = torch.empty(3, 4, device=self.scale.device)[:, 0]  # rows 16 bytes apart
+        self.scale_inv_column.copy_(scale_to_inv(self.scale))
+        self.scale_inv = tuple(self.scale_inv_column.unbind(0))
 
     def record(self, row: int, amax: torch.Tensor) -> None:
         record_amax(self.pending, row, amax)
@@ -227,7 +228,7 @@ class DelayedState:
         else:
             current = self.history[:, 0]
         self.scale.copy_(torch.stack([amax_to_scale(current[i], self.dtypes[i], self.recipe.margin) for i in range(3)]))
-        torch._foreach_copy_(list(self.scale_inv), list(scale_to_inv(self.scale).unbind(0)))
+        self.scale_inv_column.copy_(scale_to_inv(self.scale))
         self.pending.zero_()
         self.dirty = False
         self.steps += 1
@@ -265,7 +266,7 @@ def update_states(states: Sequence[DelayedState], amaxes: torch.Tensor) -> torch
         dtypes = picked[0].dtypes
         new = torch.stack([amax_to_scale(current[:, r], dtypes[r], recipe.margin) for r in range(3)], dim=1)
         torch._foreach_copy_([s.scale for s in picked], list(new.unbind(0)))
-        torch._foreach_copy_([inv for s in picked for inv in s.scale_inv], list(scale_to_inv(new).flatten().unbind(0)))
+        torch._foreach_copy_([s.scale_inv_column for s in picked], list(scale_to_inv(new).unbind(0)))
         torch._foreach_zero_([s.pending for s in picked])
         for state in picked:
             state.dirty = False

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from fsdp8.fp8.convert import convert_to_fp8
 from fsdp8.fp8.formats import (
-    E4M3, E5M2, FP8_MAX, Granularity, amax_to_e8m0, amax_to_scale, e8m0_to_scale_inv, scale_inv_to_e8m0,
+    E4M3, E5M2, FP8_MAX, Granularity, amax_to_e8m0, amax_to_scale, e8m0_to_scale_inv, scale_inv_to_e8m0, scale_to_inv,
 )
 from fsdp8.fp8.kernels import (
     Quantized, amax, amaxes, partial_block_amax, quantize, quantize_block_pieces, quantize_pieces, quantize_reference,
@@ -596,9 +596,12 @@ def test_batched_delayed_update_equals_each_state_updated_alone(compute, margin)
             state.pending.fill_(1.0)
         scales = update_states(batched, amaxes)
         for a, b, row_scale in zip(alone, batched, scales):
-            for name in ("history", "scale", "pending"):  # bit patterns: NaN included
+            for name in ("history", "scale", "pending", "scale_inv_column"):  # bit patterns: NaN included
                 assert torch.equal(getattr(a, name).view(torch.int32), getattr(b, name).view(torch.int32)), (step, name)
             assert torch.equal(row_scale, b.scale) and (a.steps, a.dirty) == (b.steps, b.dirty)
+            # The kept inverses: the scales' (scale_to_inv), each where cuBLAS takes a scale.
+            assert torch.equal(torch.stack(b.scale_inv), scale_to_inv(b.scale))
+            assert all(inv.data_ptr() % 16 == 0 for inv in b.scale_inv)
 
 
 @pytest.mark.parametrize("total,cols,start,n", [(512, 256, 0, 512), (700, 300, 130, 400), (700, 300, 0, 1),
