@@ -309,7 +309,19 @@ def test_1x128_transposed_in_a_compiled_graph_matches_reference(shape, fp8, dtyp
     assert torch.allclose(scale_inv, ref.scale_inv, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("recipe_name", ["fp8-current", "fp8-block", "fp8-mxfp8"])
+def _delayed_as_under_the_engine(module, x, dy):
+    """Delayed scaling as the engine runs it: the state is updated outside the linear (so a
+    compiled one is traced, reading the scales' kept inverses, which reach cuBLAS as its
+    scale pointers), from the amaxes of one step first, so the scales are not the initial 1."""
+    from fsdp8.fp8.recipes import update_delayed_states
+
+    module.external_delayed_update = True
+    module(x.clone().requires_grad_(True)).backward(dy)
+    module.weight.grad = None
+    update_delayed_states([module.delayed_state(x.device)])
+
+
+@pytest.mark.parametrize("recipe_name", ["fp8-current", "fp8-delayed", "fp8-block", "fp8-mxfp8"])
 def test_compiled_float8_linear_matches_eager_with_native_gemm(recipe_name):
     """A Float8Linear traced by torch.compile (compiler-generated quantization feeding
     _scaled_mm, which Inductor may run as its own GEMM) against eager (Triton kernels, cuBLAS).
@@ -317,7 +329,8 @@ def test_compiled_float8_linear_matches_eager_with_native_gemm(recipe_name):
     so the FP8 operands agree; the GEMMs may accumulate in another order, and their bf16
     results then differ by at most one bf16 ulp (2**-8 relative) per element: the bound is
     2**-8 of the norm. FP8 itself sits several percent from the bf16 layer (e4m3 rounds
-    by up to 2**-4), checked against 1e-2 so the test can tell FP8 from no FP8."""
+    by up to 2**-4), checked against 1e-2 so the test can tell FP8 from no FP8. Delayed
+    scaling runs as under the engine (_delayed_as_under_the_engine)."""
     from fsdp8.fp8.convert import convert_to_fp8
     from fsdp8.fp8.recipes import recipe_from_name
 
@@ -332,6 +345,8 @@ def test_compiled_float8_linear_matches_eager_with_native_gemm(recipe_name):
         module = layer()
         if kind != "bf16":
             convert_to_fp8(module, recipe_from_name(recipe_name))
+        if kind != "bf16" and recipe_name == "fp8-delayed":
+            _delayed_as_under_the_engine(module, x, dy)
         traced = recipe_from_name(recipe_name).traceable
         run = torch.compile(module, fullgraph=traced) if kind == "compiled" else module
         xi = x.clone().requires_grad_(True)
