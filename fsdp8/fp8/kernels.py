@@ -37,7 +37,7 @@ class Quantized:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.granularity is Granularity.TENSOR:
-            return (self.data.float() * self.scale_inv).to(dtype)
+            return (fp8_to_float(self.data) * self.scale_inv).to(dtype)
         if self.granularity.block[0] == 1 and self.data.is_contiguous() and use_triton(self.data):
             from . import triton_kernels  # one pass, where the torch code below makes three
 
@@ -45,7 +45,7 @@ class Quantized:
         # Block by block (a broadcast over the block grid), not through a scale expanded to
         # every element: the same values, and Inductor's CPU code generator handles it.
         rows, cols = self.data.shape
-        blocks = _padded_blocks(self.data.float(), self.granularity.block)
+        blocks = _padded_blocks(fp8_to_float(self.data), self.granularity.block)
         values = blocks * self.scale_inv[:, None, :, None]
         return values.reshape(blocks.shape[0] * blocks.shape[1], -1)[:rows, :cols].to(dtype)
 
@@ -63,6 +63,26 @@ class Quantized:
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scale_inv.numel() * self.scale_inv.element_size()
+
+
+_FP8_TABLES: dict = {}
+
+
+def fp8_to_float(data: torch.Tensor) -> torch.Tensor:
+    """``data.float()`` for an FP8 tensor, the same bits. In eager CPU code it reads a table of
+    the 256 codes' values: torch's CPU conversion takes ~5 ns an element, up to four times the
+    lookup (the CPU emulation dequantizes both operands of every GEMM, and CI runs it: a
+    40-step CPU run of `fsdp8 train --precision fp8-current` went from 16.9 to 14.0 s)."""
+    if (data.device.type != "cpu" or torch.compiler.is_compiling() or data.numel() < 4096
+            or not data.is_contiguous()):
+        # Non-contiguous: .float() keeps the strides, and a matmul may sum in another order
+        # for another layout; tiny tensors: the lookup's fixed cost is more than it saves.
+        return data.float()
+    table = _FP8_TABLES.get(data.dtype)
+    if table is None:
+        table = _FP8_TABLES[data.dtype] = torch.arange(256, dtype=torch.uint8).view(data.dtype).float()
+    codes = data.view(-1).view(torch.uint8).long()
+    return table.index_select(0, codes).view(data.shape)
 
 
 def use_triton(x: torch.Tensor, in_graph: bool = False) -> bool:

@@ -12,8 +12,8 @@ from fsdp8.fp8.formats import (
     E4M3, E5M2, FP8_MAX, Granularity, amax_to_e8m0, amax_to_scale, e8m0_to_scale_inv, scale_inv_to_e8m0, scale_to_inv,
 )
 from fsdp8.fp8.kernels import (
-    Quantized, amax, amaxes, partial_block_amax, quantize, quantize_block_pieces, quantize_pieces, quantize_reference,
-    quantize_rows_with_grid, quantize_transposed, saturate_cast,
+    Quantized, amax, amaxes, fp8_to_float, partial_block_amax, quantize, quantize_block_pieces, quantize_pieces,
+    quantize_reference, quantize_rows_with_grid, quantize_transposed, saturate_cast,
 )
 from fsdp8.fp8.linear import Float8Linear
 from fsdp8.fp8.recipes import (
@@ -102,6 +102,18 @@ def test_round_trip_within_format_bound(fp8, granularity, magnitude):
         # Power-of-two scales map a block's amax into [256, 512): values above 448 saturate.
         bound = torch.maximum(bound, (x.abs() - FP8_MAX[fp8] / scale).clamp_min(0))
     assert torch.all((back - x).abs() <= bound * (1 + 1e-6))
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_fp8_to_float_is_the_conversion_bit_for_bit(fp8):
+    """The CPU table lookup gives ``.float()``'s bits for every code (NaNs, infinities,
+    subnormals, signed zeros), and keeps ``.float()``'s strides for a transposed tensor."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(64).view(fp8)  # 16,384: above the table's threshold
+    for data in (codes, codes.view(128, 128)[:, :64].contiguous()):
+        assert torch.equal(fp8_to_float(data).view(torch.int32), data.float().view(torch.int32))
+    transposed = codes.view(128, 128).t()
+    assert fp8_to_float(transposed).stride() == transposed.float().stride()
+    assert torch.equal(fp8_to_float(transposed).view(torch.int32), transposed.float().view(torch.int32))
 
 
 def test_saturation_zeros_and_nan():
