@@ -15,7 +15,6 @@ from .formats import Granularity, amax_to_scale, scale_inv_to_e8m0
 from .kernels import Quantized, amax, cast_transpose, quantize, quantize_1x128_both_ways, quantize_transposed
 from .recipes import G, W, X, DelayedBuffers, DelayedState, Recipe, record_amax, update_delayed_states
 from .tensor import Float8Tensor, transpose_of
-from . import mx_emulation
 
 
 # -- GEMM --------------------------------------------------------------------------------------
@@ -372,10 +371,6 @@ class Float8Linear(nn.Linear):
         # reduction over every distinct input a layer (docs/PERFORMANCE.md, 2026-11-26 fifth
         # session); block scales of the transpose are other blocks, found in backward.
         x2d = x.detach().reshape(-1, x.shape[-1])
-        if state is None and mx_emulation.emulated(self.recipe, x.device):
-            # MX without MX tensor cores: bf16 GEMMs on the operands' MX values, each made in
-            # one pass and read through transposed views (mx_emulation.py).
-            return mx_emulation.mx_emulated_linear(x, self.weight, self.bias, self.recipe)
         if state is None:
             x_scale = None
             if self.recipe.x_granularity is Granularity.TENSOR:

@@ -357,25 +357,3 @@ def test_compiled_float8_linear_matches_eager_with_native_gemm(recipe_name):
     for got, want, bf16 in zip(compiled, eager, plain):
         assert (got - want).norm() <= 2**-8 * want.norm()
         assert (want - bf16).norm() > 1e-2 * bf16.norm()
-
-
-@pytest.mark.parametrize("along_rows", [True, False])
-@pytest.mark.parametrize("fp8", [E4M3, E5M2])
-@pytest.mark.parametrize("shape", [(4096, 1024), (257, 300), (33, 4096)])
-@pytest.mark.parametrize("dtype,out", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
-                                       (torch.float32, torch.float32)])
-def test_triton_mx_round_matches_reference_bit_for_bit(along_rows, fp8, shape, dtype, out):
-    """mx_round (fsdp8/fp8/mx_emulation.py), eager and inside a compiled graph, against the torch
-    reference: quantize to MX (1x32 blocks of x, or of x.t()), dequantize to ``out``."""
-    from fsdp8.fp8 import mx_emulation
-
-    x = _inputs(shape, dtype, seed=hash((along_rows, shape)) % 1000)
-    source = x if along_rows else x.t()
-    want = quantize_reference(source, fp8, Granularity.MX_1x32).dequantize(out)
-    want = want if along_rows else want.t()
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda t: mx_emulation.mx_round(t * 1.0, along_rows, fp8, out), fullgraph=True)
-    for got in (mx_emulation.mx_round(x, along_rows, fp8, out), compiled(x)):
-        assert got.shape == x.shape and got.dtype == out
-        assert torch.equal(got.isnan(), want.isnan())
-        assert _same(got.nan_to_num().contiguous(), want.nan_to_num().contiguous())
