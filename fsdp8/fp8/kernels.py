@@ -148,7 +148,7 @@ def block_amax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
 def saturate_cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """``round_to_nearest_even(clamp(x * scale, -max, max))`` in the FP8 dtype."""
     fmax = FP8_MAX[fp8_dtype]
-    return (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype)
+    return (x.float() * scale).clamp_(-fmax, fmax).to(fp8_dtype)  # in place: the product is a fresh tensor
 
 
 def scales_for(block_amaxes: torch.Tensor, granularity: Granularity, fp8_dtype: torch.dtype, margin: int = 0):
