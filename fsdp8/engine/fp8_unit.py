@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..fp8.formats import Granularity, e8m0_to_scale_inv, scale_inv_to_e8m0
+from ..fp8.formats import SCALE_ALIGN, Granularity, e8m0_to_scale_inv, scale_inv_to_e8m0
 from ..fp8.kernels import (
     amaxes, block_amax_grids, partial_block_amax, quantize, quantize_block_pieces, quantize_pieces,
 )
@@ -98,12 +98,13 @@ class Float8Unit(ShardedUnit):
         ScaleAgreement). MX weights get their scale_inv only: their scales are row-local
         (each rank's own, gathered with the bytes), so no scale buffer and no index maps into
         the agreement's layout, which at one int64 per 32 weight elements each had held 0.75
-        bytes per weight element (1.2 GiB on model B). Each view starts on a 16-byte boundary:
-        cuBLAS refuses (CUBLAS_STATUS_NOT_SUPPORTED) scale pointers that are not."""
+        bytes per weight element (1.2 GiB on model B). Each view starts at a multiple of
+        SCALE_ALIGN elements (a 16-byte boundary), as cuBLAS wants."""
         fp8 = [s for s in self.slots if id(s) in self.fp8_ids]
         sizes = [math.prod(self._scale_shape(s)) for s in fp8]
-        starts = [4 * sum(math.ceil(n / 4) for n in sizes[:i]) for i in range(len(sizes))]
-        total = starts[-1] + 4 * math.ceil(sizes[-1] / 4) if fp8 else 0
+        padded = [SCALE_ALIGN * math.ceil(n / SCALE_ALIGN) for n in sizes]
+        starts = [sum(padded[:i]) for i in range(len(sizes))]
+        total = sum(padded)
         agreed = self.granularity is not Granularity.MX_1x32
         self._scale_inv_flat = torch.ones(total, dtype=torch.float32, device=self.device)
         self._scale_flat = torch.ones(total, dtype=torch.float32, device=self.device) if agreed else None

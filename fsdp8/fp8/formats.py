@@ -18,6 +18,9 @@ FP8_DTYPES = (E4M3, E5M2)
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
 # Exponent of the largest power of two not above FP8_MAX (448 = 1.75 * 2**8).
 FP8_EMAX = {E4M3: 8, E5M2: 15}
+# cuBLAS refuses (CUBLAS_STATUS_NOT_SUPPORTED) a _scaled_mm scale pointer that is not 16-byte
+# aligned: fp32 scales that share an allocation start SCALE_ALIGN elements apart.
+SCALE_ALIGN = 4
 E8M0_BIAS = 127
 
 

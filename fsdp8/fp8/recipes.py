@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .formats import E4M3, E5M2, Granularity, amax_to_scale, scale_to_inv
+from .formats import E4M3, E5M2, SCALE_ALIGN, Granularity, amax_to_scale, scale_to_inv
 
 _FORMATS = ("hybrid", "e4m3")
 
@@ -196,20 +196,14 @@ class DelayedState:
         self.dirty = False  # host-side: amaxes recorded since the last update
         self.steps = 0
 
-    def to(self, device: torch.device) -> "DelayedState":
-        for name in ("history", "scale", "pending"):
-            setattr(self, name, getattr(self, name).to(device))
-        self.keep_inverses()
-        return self
-
     def keep_inverses(self) -> None:
         """``1 / scale`` beside the scales (``scale_inv_column``, each update writes it): a
         compiled graph reads ``scale_inv``, its three elements as 0-d tensors, instead of
         computing one inverse per quantization (a one-element kernel each: 14 a layer of model
-        A). They reach cuBLAS as _scaled_mm scales, so each starts on a 16-byte boundary, as
-        the engine lays out its weights' scales (Float8Unit._allocate_scales): a view 8 bytes
-        into an allocation gave CUBLAS_STATUS_NOT_SUPPORTED. Not module buffers: derived."""
-        self.scale_inv_column = torch.empty(3, 4, device=self.scale.device)[:, 0]  # rows 16 bytes apart
+        A). They reach cuBLAS as _scaled_mm scales, so they sit SCALE_ALIGN elements apart, as
+        the engine lays out its weights' scales (Float8Unit._allocate_scales). Not module
+        buffers: derived from the scales, rebuilt when the module moves (Float8Linear.delayed_state)."""
+        self.scale_inv_column = torch.empty(3, SCALE_ALIGN, device=self.scale.device)[:, 0]
         self.scale_inv_column.copy_(scale_to_inv(self.scale))
         self.scale_inv = tuple(self.scale_inv_column.unbind(0))
 
