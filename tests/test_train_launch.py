@@ -16,8 +16,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _announce(pid_dir) -> None:
-    with open(os.path.join(pid_dir, f"rank{os.environ['RANK']}.pid"), "w") as f:
+    # Written under another name and renamed: a reader polling for ``*.pid`` files must never
+    # see one that exists but is still empty (CI once read '' here and failed the launch test).
+    path = os.path.join(pid_dir, f"rank{os.environ['RANK']}.pid")
+    with open(path + ".partial", "w") as f:
         f.write(str(os.getpid()))
+    os.replace(path + ".partial", path)
 
 
 def fail_on_rank_1(pid_dir) -> None:

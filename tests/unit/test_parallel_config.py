@@ -78,7 +78,7 @@ def test_parallelize_checks_before_any_process_group():
     with pytest.raises(ValueError, match="skip_packed_sequence_check replaces a check of Hugging Face attention, "
                                          "but Sequential is not a transformers model; drop the option"):
         fsdp8.parallelize(nn.Sequential(nn.Linear(2, 2)), ParallelConfig(skip_packed_sequence_check=True))
-    with pytest.raises(TypeError, match="parallelize takes a fsdp8.ParallelConfig or 'auto', got \{'tp': 2\}"):
+    with pytest.raises(TypeError, match=r"parallelize takes a fsdp8.ParallelConfig or 'auto', got \{'tp': 2\}"):
         fsdp8.parallelize(nn.Linear(2, 2), {"tp": 2})
     with pytest.raises(TypeError, match="parallelize expects an nn.Module, got str"):
         fsdp8.parallelize("model")
