@@ -18,7 +18,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fsdp8.fp8 import triton_weights  # noqa: E402
-from fsdp8.fp8.kernels import partial_block_amax  # noqa: E402
+from fsdp8.fp8.weight_kernels import partial_block_amax  # noqa: E402
 from block_quant_compile import timed  # noqa: E402  (this folder is on the path when run as a script)
 
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fsdp8.fp8 import triton_weights  # noqa: E402
 from fsdp8.fp8.formats import E4M3, Granularity  # noqa: E402
-from fsdp8.fp8.kernels import quantize_rows_with_grid  # noqa: E402
+from fsdp8.fp8.weight_kernels import quantize_rows_with_grid  # noqa: E402
 
 H, I, KV = 4096, 14336, 1024
 SHAPES = [(H, H), (KV, H), (KV, H), (H, H), (I, H), (I, H), (H, I)]  # q k v o gate up down

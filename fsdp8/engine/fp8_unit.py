@@ -20,9 +20,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..fp8.formats import SCALE_ALIGN, Granularity, e8m0_to_scale_inv, scale_inv_to_e8m0
-from ..fp8.kernels import (
-    amaxes, block_amax_grids, partial_block_amax, quantize, quantize_block_pieces, quantize_pieces,
-)
+from ..fp8.kernels import quantize
+from ..fp8.weight_kernels import amaxes, block_amax_grids, partial_block_amax, quantize_block_pieces, quantize_pieces
 from ..fp8.recipes import DelayedState, Recipe
 from ..fp8.tensor import Float8Tensor
 from .layout import UnitLayout, plan_unit

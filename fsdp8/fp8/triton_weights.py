@@ -162,7 +162,7 @@ def _device_table(device: torch.device, values: tuple) -> torch.Tensor:
 
 
 def quantize_pieces(src, out, scales, pieces, fp8_dtype, via, block: int = 4096, num_warps: int = 4):
-    """See kernels.quantize_pieces: one launch for every piece. Block 4096 measured best on H200
+    """See weight_kernels.quantize_pieces: one launch for every piece. Block 4096 measured best on H200
     (benchmarks/debug/pack_kernels.py: 3.55 TB/s for a model-B layer, 2.8 for the per-weight kernel it replaced)."""
     longest = max(n for _, _, n, _ in pieces)
     if longest == 0:
@@ -176,7 +176,7 @@ def quantize_pieces(src, out, scales, pieces, fp8_dtype, via, block: int = 4096,
 
 
 def quantize_block_pieces(src, out, scales, pieces, fp8_dtype, via, rows_per_tile: int = 32, num_warps: int = 4):
-    """See kernels.quantize_block_pieces: one launch for every piece (non-empty ones)."""
+    """See weight_kernels.quantize_block_pieces: one launch for every piece (non-empty ones)."""
     tiles = max(triton.cdiv(rows, rows_per_tile) * triton.cdiv(cols, 128) for _, _, rows, cols, _, _ in pieces)
     table = _device_table(src.device, tuple(v for field in zip(*pieces) for v in field))
     rounds = via is not None and via != src.dtype and via != torch.float32
@@ -187,7 +187,7 @@ def quantize_block_pieces(src, out, scales, pieces, fp8_dtype, via, rows_per_til
 
 
 def block_amax_grids(pieces, rows_per_step: int = 8, num_warps: int = 4):
-    """See kernels.block_amax_grids: every piece's 128x128 grid (zeros where it holds no
+    """See weight_kernels.block_amax_grids: every piece's 128x128 grid (zeros where it holds no
     rows) in one launch. ``rows_per_step`` (a power of two up to 128) and ``num_warps`` as
     measured best on an H200 (benchmarks/debug/block_amax_kernels.py sweeps them)."""
     device = pieces[0][0].device

@@ -7,9 +7,9 @@ import torch
 
 from fsdp8.fp8 import triton_kernels
 from fsdp8.fp8.formats import E4M3, E5M2, Granularity, amax_to_scale
-from fsdp8.fp8.kernels import (
-    amax, amaxes, block_amax_grids, cast_transpose, partial_block_amax, quantize, quantize_block_pieces, quantize_pieces,
-    quantize_reference, quantize_rows_with_grid, saturate_cast,
+from fsdp8.fp8.kernels import amax, cast_transpose, quantize, quantize_reference, saturate_cast
+from fsdp8.fp8.weight_kernels import (
+    amaxes, block_amax_grids, partial_block_amax, quantize_block_pieces, quantize_pieces, quantize_rows_with_grid,
 )
 
 pytestmark = [

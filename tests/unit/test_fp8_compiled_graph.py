@@ -2,7 +2,7 @@
 reduction, found once, and delayed scaling computes no scale inverse. A compiled step is
 host-bound when its graphs launch too many kernels (docs/PERFORMANCE.md, 2026-11-26 fifth
 session), so these read the forward and backward graphs Inductor compiles (after its own
-passes). That compiled FP8 matches eager is test_fp8.py's."""
+passes). That compiled FP8 matches eager is test_fp8_linear.py's."""
 
 import torch
 import torch._inductor.config as inductor_config
