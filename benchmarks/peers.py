@@ -48,7 +48,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -63,10 +63,9 @@ if str(REPO_ROOT) not in sys.path:
 from peer_stacks import (  # noqa: E402  (after the checkout is on the path)
     ALL_STACKS, BUILDERS, STACKS, Built, Context, _short, mesh_label, optimizer_step, tp_degree, unavailable_reason,
 )
+import peer_probes  # noqa: E402
+from peer_report import environment, fmt, print_report, write_json  # noqa: E402
 
-FLOPS_FORMULA = (
-    "FLOPs/token = 6*N + 12*L*H*S (N = all parameters incl. embedding and lm_head, L layers, H hidden, S seq)"
-)
 GIB = 1024**3
 LEAK_WARN_BYTES = 256 * 1024**2
 
@@ -322,71 +321,21 @@ def measure(spec: ModelSpec, stack: str, ctx: Context, result: Result) -> None:
         result.mfu = result.tokens_per_s_per_gpu * result.flops_per_token / (ctx.args.peak_tflops * 1e12)
         peaks = [torch.cuda.max_memory_allocated(ctx.device), torch.cuda.max_memory_reserved(ctx.device)]
         result.peak_alloc_gib, result.peak_reserved_gib = (x / GIB for x in _all_reduce(peaks, dist.ReduceOp.MAX, ctx))
+    # Extra steps, not in the timings (peer_probes.py).
+    def step():
+        return train_step(built, batches[-1], ctx)
+
+    stem, label = f"{spec.name}-{stack}", f"{stack}, model {spec.name}"
     if ctx.args.profile and ctx.device.type == "cuda":
-        profile_one_step(spec, stack, built, batches[-1], ctx)
+        peer_probes.profile_one_step(step, ctx.args.profile, stem, label, ctx)
     if ctx.args.host_profile:
-        host_profile(spec, stack, built, batches[-1], ctx)
+        peer_probes.host_profile(step, ctx.args.host_profile, stem, label, ctx)
     if ctx.args.memory_peak and ctx.device.type == "cuda":
-        memory_peak_of_step(spec, stack, built, batches[-1], ctx)
+        peer_probes.memory_peak_of_step(step, ctx.args.memory_peak, stem, label, ctx)
     report = getattr(built.model, "memory_report", None)
     if callable(report):
         result.memory_report = str(report())
     result.note = "; ".join(built.notes)
-
-
-def host_profile(spec: ModelSpec, stack: str, built: Built, batch: torch.Tensor, ctx: Context, steps: int = 3) -> None:
-    """Three extra steps under cProfile (not in the timings): the Python functions that spend
-    the host's time, by own time and by cumulative time, rank 0's."""
-    import cProfile
-    import io
-    import pstats
-
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(steps):
-        train_step(built, batch, ctx)
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize()
-    profiler.disable()
-    if ctx.rank != 0:
-        return
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("tottime").print_stats(45)
-    stats.sort_stats("cumulative").print_stats(45)
-    out = Path(ctx.args.host_profile)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{spec.name}-{stack}-host.txt").write_text(f"{stack}, model {spec.name}, {steps} steps\n" + text.getvalue())
-
-
-def profile_one_step(spec: ModelSpec, stack: str, built: Built, batch: torch.Tensor, ctx: Context) -> None:
-    """One extra, profiled step (not in the timings): compute / exposed communication / idle."""
-    from step_profile import format_summary, profile_step, summarize
-
-    out = Path(ctx.args.profile)
-    out.mkdir(parents=True, exist_ok=True)
-    base = out / f"{spec.name}-{stack}-rank{ctx.rank}"
-    kernels = profile_step(lambda: train_step(built, batch, ctx),
-                           trace_path=str(base) + ".json.gz" if ctx.rank == 0 else None)
-    text = format_summary(f"{stack}, model {spec.name}, rank {ctx.rank} of {ctx.world}",
-                          summarize(kernels, top=ctx.args.profile_top))
-    base.with_suffix(".md").write_text(text + "\n")
-    if ctx.rank == 0:
-        print(text, flush=True)
-
-
-def memory_peak_of_step(spec: ModelSpec, stack: str, built: Built, batch: torch.Tensor, ctx: Context) -> None:
-    """One extra step with the allocator's history recorded: what is alive at its peak."""
-    from memory_peak import format_peak, live_at_peak, record_step
-
-    events, baseline = record_step(lambda: train_step(built, batch, ctx))
-    peak, live = live_at_peak(events, baseline)
-    text = format_peak(f"{stack}, model {spec.name}, rank {ctx.rank} of {ctx.world}", peak, live, baseline)
-    out = Path(ctx.args.memory_peak)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{spec.name}-{stack}-rank{ctx.rank}.md").write_text(text + "\n")
-    if ctx.rank == 0:
-        print(text, flush=True)
 
 
 def release(ctx: Context) -> int:
@@ -423,90 +372,6 @@ def run_stack(spec: ModelSpec, stack: str, ctx: Context) -> Result:
     return result
 
 
-# ----------------------------------------------------------------------------- reporting
-
-
-def _fmt(value, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def environment(ctx: Context) -> dict:
-    import transformers
-
-    env = {
-        "world_size": ctx.world,
-        "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peak_tflops": ctx.args.peak_tflops,
-        "flops_formula": FLOPS_FORMULA,
-        "timing": ("CUDA events per step, median; max over ranks" if ctx.device.type == "cuda"
-                   else "perf_counter per step, median; max over ranks"),
-        "memory": "torch.cuda.max_memory_{allocated,reserved} over warmup+timed steps, max over ranks",
-        "warmup": ctx.args.warmup,
-        "steps": ctx.args.steps,
-        "hsdp_replicate": ctx.args.hsdp_replicate,
-        "loopback": bool(ctx.args.loopback_world),
-    }
-    try:
-        import megatron_fsdp
-
-        env["megatron_fsdp"] = megatron_fsdp.__version__
-    except Exception:
-        env["megatron_fsdp"] = None
-    return env
-
-
-def markdown_table(results: list[Result]) -> str:
-    head = ("| model | stack | mesh | tokens/s/GPU | step ms (median) | MFU | peak alloc GiB | peak reserved GiB "
-            "| loss step 1 | loss last | notes |")
-    rows = [head, "|" + "---|" * 11]
-    for r in results:
-        mfu = None if r.mfu is None else 100 * r.mfu
-        note = r.note if r.status == "ok" else f"{r.status.upper()}: {r.note}"
-        rows.append(
-            f"| {r.model} | {r.stack} | {r.mesh or 'n/a'} | {_fmt(r.tokens_per_s_per_gpu, ',.0f')} "
-            f"| {_fmt(r.step_ms_median, '.1f')} "
-            f"| {_fmt(mfu, '.1f')}{'%' if mfu is not None else ''} | {_fmt(r.peak_alloc_gib, '.2f')} "
-            f"| {_fmt(r.peak_reserved_gib, '.2f')} | {_fmt(r.loss_first, '.4f')} | {_fmt(r.loss_last, '.4f')} "
-            f"| {note} |"
-        )
-    return "\n".join(rows)
-
-
-def print_report(env: dict, orders: dict, results: list[Result]) -> None:
-    print(f"\n## peers: {env['world_size']} x {env['device']}, torch {env['torch']}, "
-          f"transformers {env['transformers']}, megatron-fsdp {env['megatron_fsdp'] or 'not installed'}")
-    print(f"- {env['flops_formula']}; MFU = tokens/s/GPU * FLOPs/token / ({env['peak_tflops']:g} TFLOP/s)")
-    print(f"- timing: {env['timing']}, {env['warmup']} warmup + {env['steps']} timed steps")
-    print(f"- memory: {env['memory']}")
-    print(f"- mesh: data-parallel ranks; RxS = HSDP, R replicas of S-rank shard groups (--hsdp-replicate {env['hsdp_replicate']})")
-    if env.get("loopback"):
-        print(f"- LOOPBACK: one process plays rank 0 of {env['world_size']} on one device; collectives are local "
-              "copies (benchmarks/loopback.py): the world's step minus communication; losses are not a real model's")
-    for model, order in orders.items():
-        print(f"- run order: each stack over all models, stacks in turn: {' -> '.join(order)} (model {model})")
-    print()
-    print(markdown_table(results))
-    for r in results:
-        if r.memory_report:
-            print(f"\n### {r.stack} memory_report, model {r.model}\n{r.memory_report}")
-    sys.stdout.flush()
-
-
-def write_json(path: str, env: dict, orders: dict, results: list[Result], complete: bool = True) -> None:
-    """Write the results; `complete` is False for the partial files written after each stack."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"environment": env, "stack_order": orders, "complete": complete,
-               "results": [asdict(r) for r in results]}
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    tmp.replace(out)  # a reader (or a timeout) never sees half a file
-    if complete:
-        print(f"\nwrote {out}")
-
-
 def inductor_settings(text: str) -> dict:
     """"a.b=1,c=x" -> {"a.b": True, "c": "x"}: Inductor config keys and values."""
     settings = {}
@@ -539,8 +404,8 @@ def main(argv=None) -> None:
             results.append(result)
             if ctx.rank == 0:  # partial results survive a timeout: printed, and in the JSON
                 print(f"[peers] {name} {stack} (mesh {result.mesh or 'n/a'}): {result.status} "
-                      f"{_fmt(result.tokens_per_s_per_gpu, ',.0f')} tok/s/GPU, "
-                      f"peak {_fmt(result.peak_alloc_gib, '.2f')} GiB {result.note}"
+                      f"{fmt(result.tokens_per_s_per_gpu, ',.0f')} tok/s/GPU, "
+                      f"peak {fmt(result.peak_alloc_gib, '.2f')} GiB {result.note}"
                       f"{'; host ' + json.dumps(result.host) if result.host else ''}", flush=True)
                 write_json(args.out, env, orders, results, complete=False)
     results.sort(key=lambda r: args.models.index(r.model))

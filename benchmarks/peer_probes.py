@@ -1,0 +1,63 @@
+"""Extra steps of a peers.py stack, outside its timings: where the host spends its time
+(cProfile), one profiled step (compute, exposed communication, idle) and what is alive at
+the step's memory peak. Each takes the stack's ``step`` and writes under ``out_dir``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def host_profile(step: Callable[[], object], out_dir: str, stem: str, label: str, ctx, steps: int = 3) -> None:
+    """``steps`` steps under cProfile: the Python functions that spend the host's time, by own
+    time and by cumulative time, rank 0's."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+    profiler.disable()
+    if ctx.rank != 0:
+        return
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(45)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}-host.txt").write_text(f"{label}, {steps} steps\n" + text.getvalue())
+
+
+def profile_one_step(step: Callable[[], object], out_dir: str, stem: str, label: str, ctx) -> None:
+    """One profiled step: compute / exposed communication / idle (step_profile.py)."""
+    from step_profile import format_summary, profile_step, summarize
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base = out / f"{stem}-rank{ctx.rank}"
+    kernels = profile_step(step, trace_path=str(base) + ".json.gz" if ctx.rank == 0 else None)
+    text = format_summary(f"{label}, rank {ctx.rank} of {ctx.world}", summarize(kernels, top=ctx.args.profile_top))
+    base.with_suffix(".md").write_text(text + "\n")
+    if ctx.rank == 0:
+        print(text, flush=True)
+
+
+def memory_peak_of_step(step: Callable[[], object], out_dir: str, stem: str, label: str, ctx) -> None:
+    """One step with the allocator's history recorded: what is alive at its peak (memory_peak.py)."""
+    from memory_peak import format_peak, live_at_peak, record_step
+
+    events, baseline = record_step(step)
+    peak, live = live_at_peak(events, baseline)
+    text = format_peak(f"{label}, rank {ctx.rank} of {ctx.world}", peak, live, baseline)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}-rank{ctx.rank}.md").write_text(text + "\n")
+    if ctx.rank == 0:
+        print(text, flush=True)
