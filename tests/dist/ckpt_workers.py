@@ -10,7 +10,6 @@ import torch.distributed as dist
 import fsdp8
 
 from . import common
-from .workers import _mesh
 
 GLOBAL_BATCH = 4  # sequences per step over all ranks, so runs at different world sizes see the same data
 VOCAB = 17  # fixed, so the model is the same at every world size
@@ -18,7 +17,7 @@ VOCAB = 17  # fixed, so the model is the same at every world size
 
 def _build(strategy, mesh_shape, outer, seed=0):
     model = common.build("llama", seed=seed, vocab=VOCAB)
-    sharded = fsdp8.fully_shard(model, mesh=_mesh(mesh_shape), strategy=strategy, outer_strategy=outer)
+    sharded = fsdp8.fully_shard(model, mesh=common.mesh(mesh_shape), strategy=strategy, outer_strategy=outer)
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3, weight_decay=0.1)
     return sharded, opt
 

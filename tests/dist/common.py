@@ -65,6 +65,16 @@ def rank() -> int:
     return dist.get_rank()
 
 
+def mesh(shape):
+    """The data-parallel mesh of ``shape``: None (fully_shard's default), ``(S,)`` or, for
+    HSDP, ``(R, S)`` (R replicas of S-rank shard groups)."""
+    if shape is None:
+        return None
+    if len(shape) == 2:
+        return fsdp8.make_mesh(dp_replicate=shape[0], dp_shard=shape[1])
+    return fsdp8.make_mesh(dp_shard=shape[0])
+
+
 def build(kind: str, seed: int = 0, vocab: Optional[int] = None, **kw) -> nn.Module:
     """A test model on ``device()``, identical on every rank (vocab 4W+1 unless given)."""
     torch.manual_seed(seed)

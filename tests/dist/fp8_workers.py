@@ -11,7 +11,7 @@ import torch
 import fsdp8
 
 from . import common
-from .workers import CountCollectives, _mesh
+from .workers import CountCollectives
 
 
 def fp8_recipe(name):
@@ -30,7 +30,7 @@ def fp8_parity(recipe_name, strategy="optim_grads_params", mesh_shape=None, oute
     reference = copy.deepcopy(model)
     for layer in reference.layers:
         convert_to_fp8(layer, recipe)
-    sharded = fsdp8.fully_shard(model, mesh=_mesh(mesh_shape), strategy=strategy, outer_strategy=outer, fp8=recipe,
+    sharded = fsdp8.fully_shard(model, mesh=common.mesh(mesh_shape), strategy=strategy, outer_strategy=outer, fp8=recipe,
                                 precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     kinds = sorted({type(m).__name__ for m in sharded.modules() if "Float8" in type(m).__name__})
     errors = common.lockstep_errors(sharded, reference, steps, torch.bfloat16, micro_batches=micro_batches)
@@ -73,7 +73,7 @@ def fp8_gathered_weight(recipe_name, strategy="optim_grads_params", mesh_shape=N
     cfg = LlamaConfig(vocab_size=4 * common.world() + 1, dim=dim, n_layers=2, n_heads=2, n_kv_heads=1,
                       ffn_dim=ffn, max_seq_len=16)
     model = Llama(cfg).to(common.device())
-    sharded = fsdp8.fully_shard(model, mesh=_mesh(mesh_shape), strategy=strategy, outer_strategy=outer, fp8=recipe,
+    sharded = fsdp8.fully_shard(model, mesh=common.mesh(mesh_shape), strategy=strategy, outer_strategy=outer, fp8=recipe,
                                 precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     common.train_sharded(sharded, 2)  # scales and weights after real optimizer steps
     unit = sharded._fsdp8.units[0]

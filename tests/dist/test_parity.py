@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from tests.harness import run_on_ranks
-from tests.dist import workers
+from tests.dist import parity_workers
 
 FP32_TOL = 1e-6
 BF16_TOL = 1e-5
@@ -44,65 +44,65 @@ def _check(results, tol):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_llama_parity(world, strategy, precision):
-    results = run_on_ranks(world, workers.parity, "llama", strategy, "no_shard", None, precision)
+    results = run_on_ranks(world, parity_workers.parity, "llama", strategy, "no_shard", None, precision)
     _check(results, FP32_TOL if precision == "fp32" else BF16_TOL)
 
 
 @pytest.mark.parametrize("outer", ["no_shard", "optim"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_hsdp_2x2_parity(strategy, outer):
-    _check(run_on_ranks(4, workers.parity, "llama", strategy, outer, (2, 2), "fp32"), FP32_TOL)
+    _check(run_on_ranks(4, parity_workers.parity, "llama", strategy, outer, (2, 2), "fp32"), FP32_TOL)
 
 
 @pytest.mark.parametrize("outer", ["no_shard", "optim"])
 def test_hsdp_2x2_bf16_parity(outer):
-    _check(run_on_ranks(4, workers.parity, "llama", "optim_grads_params", outer, (2, 2), "bf16"), BF16_TOL)
+    _check(run_on_ranks(4, parity_workers.parity, "llama", "optim_grads_params", outer, (2, 2), "bf16"), BF16_TOL)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_uneven_shapes_parity(world, strategy):
     # vocab 4W+1 rows, width 17, a 3-row projection narrower than W=4 (empty chunks).
-    _check(run_on_ranks(world, workers.parity, "uneven", strategy), FP32_TOL)
+    _check(run_on_ranks(world, parity_workers.parity, "uneven", strategy), FP32_TOL)
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
 @pytest.mark.parametrize("kind", ["uneven", "llama"])
 def test_tied_embedding_parity(kind, strategy):
     kw = {"tied": True} if kind == "uneven" else {"tie_embeddings": True}
-    _check(run_on_ranks(4, workers.parity, kind, strategy, "no_shard", None, "fp32", 10, 1, kw), FP32_TOL)
+    _check(run_on_ranks(4, parity_workers.parity, kind, strategy, "no_shard", None, "fp32", 10, 1, kw), FP32_TOL)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_no_sync_three_micro_batches(strategy):
-    _check(run_on_ranks(4, workers.parity, "llama", strategy, "no_shard", None, "fp32", 10, 3), FP32_TOL)
+    _check(run_on_ranks(4, parity_workers.parity, "llama", strategy, "no_shard", None, "fp32", 10, 3), FP32_TOL)
 
 
 @pytest.mark.parametrize("outer", ["no_shard", "optim"])
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
 def test_no_sync_hsdp(strategy, outer):
-    _check(run_on_ranks(4, workers.parity, "llama", strategy, outer, (2, 2), "bf16", 10, 3), BF16_TOL)
+    _check(run_on_ranks(4, parity_workers.parity, "llama", strategy, outer, (2, 2), "bf16", 10, 3), BF16_TOL)
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
 def test_activation_checkpointing(strategy):
     kw = {"checkpoint_activations": True}
-    _check(run_on_ranks(2, workers.parity, "llama", strategy, "no_shard", None, "fp32", 10, 1, kw), FP32_TOL)
+    _check(run_on_ranks(2, parity_workers.parity, "llama", strategy, "no_shard", None, "fp32", 10, 1, kw), FP32_TOL)
 
 
 def test_keep_params_after_forward():
-    _check(run_on_ranks(2, workers.parity, "llama", "optim_grads_params", "no_shard", None, "bf16", 10, 1, None, False), BF16_TOL)
+    _check(run_on_ranks(2, parity_workers.parity, "llama", "optim_grads_params", "no_shard", None, "bf16", 10, 1, None, False), BF16_TOL)
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
 def test_unit_called_twice(strategy):
-    errors, counts = run_on_ranks(2, workers.twice, strategy)[0]
+    errors, counts = run_on_ranks(2, parity_workers.twice, strategy)[0]
     _check([errors], FP32_TOL)
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
 def test_frozen_parameters(strategy):
-    for errors, frozen_err, frozen_grads, grad_bytes, trainable, total in run_on_ranks(2, workers.frozen, strategy):
+    for errors, frozen_err, frozen_grads, grad_bytes, trainable, total in run_on_ranks(2, parity_workers.frozen, strategy):
         _check([errors], FP32_TOL)
         assert frozen_err == 0.0
         assert frozen_grads == []
@@ -119,7 +119,7 @@ def test_frozen_parameters(strategy):
 def test_offload_equals_no_offload(strategy, mesh, outer, micro):
     # The same training without offload is checked against one process above.
     for differ, offloaded, host_bytes, device_bytes, plain_main_and_grads, placed, grads_on_host in run_on_ranks(
-            2, workers.offload_parity, strategy, mesh, outer, micro):
+            2, parity_workers.offload_parity, strategy, mesh, outer, micro):
         assert differ == []
         assert offloaded and placed and grads_on_host
         assert host_bytes == plain_main_and_grads > 0  # main weights and grads moved to the host
