@@ -13,6 +13,7 @@ import torch
 
 from tests.harness import BACKEND, run_on_ranks
 from tests.dist import tp_engine_workers as workers
+from tests.dist import tp_fp8_workers
 
 FP32_TOL = 1e-6
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -111,7 +112,7 @@ FP8_TOL_HERE = FP8_TOL_CUDA if BACKEND == "nccl" else FP8_TOL
     ("fp8-mxfp8", False, (64, 64)),
 ])
 def test_fp8_tp_parity(recipe, sp, dims):
-    for worst, converted in run_on_ranks(4, workers.fp8_parity, recipe, (1, 2, 2), sp, 3, *dims):
+    for worst, converted in run_on_ranks(4, tp_fp8_workers.fp8_parity, recipe, (1, 2, 2), sp, 3, *dims):
         assert converted == ["blocks.0.down", "blocks.0.up", "blocks.1.down", "blocks.1.up"]
         assert max(worst.values()) <= FP8_TOL_HERE, {k: v for k, v in worst.items() if v > FP8_TOL_HERE}
 
@@ -119,7 +120,7 @@ def test_fp8_tp_parity(recipe, sp, dims):
 @pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-current"])
 def test_fp8_tp_equals_data_parallel(recipe):
     # Delayed scaling's histories (module buffers, compared too) take the tp-reduced amaxes.
-    for worst in run_on_ranks(2, workers.fp8_tp_vs_data_parallel, recipe):
+    for worst in run_on_ranks(2, tp_fp8_workers.fp8_tp_vs_data_parallel, recipe):
         assert max(worst.values()) <= FP8_TOL_HERE, {k: v for k, v in worst.items() if v > FP8_TOL_HERE}
 
 
@@ -129,10 +130,10 @@ def test_fp8_sequence_parallel_gathers_fp8_bytes():
     # (The head stays bf16: vocab 32 over tp 2 is a 16-row piece, FP8-friendly, but it is
     # outside the units, which fully_shard does not convert.)
     tokens_per_rank, dim = 2 * 8 // 2, 32
-    fp8 = run_on_ranks(2, workers.fp8_sequence_parallel_bytes, "fp8-current")[0]
+    fp8 = run_on_ranks(2, tp_fp8_workers.fp8_sequence_parallel_bytes, "fp8-current")[0]
     fp8_inputs = [g for g in fp8 if g[0] == "fp8 input"]
     assert fp8_inputs == [("fp8 input", "torch.uint8", tokens_per_rank * dim)] * 2, fp8
-    bf16 = run_on_ranks(2, workers.fp8_sequence_parallel_bytes, "bf16")[0]
+    bf16 = run_on_ranks(2, tp_fp8_workers.fp8_sequence_parallel_bytes, "bf16")[0]
     # Without FP8 the same inputs travel through DTensor's gathers in the compute dtype (fp32 here).
     hp_inputs = [g for g in bf16 if g == ("dtensor", "torch.float32", tokens_per_rank * dim * 4)]
     fp8_hp_inputs = [g for g in fp8 if g == ("dtensor", "torch.float32", tokens_per_rank * dim * 4)]
@@ -156,7 +157,7 @@ def test_fp8_primary_weights_with_tp():
     # Both runs quantize the same weights with the same agreed scales: equal up to the fp32
     # order of gradient sums, the FP8_TOL of the lockstep tests without needing lockstep
     # (3 steps are too few for an order difference to flip a byte and diverge).
-    for errors, primary in run_on_ranks(4, workers.fp8_primary_tp):
+    for errors, primary in run_on_ranks(4, tp_fp8_workers.fp8_primary_tp):
         assert all(p for p in primary if p is not None) and any(primary), primary
         assert max(errors.values()) <= FP8_TOL, {k: v for k, v in errors.items() if v > FP8_TOL}
 
