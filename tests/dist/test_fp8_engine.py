@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.harness import run_on_ranks
+from tests.dist import fp8_fsdp_interop_workers
 from tests.dist import fp8_workers as workers
 
 TOL = 1e-5
@@ -134,7 +135,7 @@ def test_fp8_primary_weights(recipe, meta):
 @pytest.mark.parametrize("precompute", [True, False])
 def test_fsdp2_trains_with_8bit_all_gather(precompute):
     """Exact parity with the single-process FP8 run: FSDP2 gathers the same FP8 bytes."""
-    out = run_on_ranks(2, workers.fsdp2_fp8_interop, 4, precompute)[0]
+    out = run_on_ranks(2, fp8_fsdp_interop_workers.fsdp2_fp8_interop, 4, precompute)[0]
     assert out["wrapped"] == 14 and out["sharded_ok"]
     assert out["dtype"] == "torch.uint8" and out["pre_calls"] == 14 * 4 * 2  # forward and backward gathers
     assert max(out["errors"].values()) <= TOL
@@ -143,14 +144,14 @@ def test_fsdp2_trains_with_8bit_all_gather(precompute):
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_fp8_uneven_and_empty_shards(world):
     # 17x17 weights over 4 ranks (5,5,5,2 rows) and a 3-row weight (1,1,1,0 rows: an empty shard).
-    out = run_on_ranks(world, workers.fsdp2_fp8_interop, 4, True, "uneven")[0]
+    out = run_on_ranks(world, fp8_fsdp_interop_workers.fsdp2_fp8_interop, 4, True, "uneven")[0]
     assert out["wrapped"] == 6 and out["dtype"] == "torch.uint8"
     assert max(out["errors"].values()) <= TOL
 
 
 def test_amax_reduction_group_keeps_delayed_histories_equal():
-    with_group = run_on_ranks(2, workers.delayed_group_reduce, True)
-    without = run_on_ranks(2, workers.delayed_group_reduce, False)
+    with_group = run_on_ranks(2, fp8_fsdp_interop_workers.delayed_group_reduce, True)
+    without = run_on_ranks(2, fp8_fsdp_interop_workers.delayed_group_reduce, False)
     assert torch.equal(with_group[0], with_group[1])
     assert not torch.equal(without[0], without[1])  # each rank saw different activations
     # Step 0 ran with scales 1 in both runs, so its amaxes (history column 1 after two updates)

@@ -38,7 +38,7 @@ def sync_free_step(strategy: str) -> bool:
 
 
 def fsdp1_delayed_histories():
-    from tests.dist import fp8_workers as workers
+    from tests.dist import fp8_fsdp_interop_workers as workers
 
     count, history = workers.fsdp1_delayed(True)
     return count, history
