@@ -250,6 +250,9 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
         delayed = getattr(module, "_delayed", None)
         if delayed is not None:  # restored amaxes not yet folded into the history
             delayed.dirty = True
+            # DCP wrote the scales in place, past Float8Linear._load_from_state_dict. (Under the
+            # engine its scale refresh before each forward rewrites the inverses anyway.)
+            delayed.refresh_inverses()
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
     rank_file = store.extra_path(path, dist.get_rank())

@@ -325,6 +325,11 @@ class Float8Linear(nn.Linear):
             linear.delayed_state(linear.weight.device)
         return linear
 
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)  # copies into the delayed buffers in place
+        if self._delayed is not None:
+            self._delayed.refresh_inverses()
+
     def delayed_state(self, device: torch.device) -> Optional[DelayedState]:
         """The delayed-scaling state (created on first use, on ``device``); its amax history,
         scales and not yet folded-in amaxes are registered as buffers, so checkpoints save and

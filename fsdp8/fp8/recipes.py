@@ -204,8 +204,14 @@ class DelayedState:
         the engine lays out its weights' scales (Float8Unit._allocate_scales). Not module
         buffers: derived from the scales, rebuilt when the module moves (Float8Linear.delayed_state)."""
         self.scale_inv_column = torch.empty(3, SCALE_ALIGN, device=self.scale.device)[:, 0]
-        self.scale_inv_column.copy_(scale_to_inv(self.scale))
         self.scale_inv = tuple(self.scale_inv_column.unbind(0))
+        self.refresh_inverses()
+
+    def refresh_inverses(self) -> None:
+        """Write ``1 / scale`` into the kept inverses, in place (compiled graphs hold views of
+        them): after every update, and after anything that writes the scales in place (a
+        state dict or checkpoint load), or a compiled step would dequantize with the old ones."""
+        self.scale_inv_column.copy_(scale_to_inv(self.scale))
 
     def record(self, row: int, amax: torch.Tensor) -> None:
         record_amax(self.pending, row, amax)
@@ -222,7 +228,7 @@ class DelayedState:
         else:
             current = self.history[:, 0]
         self.scale.copy_(torch.stack([amax_to_scale(current[i], self.dtypes[i], self.recipe.margin) for i in range(3)]))
-        self.scale_inv_column.copy_(scale_to_inv(self.scale))
+        self.refresh_inverses()
         self.pending.zero_()
         self.dirty = False
         self.steps += 1

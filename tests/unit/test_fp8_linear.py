@@ -292,6 +292,40 @@ def test_delayed_scaling_traced_under_torch_compile():
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
+def _delayed_linear_after_a_step(seed):
+    """A delayed-scaling linear updated from outside (as the engine does, so it compiles into
+    the graph), after one step on data of a seed-dependent magnitude: its scales are not 1."""
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(nn.Linear(64, 64)), recipe_from_name("fp8-delayed"))
+    model[0].external_delayed_update = True
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(seed)) * (1 + 10 * seed)
+    model(x).sum().backward()
+    update_delayed_states([model[0].delayed_state(x.device)])
+    return model
+
+
+@pytest.mark.parametrize("load", ["load_state_dict", "fsdp8.load"])
+def test_a_loaded_delayed_state_reaches_the_compiled_linear(tmp_path, load):
+    """A compiled linear dequantizes with the inverses its delayed state keeps beside the
+    scales (linear._kept_inverse). Loads write the scales in place, so the inverses must follow
+    them, or the first compiled step after a resume would quantize with the loaded scales and
+    dequantize with the old ones (it did, before Float8Linear._load_from_state_dict)."""
+    import fsdp8
+
+    source, target = _delayed_linear_after_a_step(1), _delayed_linear_after_a_step(0)
+    assert not torch.equal(source[0].fp8_scale, target[0].fp8_scale)
+    if load == "load_state_dict":
+        target.load_state_dict(source.state_dict())
+    else:
+        fsdp8.save(str(tmp_path / "ckpt"), source)
+        fsdp8.load(str(tmp_path / "ckpt"), target)
+    state = target[0].delayed_state(torch.device("cpu"))
+    assert torch.equal(state.scale_inv_column, scale_to_inv(state.scale))
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(target, fullgraph=True)(x), torch.compile(source, fullgraph=True)(x))
+
+
 def test_delayed_state_changed_between_compiled_forward_and_backward_raises():
     """A compiled block's backward folds dy's amax into the pending amaxes its forward left
     (see the note in Float8Linear.forward); a state update in between would be overwritten,
