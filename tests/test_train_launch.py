@@ -10,18 +10,16 @@ import time
 
 import pytest
 
+from fsdp8.checkpoint.store import write_json_atomic
 from fsdp8.launch import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _announce(pid_dir) -> None:
-    # Written under another name and renamed: a reader polling for ``*.pid`` files must never
-    # see one that exists but is still empty (CI once read '' here and failed the launch test).
-    path = os.path.join(pid_dir, f"rank{os.environ['RANK']}.pid")
-    with open(path + ".partial", "w") as f:
-        f.write(str(os.getpid()))
-    os.replace(path + ".partial", path)
+    # Atomically (the checkpoint store's write-then-rename): a reader polling for ``*.pid``
+    # files must never see one that exists but is still empty (CI once read '' and failed).
+    write_json_atomic(os.path.join(pid_dir, f"rank{os.environ['RANK']}.pid"), os.getpid())
 
 
 def fail_on_rank_1(pid_dir) -> None:
