@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from fsdp8.fp8.convert import convert_to_fp8
-from fsdp8.fp8.formats import E4M3, E5M2, Granularity, scale_to_inv
+from fsdp8.fp8.formats import E4M3, Granularity, scale_to_inv
 from fsdp8.fp8.kernels import Quantized, amax, quantize
 from fsdp8.fp8.linear import Float8Linear
 from fsdp8.fp8.recipes import (
@@ -17,9 +17,8 @@ from fsdp8.fp8.recipes import (
     update_delayed_states,
 )
 from fsdp8.fp8.tensor import Float8Tensor
+from tests.unit.test_fp8 import UNIT_ROUNDOFF
 
-# Half an ulp, relative, of a normal FP8 value: 2**-(mantissa bits + 1).
-UNIT_ROUNDOFF = {E4M3: 2.0**-4, E5M2: 2.0**-3}
 RECIPES = [Float8CurrentScaling(), DelayedScaling(amax_history_len=8), Float8BlockScaling(), MXFP8BlockScaling(),
            Float8CurrentScaling(fp8_format="e4m3")]
 
