@@ -3,5 +3,6 @@
 from .core import load, save, wait_for_saves
 from .store import CheckpointError, latest
 from .transfer import export, load_pretrained
+from .verify import verify
 
-__all__ = ["CheckpointError", "export", "latest", "load", "load_pretrained", "save", "wait_for_saves"]
+__all__ = ["CheckpointError", "export", "latest", "load", "load_pretrained", "save", "verify", "wait_for_saves"]

@@ -25,7 +25,8 @@ from ..engine.check import check_same_everywhere
 from ..engine.state_dict import StateDictError, describe_mismatch
 from ..parallel.mesh import init_distributed
 from . import store
-from .safe_io import SafeLoadPlanner, SafeReader, read_metadata_safely
+from .safe_io import SafeLoadPlanner, SafeReader
+from .verify import inspect
 
 _PENDING: List[Future] = []
 _CKPT_GROUP = None
@@ -172,29 +173,9 @@ def _fault_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _storage_files(metadata) -> Dict[str, int]:
-    files: Dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        name = getattr(info, "relative_path", None)
-        if name is not None:
-            files[name] = max(files.get(name, 0), info.offset + info.length)
-    return files
-
-
 def _check_loadable(path: str) -> Any:
-    """Metadata of ``path``, or one CheckpointError on every rank naming all that is wrong.
-
-    A plain DCP checkpoint (e.g. written by torch FSDP2: no marker, no fsdp8 extra files)
-    is accepted; an fsdp8 one without its marker is an interrupted save and is not."""
-    found = store.problems(path, foreign_ok=True)
-    metadata = None
-    if not found:
-        try:
-            with open(os.path.join(path, store.METADATA), "rb") as f:
-                metadata = read_metadata_safely(f)
-            found = store.problems(path, _storage_files(metadata), foreign_ok=True)
-        except Exception as e:  # unreadable or disallowed metadata
-            found = [f"{path}/{store.METADATA} cannot be read: {e}"]
+    """Metadata of ``path``, or one CheckpointError on every rank naming all that is wrong."""
+    found, metadata = inspect(path)
     # Agree before anything collective: one rank's missing file must not hang the others.
     flag = torch.tensor([1.0 if found else 0.0], device=_device())
     if dist.get_world_size() > 1:
