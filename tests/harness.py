@@ -12,12 +12,16 @@ world sizes larger than the number of GPUs are skipped there.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import importlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import sys
+import tempfile
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Dict, List
@@ -36,8 +40,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world: int, port: int, tasks, results, stacks_path: str) -> None:
     sys.path.insert(0, REPO)
+    # SIGUSR1 writes every thread's Python stack here: what a hung rank waits on (see RankPool.run).
+    stacks = open(stacks_path, "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     import torch
     import torch.distributed as dist
@@ -94,8 +101,11 @@ class RankPool:
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         port = _free_port()
+        self.stacks = [tempfile.NamedTemporaryFile(prefix=f"fsdp8-rank{r}-stacks-", delete=False).name
+                       for r in range(world)]
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results, self.stacks[r]),
+                        daemon=True)
             for r in range(world)
         ]
         self.threads = 0  # the most any worker has had after a task
@@ -106,12 +116,23 @@ class RankPool:
         for q in self.tasks:
             q.put((fn.__module__, fn.__name__, args))
         out: Dict[int, Any] = {}
-        for _ in range(self.world):
+        deadline = time.monotonic() + timeout
+        while len(out) < self.world:
             try:
-                rank, ok, value, threads = self.results.get(timeout=timeout)
+                rank, ok, value, threads = self.results.get(timeout=1.0)
             except queue.Empty:
-                self.close()
-                raise RankFailure(f"{fn.__name__} timed out after {timeout}s at world size {self.world} (hang?)")
+                # A rank that died (NCCL's watchdog aborts a process whose collective timed out)
+                # never reports: fail now with its exit code instead of waiting out the timeout.
+                dead = [r for r, p in enumerate(self.procs) if r not in out and not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    stacks = self._dump_stacks()
+                    self.close()
+                    what = (f"rank(s) {', '.join(map(str, dead))} died (exit codes "
+                            f"{', '.join(str(self.exitcodes[r]) for r in dead)})" if dead
+                            else f"timed out after {timeout}s (hang?)")
+                    raise RankFailure(f"{fn.__name__} {what} at world size {self.world}; ranks that had not "
+                                      f"answered: {sorted(set(range(self.world)) - set(out))}\n{stacks}")
+                continue
             if not ok:
                 # Other ranks may now wait in a collective forever: replace the whole pool.
                 self.close()
@@ -120,6 +141,20 @@ class RankPool:
             self.threads = max(self.threads, threads)
         return [out[r] for r in range(self.world)]
 
+    def _dump_stacks(self) -> str:
+        """Every live rank's Python stacks (faulthandler, on SIGUSR1): where each one waits."""
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        dumps = []
+        for rank, path in enumerate(self.stacks):
+            with open(path) as f:
+                text = f.read().strip()
+            if text:
+                dumps.append(f"--- rank {rank} stacks ---\n{text}")
+        return "\n".join(dumps)
+
     def close(self) -> None:
         for q in self.tasks:
             q.put(None)
@@ -127,7 +162,12 @@ class RankPool:
             p.join(timeout=2)
             if p.is_alive():
                 p.kill()
+                p.join()
+        self.exitcodes = [p.exitcode for p in self.procs]
         self.procs = []
+        for path in self.stacks:
+            if os.path.exists(path):
+                os.unlink(path)
 
     @property
     def alive(self) -> bool:
