@@ -28,6 +28,8 @@ from typing import Any, Callable, Dict, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND = os.environ.get("FSDP8_TEST_BACKEND", "gloo")
+# Seconds a test may take on its ranks before it counts as hung (a test may ask for more or less).
+TIMEOUT_S = float(os.environ.get("FSDP8_TEST_TIMEOUT", "240"))
 
 
 class RankFailure(AssertionError):
@@ -112,7 +114,7 @@ class RankPool:
         for p in self.procs:
             p.start()
 
-    def run(self, fn: Callable, *args, timeout: float = 240.0) -> List[Any]:
+    def run(self, fn: Callable, *args, timeout: float = TIMEOUT_S) -> List[Any]:
         for q in self.tasks:
             q.put((fn.__module__, fn.__name__, args))
         out: Dict[int, Any] = {}
@@ -177,7 +179,7 @@ class RankPool:
 _POOLS: Dict[int, RankPool] = {}
 
 
-def run_on_ranks(world: int, fn: Callable, *args, timeout: float = 240.0) -> List[Any]:
+def run_on_ranks(world: int, fn: Callable, *args, timeout: float = TIMEOUT_S) -> List[Any]:
     """Run ``fn(*args)`` on every rank of a gloo group of ``world`` processes; return per-rank results.
 
     ``fn`` must be a module-level function of an importable module. ``FSDP8_TEST_WORLDS=1,4``
