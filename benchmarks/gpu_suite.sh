@@ -13,7 +13,7 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 } 2>&1 | tee "$OUT/env.txt"
 start=$(date +%s)
 FSDP8_TEST_BACKEND=nccl FSDP8_TEST_LOG="$OUT/outcomes.log" FSDP8_TEST_TIMEOUT=${TEST_TIMEOUT:-150} timeout "${SUITE_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider \
-  -n "${XDIST:-8}" --dist loadfile -rfE --durations=25 --junitxml="$OUT/junit.xml" ${TESTS:-tests/dist tests/gpu} \
+  -n "${XDIST:-12}" --dist "${DIST:-load}" -rfE --durations=25 --junitxml="$OUT/junit.xml" ${TESTS:-tests/dist tests/gpu} \
   > "$OUT/tests.log" 2>&1
 status=$?
 echo "exit $status after $(( $(date +%s) - start )) s" | tee -a "$OUT/tests.log"

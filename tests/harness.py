@@ -18,7 +18,6 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -36,12 +35,6 @@ class RankFailure(AssertionError):
     pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, tasks, results, stacks_path: str) -> None:
     sys.path.insert(0, REPO)
     # SIGUSR1 writes every thread's Python stack here: what a hung rank waits on (see RankPool.run).
@@ -51,12 +44,15 @@ def _worker(rank: int, world: int, port: int, tasks, results, stacks_path: str) 
     import torch
     import torch.distributed as dist
 
+    # The pool's store, already listening in pytest's process (see RankPool.__init__).
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=90))
+
     torch.set_num_threads(1)
     kwargs = {}
     if BACKEND == "nccl":
         torch.cuda.set_device(rank)
         kwargs["device_id"] = torch.device("cuda", rank)
-    dist.init_process_group(BACKEND, rank=rank, world_size=world, timeout=timedelta(seconds=90), **kwargs)
+    dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=90), **kwargs)
     parent = os.getppid()
     while True:
         try:
@@ -98,11 +94,17 @@ MAX_THREADS = int(os.environ.get("FSDP8_TEST_MAX_THREADS", "100"))
 
 class RankPool:
     def __init__(self, world: int):
+        import torch.distributed as dist
+
         ctx = mp.get_context("spawn")
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
-        port = _free_port()
+        # The rendezvous store listens here, on a port the OS picked as it bound it: a port
+        # merely found free could be taken by another pool before rank 0 binds it (pytest-xdist
+        # runs several sessions at once), and that rank would die at start-up.
+        self.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+        port = self.store.port
         self.stacks = [tempfile.NamedTemporaryFile(prefix=f"fsdp8-rank{r}-stacks-", delete=False).name
                        for r in range(world)]
         self.procs = [
@@ -167,6 +169,7 @@ class RankPool:
                 p.join()
         self.exitcodes = [p.exitcode for p in self.procs]
         self.procs = []
+        self.store = None
         for path in self.stacks:
             if os.path.exists(path):
                 os.unlink(path)

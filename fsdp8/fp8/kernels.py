@@ -90,12 +90,17 @@ def fp8_to_float(data: torch.Tensor) -> torch.Tensor:
     return _fp8_values(data.dtype).index_select(0, codes).view(data.shape)
 
 
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def use_triton(x: torch.Tensor, in_graph: bool = False) -> bool:
     """Triton kernels run on CUDA tensors when Triton imports (``FSDP8_TRITON=0`` turns them
     off); everything else uses torch. Under torch.compile the torch code is used too (the
     compiler fuses it into its own kernels, with the neighbouring ops), except where a
-    kernel is a graph op (``in_graph``; ``FSDP8_TRITON_OP=0`` turns those off)."""
-    if not x.is_cuda or os.environ.get("FSDP8_TRITON", "1") == "0":
+    kernel is a graph op (``in_graph``; ``FSDP8_TRITON_OP=0`` turns those off). The kernels
+    read 16- and 32-bit floats: fp64 (a model computing in it, as the parity tests do) takes
+    torch's path."""
+    if not x.is_cuda or x.dtype not in _TRITON_DTYPES or os.environ.get("FSDP8_TRITON", "1") == "0":
         return False
     if torch.compiler.is_compiling() and not (in_graph and os.environ.get("FSDP8_TRITON_OP", "1") != "0"):
         return False

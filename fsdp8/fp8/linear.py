@@ -34,8 +34,12 @@ def to_blocked(scale: torch.Tensor) -> torch.Tensor:
     return tiles.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1, 32, 16).flatten()
 
 
-def _native_ok(a: Quantized, b: Quantized, recipe: Recipe) -> bool:
-    if not (a.data.is_cuda and recipe.native_gemm(a.data.device)):
+# What cuBLAS's FP8 GEMMs write; a model computing in fp64 takes the emulation (see fp8_mm).
+_NATIVE_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _native_ok(a: Quantized, b: Quantized, recipe: Recipe, out_dtype: torch.dtype) -> bool:
+    if not (a.data.is_cuda and recipe.native_gemm(a.data.device)) or out_dtype not in _NATIVE_OUT_DTYPES:
         return False
     m, k = a.shape
     n = b.shape[0]
@@ -60,7 +64,7 @@ def fp8_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, recipe: Recipe, f
         # cuBLAS needs exactly this layout; checked on every path so CPU runs catch a slip too.
         raise ValueError(f"fp8_mm takes row-major (contiguous) operands, got strides {a.data.stride()} and "
                          f"{b.data.stride()}")
-    if not _native_ok(a, b, recipe):
+    if not _native_ok(a, b, recipe, out_dtype):
         # Emulation: exact dequantization, then one matmul (bf16 for MX on CUDA: power-of-two
         # scales keep the dequantized values exact in bf16; fp32 otherwise, as the FP8 GEMMs
         # accumulate). A model computing in fp64 gets fp64 products, each of two dequantized

@@ -39,6 +39,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 from torch.profiler import record_function
 
+from .mesh import mesh_device
+
 IGNORE_INDEX = -100  # the label value cross-entropy skips (torch's and Hugging Face's default)
 
 
@@ -189,7 +191,8 @@ def loss_divisor(labels: torch.Tensor, mesh: DeviceMesh, ignore_index: int = IGN
     world = mesh._get_root_mesh()
     names = tuple(world.mesh_dim_names or ())
     dims = [world[name] for name in ("dp_replicate", "dp_shard", "cp") if name in names] or [world]
-    count = (labels != ignore_index).sum()
+    # On the mesh's device: NCCL reduces device tensors only, and labels may still be on the host.
+    count = (labels != ignore_index).sum().to(mesh_device(world))
     for sub in dims:
         with record_function("fsdp8::all_reduce[cp loss token count]"):
             dist.all_reduce(count, group=sub.get_group())

@@ -36,7 +36,7 @@ from ..models.llama import Llama
 from . import hf
 from .checkpointing import checkpoint_units
 from .cp import context_parallel, loss_divisor, shard_sequence
-from .mesh import init_distributed, make_mesh, mesh_dims, tp_mesh
+from .mesh import init_distributed, make_mesh, mesh_device, mesh_dims, tp_mesh
 from .tp import family_plan, tensor_parallel
 
 
@@ -79,8 +79,9 @@ class ParallelizedModel:
 
     def shard_batch(self, batch: Mapping[str, Any]) -> Dict[str, Any]:
         """This rank's part of a global batch (``{"input_ids": ..., "labels": ..., ...}``):
-        rows ``[dp_rank * b, (dp_rank + 1) * b)`` of every tensor, ``b = rows / dp_size``
-        (views: nothing is copied or moved). A tensor with one row beside larger ones (HF
+        rows ``[dp_rank * b, (dp_rank + 1) * b)`` of every tensor, ``b = rows / dp_size``, on
+        the model's device (views of a batch already there; a host batch, e.g. a DataLoader's,
+        has only these rows copied over, asynchronously from pinned memory). A tensor with one row beside larger ones (HF
         ``position_ids`` of shape ``(1, seq)``) is broadcast over the batch and passed whole,
         as are numbers, strings, None and 0-d tensors.
 
@@ -89,8 +90,10 @@ class ParallelizedModel:
         global ``position_ids`` added), and ``num_items_in_batch`` is added (the global
         batch's valid labels over the data-parallel x cp ranks: one all-reduce, so every rank
         must call this) for the loss to be the mean over the whole global batch."""
-        rows = take_rows(batch, self.dp_rank, self.dp_size)
         layout = self._fsdp8_parallel
+        device = mesh_device(layout.mesh)
+        rows = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                for k, v in take_rows(batch, self.dp_rank, self.dp_size).items()}
         return cut_sequences(rows, layout.mesh, layout.config.sequence_parallel) if layout.cp > 1 else rows
 
 

@@ -19,6 +19,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's tensors on ``mesh`` live on (its current GPU for a CUDA mesh)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) -> None:
     """Start the default process group once; later calls start nothing.
 

@@ -50,6 +50,24 @@ class UnevenModel(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def fp8_gemm_tolerance(widest_reduction: int, recipe: str = "fp8-current") -> float:
+    """The relative error two FP8 trainings of one model may show when their GEMMs reduce in
+    different orders (a tp-split reduction, other cuBLAS tiles), stepped in lockstep with SGD.
+
+    On CPUs the FP8 GEMMs are emulated exactly (fp64 products) and only the fp32 sums around
+    them differ: 1e-5 leaves room for an FP8 rounding boundary crossed by such an ulp. On
+    GPUs the forward GEMM accumulates with use_fast_accum (as torchao's), which on Hopper keeps
+    about 14 bits of the running sum (DeepSeek-V3, sec. 3.3.2): a sum of K terms split
+    differently differs by ~sqrt(K) x 2^-14 relative, twice that between two orders. MXFP8
+    on GPUs without MX tensor cores multiplies the dequantized values in bf16 and rounds the
+    product to bf16: two orders may round one ulp apart, 2^-8 relative."""
+    if dist.get_backend() != "nccl":
+        return 1e-5
+    if recipe == "fp8-mxfp8":
+        return 2.0 ** -8
+    return 2 * widest_reduction ** 0.5 * 2.0 ** -14
+
+
 def device() -> torch.device:
     """Where the engine and the reference run: the rank's GPU under NCCL, else the CPU."""
     if dist.get_backend() == "nccl":

@@ -23,6 +23,8 @@ from . import common
 VOCAB, SEQ, ROWS, STEPS, LR = 128, 8, 8, 2, 0.5
 
 # name -> ParallelConfig keyword arguments; the mesh sizes come from the layout.
+# The references compute in fp32; parallelize's default would be bf16 on GPUs.
+FP32 = fsdp8.Precision()
 VARIANTS = {
     "plain": {},
     "full": {"activation_checkpointing": "full"},
@@ -121,7 +123,7 @@ def parallel_run(model: nn.Module, family: str, config: fsdp8.ParallelConfig, re
             loss.backward()
         if step == 1:
             gathers, recomputed = counter.counts, len(calls)
-        total = _full(loss).clone()
+        total = _full(loss).to(common.device())  # NCCL reduces device tensors only
         dist.all_reduce(total)  # tp ranks hold the same loss: the world's mean is the dp ranks' mean
         worst["loss"] = max(worst["loss"], abs(float(total) / dist.get_world_size() - reference["loss"][step])
                             / abs(reference["loss"][step]))
@@ -141,7 +143,7 @@ def parity(family: str, layout: dict, variants: List[str]) -> dict:
     """Each variant of VARIANTS at ``layout`` (mesh sizes) against one reference run."""
     initial = build(family)
     reference = reference_run(copy.deepcopy(initial), family)
-    return {name: parallel_run(copy.deepcopy(initial), family, fsdp8.ParallelConfig(**layout, **VARIANTS[name]),
+    return {name: parallel_run(copy.deepcopy(initial), family, fsdp8.ParallelConfig(**layout, **VARIANTS[name], precision=FP32),
                                reference)
             for name in variants}
 
@@ -160,7 +162,7 @@ def families(names: List[str]) -> dict:
         reference = reference_run(copy.deepcopy(initial), family)
         try:
             out[family] = parallel_run(copy.deepcopy(initial), family,
-                                       fsdp8.ParallelConfig(tp=2, **VARIANTS["sp"]), reference)
+                                       fsdp8.ParallelConfig(tp=2, **VARIANTS["sp"], precision=FP32), reference)
         except ValueError as e:
             out[family] = {"no plan": str(e)}
     return out
@@ -175,7 +177,7 @@ def fp8_parity(family: str, sequence_parallel: bool, checkpointing: str = "none"
     initial = build(family)
     reference = copy.deepcopy(initial)
     config = fsdp8.ParallelConfig(tp=2, sequence_parallel=sequence_parallel, fp8=recipe,
-                                  activation_checkpointing=checkpointing)
+                                  activation_checkpointing=checkpointing, precision=FP32)
     model = fsdp8.parallelize(initial, config)
     for unit in model._fsdp8.units:
         fsdp8.convert_to_fp8(dict(reference.named_modules())[unit.name], recipe)
@@ -194,7 +196,7 @@ def fp8_parity(family: str, sequence_parallel: bool, checkpointing: str = "none"
             part = loss_of(reference, {k: common.rank_slice(v, r, model.dp_size) for k, v in global_batch.items()})
             (part / model.dp_size).backward()
             ref_loss += float(part.detach()) / model.dp_size
-        total = _full(loss).clone()
+        total = _full(loss).to(common.device())  # NCCL reduces device tensors only
         dist.all_reduce(total)
         worst["loss"] = max(worst["loss"], abs(float(total) / dist.get_world_size() - ref_loss) / ref_loss)
         for name, p in reference.named_parameters():
@@ -202,7 +204,7 @@ def fp8_parity(family: str, sequence_parallel: bool, checkpointing: str = "none"
         opt.step()
         opt.zero_grad()
         reference.zero_grad()
-    return worst, converted
+    return worst, converted, common.fp8_gemm_tolerance(hf_config("llama").intermediate_size)
 
 
 def from_checkpoint_directory(path: str, family: str = "qwen2") -> dict:
@@ -218,11 +220,12 @@ def from_checkpoint_directory(path: str, family: str = "qwen2") -> dict:
     tokens = batch(family, 0)["input_ids"].to(common.device())
     with torch.no_grad():
         logits = saved(input_ids=tokens).logits.float().cpu()
-    direct = fsdp8.parallelize(transformers.AutoModelForCausalLM.from_pretrained(path), fsdp8.ParallelConfig(tp=2))
+    direct = fsdp8.parallelize(transformers.AutoModelForCausalLM.from_pretrained(path),
+                              fsdp8.ParallelConfig(tp=2, precision=FP32))
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
     torch.manual_seed(0)  # meta init draws on every rank (rank 0 drew more for the saved model)
-    meta = fsdp8.parallelize(meta, fsdp8.ParallelConfig(tp=2))
+    meta = fsdp8.parallelize(meta, fsdp8.ParallelConfig(tp=2, precision=FP32))
     fsdp8.load_pretrained(meta, path)
     out = {}
     for name, model in (("from_pretrained", direct), ("meta", meta)):
@@ -293,29 +296,37 @@ def compiled(family: str, options: dict) -> dict:
     """Units compiled (``options`` for torch.compile) and checkpointed selectively, at dp 2 x tp 2."""
     initial = build(family)
     reference = reference_run(copy.deepcopy(initial), family)
-    config = fsdp8.ParallelConfig(tp=2, activation_checkpointing="selective", compile=options)
+    config = fsdp8.ParallelConfig(tp=2, activation_checkpointing="selective", compile=options, precision=FP32)
     return parallel_run(copy.deepcopy(initial), family, config, reference)
 
 
 def auto_layout(family: str = "builtin") -> dict:
     """parallelize(model, "auto"): the layout fsdp8.plan.search ranks first here, the same on
-    every rank, and training with it equal to one process."""
+    every rank; its losses against the same layout given explicitly (equal) and against one
+    process (meaningful where the layout computes in fp32, as on CPUs)."""
     from fsdp8.parallel.auto import auto_config
 
     model = build(family)
     reference = reference_run(copy.deepcopy(model), family)
     expected = auto_config(model)
+
+    def mean_losses(sharded) -> torch.Tensor:
+        opt = torch.optim.SGD(sharded.parameters(), lr=LR)
+        losses = []
+        for step in range(STEPS):
+            loss = loss_of(sharded, sharded.shard_batch(batch(family, step)))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().float())
+        total = torch.stack(losses)
+        torch.distributed.all_reduce(total)
+        return total.cpu() / torch.distributed.get_world_size()
+
+    explicit = mean_losses(fsdp8.parallelize(copy.deepcopy(model), expected))
     sharded = fsdp8.parallelize(model, "auto")
-    opt = torch.optim.SGD(sharded.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        loss = loss_of(sharded, sharded.shard_batch(batch(family, step)))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    dp_loss = torch.tensor(losses)
-    torch.distributed.all_reduce(dp_loss)
+    auto = mean_losses(sharded)
     chosen = sharded.parallel_config
     return {"chosen": repr(chosen), "matches_search": chosen == expected,
-            "loss_error": float(((dp_loss / torch.distributed.get_world_size()) - torch.tensor(reference["loss"])).abs().max())}
+            "explicit_error": float((auto - explicit).abs().max()),
+            "loss_error": float((auto - torch.tensor(reference["loss"])).abs().max())}

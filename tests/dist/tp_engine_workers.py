@@ -99,8 +99,11 @@ def dp_of(mesh) -> Tuple[int, int]:
 
 
 def build(vocab: int, seed: int = 0, **kw) -> Stack:
+    """Drawn on the device the engine materializes meta models on (the GPU's generator
+    differs from the CPU's), so a meta-initialized copy draws the same values."""
     torch.manual_seed(seed)
-    return Stack(vocab, **kw).to(common.device())
+    with torch.device(common.device()):
+        return Stack(vocab, **kw)
 
 
 def train(model, mesh, steps: int, batch_per_rank: int = 2, seq: int = 8, lr: float = 1e-3, clip: float = 1.0,

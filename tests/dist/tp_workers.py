@@ -255,7 +255,7 @@ def mesh_layouts():
     for kwargs in MESH_CASES:
         mesh = make_mesh(**kwargs)
         dp, tp = data_parallel_mesh(mesh), tp_mesh(mesh)
-        one = torch.ones(())
+        one = torch.ones((), device=common.device())
         group = dp.get_group(dp.ndim - 1)
         dist.all_reduce(one, group=group)
         out.append((mesh.mesh_dim_names, tuple(mesh.shape), dp.mesh_dim_names, dp.mesh.tolist(),
