@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The distributed and GPU tests over NCCL on every GPU of this machine, in one device call:
-# pytest-xdist runs whole test files side by side (XDIST workers, each with its own pools of
+# pytest-xdist spreads the tests over XDIST sessions side by side (each with its own pools of
 # 1, 2 and 4 ranks), so the suite fits the call limit; a hung test is stopped by the
 # harness, which dumps every rank's Python stacks into the failure. Logs and a JUnit file
 # (per-test times) land in $OUT.
