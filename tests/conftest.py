@@ -7,7 +7,8 @@ import os
 
 def pytest_runtest_logreport(report):
     path = os.environ.get("FSDP8_TEST_LOG")
-    if not path or (report.when != "call" and not report.failed):
+    # Under pytest-xdist the controller hears every worker's reports: write there only.
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") or (report.when != "call" and not report.failed):
         return
     with open(path, "a") as f:
         f.write(f"{report.outcome.upper()} {report.nodeid} [{report.when}] {report.duration:.1f}s\n")

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import fsdp8
 
@@ -50,22 +51,26 @@ class UnevenModel(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def fp8_gemm_tolerance(widest_reduction: int, recipe: str = "fp8-current") -> float:
-    """The relative error two FP8 trainings of one model may show when their GEMMs reduce in
-    different orders (a tp-split reduction, other cuBLAS tiles), stepped in lockstep with SGD.
+# FP8 parity runs compute in fp64 on every backend: the FP8 GEMMs then take the exact
+# emulation (fp64 products of FP8 values; cuBLAS's FP8 GEMMs write no fp64), and what can differ
+# between a parallel run and one process is the fp64 order of the sums around them. In fp32 an
+# ulp of such a difference crosses an FP8 rounding boundary about once in 2^20 values, and the
+# flipped byte (2^-3 relative) reaches every later layer: a norm bias's cancelling gradient sum
+# showed 4.7e-5 on a CPU, and on GPUs, whose forward FP8 GEMM accumulates with ~14 bits, byte
+# flips moved gradients by percents. In fp64 that chance is about 2^-49 per value. The native
+# GEMMs' own accuracy is tested against the emulation in tests/gpu/test_fp8_gpu.py.
+FP8_PARITY_PRECISION = fsdp8.Precision(param_dtype=torch.float64, reduce_dtype=torch.float64)
 
-    On CPUs the FP8 GEMMs are emulated exactly (fp64 products) and only the fp32 sums around
-    them differ: 1e-5 leaves room for an FP8 rounding boundary crossed by such an ulp. On
-    GPUs the forward GEMM accumulates with use_fast_accum (as torchao's), which on Hopper keeps
-    about 14 bits of the running sum (DeepSeek-V3, sec. 3.3.2): a sum of K terms split
-    differently differs by ~sqrt(K) x 2^-14 relative, twice that between two orders. MXFP8
-    on GPUs without MX tensor cores multiplies the dequantized values in bf16 and rounds the
-    product to bf16: two orders may round one ulp apart, 2^-8 relative."""
-    if dist.get_backend() != "nccl":
-        return 1e-5
-    if recipe == "fp8-mxfp8":
-        return 2.0 ** -8
-    return 2 * widest_reduction ** 0.5 * 2.0 ** -14
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value; one whose shard lives in host memory (offload) on a GPU mesh is
+    gathered from the device, where NCCL can move it."""
+    if not isinstance(t, DTensor):
+        return t
+    local = t.to_local()
+    if local.device.type != t.device_mesh.device_type:
+        t = DTensor.from_local(local.to(device()), t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+    return t.full_tensor()
 
 
 def device() -> torch.device:

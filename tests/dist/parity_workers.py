@@ -78,15 +78,18 @@ def frozen(strategy):
 
 # -- CPU offload -----------------------------------------------------------------------------------
 def offload_parity(strategy, mesh_shape=None, outer="no_shard", micro_batches=1):
-    """offload="optim" moves data, not arithmetic: the offloaded run equals the same run
-    without offload bit for bit (on CPU the host buffers are where the device ones would
-    be, but every copy in and out of them still runs), and so the reference as closely."""
+    """offload="optim" moves data, not arithmetic: on CPUs the offloaded run equals the same
+    run without offload bit for bit (the host buffers are where the device ones would be, but
+    every copy in and out of them still runs). On GPUs its optimizer steps run on the host,
+    whose kernels round differently by an ulp; with SGD (linear in the gradients, no FP8 to
+    flip bytes) the runs then stay within a few fp32 ulps: 1e-5 relative (the test's bound)."""
     runs = []
     for offload in ("optim", None):
         model = common.build("llama")
         sharded = fsdp8.fully_shard(model, mesh=common.mesh(mesh_shape), strategy=strategy, outer_strategy=outer,
                                     offload=offload)
-        common.train_sharded(sharded, 5, micro_batches=micro_batches)
+        opt = torch.optim.SGD(sharded.parameters(), lr=1e-2, momentum=0.9)
+        common.train_sharded(sharded, 5, micro_batches=micro_batches, opt=opt)
         runs.append(sharded)
     offloaded, plain = runs
     report = offloaded.memory_report()
@@ -94,8 +97,8 @@ def offload_parity(strategy, mesh_shape=None, outer="no_shard", micro_batches=1)
     placed = all(u.offload and u.main.device.type == "cpu" and not u.aliased for u in units)
     grads_on_host = all(p.grad is None or p.grad._local_tensor.device.type == "cpu" for p in offloaded.parameters())
     # Shard by shard: an offloaded shard lives in host memory, where NCCL cannot gather it.
-    differ = [k for k, v in offloaded.state_dict().items()
-              if not torch.equal(v.to_local().cpu(), plain.state_dict()[k].to_local().cpu())]
+    pairs = [(k, v.to_local().cpu(), plain.state_dict()[k].to_local().cpu()) for k, v in offloaded.state_dict().items()]
+    differ = {k: float((a - b).norm() / b.norm().clamp_min(1e-12)) for k, a, b in pairs if not torch.equal(a, b)}
     plain_report = plain.memory_report()
     return (differ, report.offloaded, report.host, report.persistent, plain_report.main_weights + plain_report.grads,
             placed, grads_on_host)

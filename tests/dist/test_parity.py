@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import run_on_ranks
+from tests.harness import BACKEND, run_on_ranks
 from tests.dist import parity_workers
 
 FP32_TOL = 1e-6
@@ -120,6 +120,9 @@ def test_offload_equals_no_offload(strategy, mesh, outer, micro):
     # The same training without offload is checked against one process above.
     for differ, offloaded, host_bytes, device_bytes, plain_main_and_grads, placed, grads_on_host in run_on_ranks(
             2, parity_workers.offload_parity, strategy, mesh, outer, micro):
-        assert differ == []
+        if BACKEND == "gloo":
+            assert differ == {}
+        else:  # host and device optimizer kernels round differently (see the worker)
+            assert max(differ.values(), default=0.0) <= 1e-5, differ
         assert offloaded and placed and grads_on_host
         assert host_bytes == plain_main_and_grads > 0  # main weights and grads moved to the host

@@ -230,7 +230,8 @@ def test_native_gemm_close_to_emulated(recipe_name):
         finally:
             fp8_linear._native_ok = original
     native_used = original(fp8_linear.quantize(x.detach(), recipe.fwd_dtype, recipe.x_granularity),
-                           fp8_linear.quantize(lin.weight.detach(), recipe.fwd_dtype, recipe.w_granularity), recipe)
+                           fp8_linear.quantize(lin.weight.detach(), recipe.fwd_dtype, recipe.w_granularity), recipe,
+                           torch.bfloat16)
     for a, b in zip(*outs):
         assert ((a - b).norm() / b.norm()).item() < 1e-2
     assert native_used == (recipe_name != "fp8-mxfp8")  # MX needs sm100; Hopper emulates it
