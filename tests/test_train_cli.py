@@ -18,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def launched(monkeypatch):
     """The configs `fsdp8 train` would have started workers with."""
     calls = []
-    monkeypatch.setattr(cli, "launch", lambda fn, args, nproc=None: calls.append(args[0]) or 0)
+    monkeypatch.setattr(cli, "launch", lambda fn, args, **kwargs: calls.append(args[0]) or 0)
     return calls
 
 
@@ -46,7 +46,7 @@ def test_refuses_to_start_where_an_earlier_run_is(tmp_path, capsys, launched):
         cli.main(["train", "--steps", "10", "--save-every", "5", "--out", str(out)])
     assert exit_info.value.code == 2 and launched == []
     line = _error_line(capsys)
-    assert "holds an earlier run (checkpoints/ up to step-000040, metrics.jsonl)" in line
+    assert "holds an earlier run (checkpoints/ up to step-000040, metrics.jsonl to step 40)" in line
     assert "--resume" in line and "--overwrite" in line
     assert sorted(os.listdir(out / "checkpoints")) == ["step-000020", "step-000040"]
 
@@ -56,13 +56,14 @@ def test_overwrite_deletes_the_earlier_run_and_says_so(tmp_path, capsys, launche
     _earlier_run(out)
     assert cli.main(["train", "--steps", "10", "--overwrite", "--out", str(out)]) == 0
     assert len(launched) == 1 and launched[0].overwrite
-    assert sorted(os.listdir(out)) == ["notes.txt"]  # only what the earlier run wrote is gone
+    assert sorted(os.listdir(out)) == [".fsdp8-run.lock", "notes.txt"]  # only what the earlier run wrote is gone
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"--overwrite: deleted the earlier run in {out} (checkpoints/ up to step-000040, metrics.jsonl)"]
+        f"--overwrite: deleted the earlier run in {out} (checkpoints/ up to step-000040, metrics.jsonl to step 40)"]
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--resume"], "--resume: run: no complete checkpoint in it"),
+    (["--resume"], "--resume: run holds no checkpoint to continue from (a run writes them with --save-every N or "
+                   "--stop-at N); rerun without --resume to start afresh"),
     (["--resume", "elsewhere"], "--resume: elsewhere: no such directory"),
     (["--lr", "-1"], "--lr must be a positive number, got -1.0"),
     (["--seq-len", "100000"], "--seq-len 100000 exceeds the 'tiny' preset's 256 positions"),
