@@ -148,8 +148,8 @@ def _decide(plan: RunPlan, given: Collection[str]) -> None:
     cfg = plan.cfg
     state = inspect_run_dir(cfg.out)
     if cfg.resume:
-        named = run_dir_named(cfg.resume)
-        in_the_way = named is not None and inspect_run_dir(named).earlier in (Earlier.NO_CHECKPOINT, Earlier.RUN)
+        named = run_dir_named(cfg.resume) or cfg.resume
+        in_the_way = inspect_run_dir(named).earlier in (Earlier.NO_CHECKPOINT, Earlier.RUN)
         resume = choose_checkpoint(cfg.resume, "rerun with --overwrite instead of --resume to start afresh"
                                    if in_the_way else "rerun without --resume to start afresh")
         plan.cfg, notes = resumed_config(cfg, given, resume)

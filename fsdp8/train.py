@@ -9,7 +9,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, replace
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,17 +17,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from .checkpoint import CheckpointError, load, load_pretrained, save, wait_for_saves
-from .checkpoint.safetensors import SafetensorsError
-from .data import TokenCorpus, check_token_count, encode_data, fingerprint, has_tokenizer, load_tokenizer, read_data
+from .checkpoint import wait_for_saves
+from .data import TokenCorpus
 from .engine.grads import clip_grad_norm_
-from .engine.state_dict import StateDictError
-from .failures import RunError
-from .stop import Stopped, checkpoint_finished, checkpoint_started, stop_on_signals, stop_requested
+from .stop import Stopped, stop_on_signals, stop_requested
 from .parallel.manager import cut_sequences, parallelize
 from .parallel.mesh import init_distributed
 from .run_log import RunLog, find_checkpoint, history_of, memory_mib
 from .train_config import TrainConfig, build_model, weight_files
+from .train_io import load_data, load_weights, resume_from, save_checkpoint, saving
 
 # What the launcher says when a worker ran out of memory.
 TRAIN_MEMORY_ADVICE = ("use less memory per process: a smaller --batch-size (or more --micro-batches), --ac full, or "
@@ -97,77 +95,6 @@ def _nan_fault(step: int, rank: int) -> bool:
     return fault == f"nan_loss:{step}:{rank}"
 
 
-def _load_pretrained(model, cfg: TrainConfig) -> None:
-    try:
-        load_pretrained(model, cfg.hf_dir)  # each rank reads only its rows
-    except (SafetensorsError, StateDictError) as e:
-        raise RunError(f"--model {cfg.model}: {e}") from e
-
-
-def _load_data(cfg: TrainConfig) -> Tuple[torch.Tensor, dict]:
-    """The token ids to train on, and what the checkpoints record of a --data file: its path
-    and fingerprint (the launcher checked a short file's length; this checks any)."""
-    tokenizer = load_tokenizer(cfg.hf_dir) if cfg.model and has_tokenizer(cfg.hf_dir) else None
-    raw = read_data(cfg.data or None)
-    tokens = encode_data(raw, tokenizer)
-    what = f"--data {cfg.data}" if cfg.data else "the packaged corpus"
-    try:
-        check_token_count(tokens.numel(), cfg.seq_len, what + (f" (read with the tokenizer of {cfg.hf_dir})"
-                                                                if tokenizer is not None else " (read as bytes)"))
-    except ValueError as e:
-        raise RunError(str(e)) from None
-    return tokens, ({"data": {"path": os.path.abspath(cfg.data), **fingerprint(raw)}} if cfg.data else {})
-
-
-def _resume(checkpoint: str, model, opt, device: torch.device) -> int:
-    """Load ``checkpoint`` (at any layout: checkpoints reshard) and its RNG states; its step."""
-    try:
-        extra = load(checkpoint, model, opt)
-    except (CheckpointError, StateDictError) as e:
-        raise RunError(f"--resume: cannot continue from {checkpoint}: {e}; pass --resume with an older checkpoint "
-                       "of the run, or rerun with --overwrite instead of --resume to start afresh") from e
-    torch.set_rng_state(extra["rng"])
-    if device.type == "cuda" and "cuda_rng" in extra:
-        torch.cuda.set_rng_state(extra["cuda_rng"], device)
-    return int(extra["step"])  # the data position: batches are a function of the step
-
-
-@contextlib.contextmanager
-def _saving(where: str) -> Iterator[None]:
-    try:
-        yield
-    except OSError as e:  # a full disk, a directory gone: the user's to fix
-        raise RunError(f"writing a checkpoint in {where} failed: {e}; free space or fix the directory, or give "
-                       "another --out") from e
-
-
-class _SlowToEncode(dict):
-    """Test seam, FSDP8_FAULT=slow_save:SECONDS: extra values that take that long to encode,
-    which save does after it has created the checkpoint's .partial directory: a window in
-    which a test signals the launcher mid-write."""
-
-    def items(self):
-        time.sleep(float(os.environ["FSDP8_FAULT"].split(":")[1]))
-        return super().items()
-
-
-def _save(path: str, model, opt, extra: dict, cfg: TrainConfig) -> None:
-    """Save a checkpoint, telling the stop logic while it is being written (stop.py's Note)."""
-    if os.environ.get("FSDP8_FAULT", "").startswith("slow_save:"):
-        extra = _SlowToEncode(extra)
-    checkpoint_started(path)
-    try:
-        with _saving(path):
-            future = save(path, model, opt, extra, keep_last=cfg.keep_last, async_save=cfg.async_save)
-    except BaseException:
-        checkpoint_finished(path)
-        raise
-    if future is None:
-        checkpoint_finished(path)
-    else:
-        future.add_done_callback(lambda _: checkpoint_finished(path))
-
-
 def train(cfg: TrainConfig) -> Optional[dict]:
     """Run on every rank (under torchrun or spawned by ``launch``); rank 0 writes the outputs
     and returns the summary.
@@ -195,11 +122,11 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
     n_params = sum(p.numel() for p in model.parameters())
     model = parallelize(model, parallel)
     if hf and not cfg.resume and weight_files(cfg.hf_dir):
-        _load_pretrained(model, cfg)
+        load_weights(model, cfg)
     # Offloaded main weights live in host memory, where CUDA's fused AdamW cannot step them.
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                             fused=device.type == "cuda" and cfg.offload == "none")
-    tokens, data_id = _load_data(cfg)
+    tokens, data_id = load_data(cfg)
     train_data, val_data = TokenCorpus(tokens, split="train"), TokenCorpus(tokens, split="val")
     tokens_per_step = cfg.batch_size * cfg.seq_len * model.dp_size
     mesh = model.device_mesh
@@ -212,7 +139,7 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
     first_step, resumed_from = 0, None
     if cfg.resume:
         resumed_from = find_checkpoint(cfg.resume)
-        first_step = _resume(resumed_from, model, opt, device)
+        first_step = resume_from(resumed_from, model, opt, device)
     last_step = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
 
     log = None
@@ -285,13 +212,13 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
             if device.type == "cuda":
                 extra["cuda_rng"] = torch.cuda.get_rng_state(device)
             path = os.path.join(ckpt_dir, f"step-{step + 1:06d}")
-            _save(path, model, opt, extra, cfg)
+            save_checkpoint(path, model, opt, extra, cfg)
             if log:
                 log.note(f"saving checkpoint {path} in the background" if cfg.async_save
                          else f"saved checkpoint {path}")
         if stopped_by:
             break
-    with _saving(ckpt_dir):
+    with saving(ckpt_dir):
         wait_for_saves()
     summary = None
     if log:
