@@ -348,7 +348,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         cfg.check(int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         _fail("bench", str(e))
-    return launch(bench, (cfg,), nproc=nproc)
+    return launch(bench, (cfg,), nproc=nproc, reporting=Reporting("fsdp8 bench"))
 
 
 def build_parser() -> argparse.ArgumentParser:
