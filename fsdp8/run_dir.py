@@ -28,8 +28,8 @@ class Earlier(enum.Enum):
 
     NONE = "none"  # nothing
     FAILED_AT_START = "failed at its start"  # outputs, but no metrics record, checkpoint or summary
-    NO_CHECKPOINT = "ended without a checkpoint"  # records, but no checkpoint and no summary
-    RUN = "a run"  # a checkpoint or a summary: resumable or finished
+    NO_CHECKPOINT = "ended without a checkpoint"  # records or a summary, but nothing to resume from
+    RESUMABLE = "resumable"  # a complete checkpoint (finished or not)
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,9 @@ def inspect_run_dir(out: str) -> RunDirState:
     if not found:
         return RunDirState(Earlier.NONE, [])
     last_step = max((r["step"] for r in records), default=0)
-    if done or os.path.exists(os.path.join(out, "summary.json")):
-        return RunDirState(Earlier.RUN, found, last_step)
-    if records:
+    if done:
+        return RunDirState(Earlier.RESUMABLE, found, last_step)
+    if records or os.path.exists(os.path.join(out, "summary.json")):
         return RunDirState(Earlier.NO_CHECKPOINT, found, last_step)
     return RunDirState(Earlier.FAILED_AT_START, found)
 
@@ -118,9 +118,8 @@ def _make_out(out: str) -> None:
 def _refusal(out: str, state: RunDirState) -> str:
     held = ", ".join(state.found)
     if state.earlier is Earlier.NO_CHECKPOINT:
-        return (f"--out {out} holds a run that ended at step {state.last_step} without a checkpoint or a summary "
-                f"({held}): there is nothing to resume; pass --overwrite to delete it and start afresh there, or "
-                "another --out")
+        return (f"--out {out} holds a run that ended at step {state.last_step} without a checkpoint ({held}): there is "
+                "nothing to resume; pass --overwrite to delete it and start afresh there, or another --out")
     return (f"--out {out} holds an earlier run ({held}); pass --resume to continue it, --overwrite to delete it and "
             "start afresh, or another --out")
 
@@ -149,7 +148,7 @@ def _decide(plan: RunPlan, given: Collection[str]) -> None:
     state = inspect_run_dir(cfg.out)
     if cfg.resume:
         named = run_dir_named(cfg.resume) or cfg.resume
-        in_the_way = inspect_run_dir(named).earlier in (Earlier.NO_CHECKPOINT, Earlier.RUN)
+        in_the_way = inspect_run_dir(named).earlier in (Earlier.NO_CHECKPOINT, Earlier.RESUMABLE)
         resume = choose_checkpoint(cfg.resume, "rerun with --overwrite instead of --resume to start afresh"
                                    if in_the_way else "rerun without --resume to start afresh")
         plan.cfg, notes = resumed_config(cfg, given, resume)

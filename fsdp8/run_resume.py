@@ -74,8 +74,9 @@ def saved_extra(checkpoint: str) -> dict:
     try:
         with open(path) as f:
             extra = json.load(f)
-        if not isinstance(extra, dict) or not isinstance(extra.get("config", {}), dict):
-            raise ValueError("not an object with a config object")
+        if not (isinstance(extra, dict) and isinstance(extra.get("config", {}), dict)
+                and type(extra.get("step", 0)) is int):
+            raise ValueError("not an object with a config object and an integer step")
     except (OSError, ValueError) as e:
         raise ValueError(f"{path} cannot be read: {e}") from None
     return extra

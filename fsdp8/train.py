@@ -101,7 +101,7 @@ def train(cfg: TrainConfig) -> Optional[dict]:
 
     SIGINT or SIGTERM stops the run after the step all ranks agree on (one small all-reduce
     per step): a checkpoint when ``save_every`` is set, then the outputs for the steps done,
-    then ``Stopped`` (see [Note: stopping on a signal] in launch.py)."""
+    then ``Stopped`` (see [Note: stopping on a signal] in stop.py)."""
     with stop_on_signals():
         return _train(cfg)
 

@@ -147,8 +147,8 @@ def test_a_crashed_run_without_a_checkpoint_says_which_flag_starts_afresh(tmp_pa
     with pytest.raises(SystemExit):
         cli.main(["train", "--out", str(out)])
     assert _error_line(capsys) == (
-        f"--out {out} holds a run that ended at step 20 without a checkpoint or a summary (metrics.jsonl to step 20): "
-        "there is nothing to resume; pass --overwrite to delete it and start afresh there, or another --out")
+        f"--out {out} holds a run that ended at step 20 without a checkpoint (metrics.jsonl to step 20): there is "
+        "nothing to resume; pass --overwrite to delete it and start afresh there, or another --out")
     with pytest.raises(SystemExit):
         cli.main(["train", "--resume", str(out)])
     assert _error_line(capsys) == (
