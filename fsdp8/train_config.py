@@ -198,6 +198,8 @@ def check_run(cfg: TrainConfig, world: int) -> None:
         _check_tensor_parallel(cfg)
     if cfg.model and weight_files(cfg.hf_dir) and not cfg.resume:
         _check_weights(cfg)
+    if cfg.resume:
+        _check_checkpoint_shapes(cfg)
     data = f"--data {cfg.data}" if cfg.data else "the packaged corpus"
     if cfg.model and has_tokenizer(cfg.hf_dir):
         tokenizer = load_tokenizer(cfg.hf_dir)
@@ -206,8 +208,8 @@ def check_run(cfg: TrainConfig, world: int) -> None:
                              f"vocabulary of {vocab} (config.json vocab_size); give the directory a config and "
                              "tokenizer that agree")
         # Only a short file can be too short; the workers check a longer one once they have its tokens.
-        if len(raw := read_data(cfg.data or None)) <= TOKENIZED_HERE_BYTES:
-            check_token_count(len(encode_data(raw, tokenizer)), cfg.seq_len,
+        if not cfg.data or os.path.getsize(cfg.data) <= TOKENIZED_HERE_BYTES:
+            check_token_count(len(encode_data(read_data(cfg.data or None), tokenizer)), cfg.seq_len,
                               f"{data} (read with the tokenizer of {cfg.hf_dir})")
         return
     if vocab < VOCAB_SIZE:
@@ -216,6 +218,24 @@ def check_run(cfg: TrainConfig, world: int) -> None:
                          "directory")
     if cfg.data:
         check_token_count(os.path.getsize(cfg.data), cfg.seq_len, f"{data} (read as bytes)")
+
+
+def _check_checkpoint_shapes(cfg: TrainConfig) -> None:
+    """The model tensors of the checkpoint to resume against the model's shapes (what ``load``
+    checks on every rank, here in one line)."""
+    from .checkpoint.verify import inspect
+    from .engine.state_dict import describe_mismatch
+
+    metadata = inspect(cfg.resume)[1]
+    if metadata is None:  # unreadable: run_dir refused it already, unless it broke since
+        return
+    saved = {name[len("model."):]: tuple(meta.size) for name, meta in metadata.state_dict_metadata.items()
+             if name.startswith("model.") and hasattr(meta, "size")}
+    mis_shaped = [f"{name}: checkpoint {saved[name]} vs model {tuple(t.shape)}"
+                  for name, t in build_model(cfg).state_dict().items() if saved.get(name, tuple(t.shape)) != t.shape]
+    if mis_shaped:
+        raise ValueError(f"--resume: {cfg.resume} does not fit {cfg.model_name}: "
+                         f"{describe_mismatch([], [], mis_shaped)}; resume it with the model it was saved with")
 
 
 def _check_weights(cfg: TrainConfig) -> None:

@@ -48,9 +48,12 @@ def resume_from(checkpoint: str, model, opt, device: torch.device) -> int:
     """Load ``checkpoint`` (at any layout: checkpoints reshard) and its RNG states; its step."""
     try:
         extra = load(checkpoint, model, opt)
-    except (CheckpointError, StateDictError) as e:
+    except CheckpointError as e:
         raise RunError(f"--resume: cannot continue from {checkpoint}: {e}; pass --resume with an older checkpoint "
                        "of the run, or rerun with --overwrite instead of --resume to start afresh") from e
+    except StateDictError as e:
+        raise RunError(f"--resume: {checkpoint} does not fit the model: {e}; resume it with the model and "
+                       "--precision it was saved with") from e
     torch.set_rng_state(extra["rng"])
     if device.type == "cuda" and "cuda_rng" in extra:
         torch.cuda.set_rng_state(extra["cuda_rng"], device)

@@ -46,11 +46,11 @@ def _records(*steps):
     return "".join(json.dumps({"step": s, "loss": 5.0 - s / 10}) + "\n" for s in steps)
 
 
-def _checkpoint(out, step, data=None):
+def _checkpoint(out, step, data=None, weights="tiny"):
     """What `fsdp8 train --out OUT --save-every N` leaves as its step-N checkpoint, as far as
     the launcher looks: the tiny preset's weights (no optimizer), the marker, rank 0's extra."""
     path = out / "checkpoints" / f"step-{step:06d}"
-    dcp.save({"model": Llama(preset("tiny")).state_dict()}, checkpoint_id=str(path), no_dist=True)
+    dcp.save({"model": Llama(preset(weights)).state_dict()}, checkpoint_id=str(path), no_dist=True)
     config = asdict(TrainConfig(steps=10, save_every=2, out=str(out), data=str(data) if data else ""))
     extra = {"step": step, "config": config}
     if data:
@@ -114,6 +114,18 @@ def test_resume_of_a_named_damaged_checkpoint_names_the_intact_one(tmp_path, cap
     older = out / "checkpoints" / "step-000002"
     assert line.startswith(f"--resume: cannot continue from {newest}: data file __0_0.distcp is truncated")
     assert line.endswith(f"the newest checkpoint beside it that can be loaded is {older}: pass --resume {older}")
+
+
+def test_resume_of_a_checkpoint_of_another_shape_is_one_line(tmp_path, capsys, launched):
+    """A checkpoint that does not fit the model failed on every rank with a traceback."""
+    out = tmp_path / "run"
+    checkpoint = _checkpoint(out, 2, weights="small")  # its settings say tiny
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--resume", str(out), "--steps", "10"])
+    line = _error_line(capsys)
+    assert line.startswith(f"--resume: {checkpoint} does not fit preset tiny: mis-shaped keys (")
+    assert "head.weight: checkpoint (256, 512) vs model (256, 128)" in line
+    assert line.endswith("; resume it with the model it was saved with") and launched == []
 
 
 def test_resume_where_only_an_interrupted_save_is_says_what_it_is(tmp_path, capsys, launched):
