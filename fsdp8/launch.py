@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from . import stop
 from .failures import Failure, Reporting, describe_death, failure_of, oom_kills, report
-from .stop import STOP_SIGNALS, CheckpointWrite, Stopped
+from .stop import STOP_SIGNALS, CheckpointWrite, Stopped, Write
 
 CPU_DEFAULT_WORKERS = 2
 # After the first failure, how long the other workers may take to report theirs before they are killed.
@@ -202,14 +202,15 @@ class _Supervisor:
     def _receive(self, message) -> None:
         if isinstance(message, Failure):
             self.failures.append(message)
-        elif isinstance(message, CheckpointWrite) and not message.done:
+        elif isinstance(message, CheckpointWrite) and message.event is Write.STARTED:
             self.writing.append(message.path)
         elif isinstance(message, CheckpointWrite):
             with contextlib.suppress(ValueError):
                 self.writing.remove(message.path)
             if self.phase is _Phase.FINISHING_CHECKPOINT and not self.writing:
                 self._say(f"checkpoint {message.path} is complete; workers stopped before they wrote their other "
-                          "outputs")
+                          "outputs" if message.event is Write.PUBLISHED else
+                          f"writing checkpoint {message.path} failed; workers stopped")
                 self.phase = _Phase.KILLED
                 self.kill()
 
@@ -268,14 +269,15 @@ class _Supervisor:
             if kill_at is not None and time.monotonic() >= kill_at:
                 self.kill()
         self._drain(listening)  # a report sent just before its sender exited
-        if self.phase is _Phase.KILLED:
-            return 128 + self.last_signum
         if deaths or self.failures:
             reported = {f.rank for f in self.failures}
             oom_now = oom_kills()
             report(self.reporting, self.failures,
                    {rank: describe_death(rank, code, self.oom_before, oom_now, self.reporting.memory_advice)
                     for rank, code in deaths.items() if rank not in reported})
+        if self.phase is _Phase.KILLED:
+            return 128 + self.last_signum
+        if deaths or self.failures:
             return 1
         if self.signum is not None:
             return 128 + self.signum

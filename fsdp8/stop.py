@@ -26,6 +26,7 @@ itself.
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 import signal
 import sys
@@ -44,13 +45,19 @@ class Stopped(SystemExit):
         self.signum = signum
 
 
+class Write(enum.Enum):
+    STARTED = "started"
+    PUBLISHED = "published"
+    FAILED = "failed"
+
+
 @dataclass(frozen=True)
 class CheckpointWrite:
-    """What a spawned rank 0 tells its launcher when it starts (``done=False``) and finishes
-    publishing a checkpoint."""
+    """What a spawned rank 0 tells its launcher when it starts writing a checkpoint, and when
+    that write ends: published, or failed."""
 
     path: str
-    done: bool
+    event: Write
 
 
 class _Uplink:
@@ -125,27 +132,18 @@ def checkpoint_started(path: str) -> None:
     """Every rank, before it writes anything of the checkpoint at ``path``."""
     _State.writing.append(path)
     if _State.uplink is not None and _State.uplink.rank == 0:
-        _State.uplink.send(CheckpointWrite(path, done=False))
+        _State.uplink.send(CheckpointWrite(path, Write.STARTED))
 
 
-def checkpoint_finished(path: str) -> None:
+def checkpoint_finished(path: str, published: bool) -> None:
     """Every rank, once the checkpoint at ``path`` is published or its save failed (from the
     async-save thread too); exits here if a second signal was waiting for it."""
     with contextlib.suppress(ValueError):
         _State.writing.remove(path)
     if _State.uplink is not None and _State.uplink.rank == 0:
-        _State.uplink.send(CheckpointWrite(path, done=True))
+        _State.uplink.send(CheckpointWrite(path, Write.PUBLISHED if published else Write.FAILED))
     if _State.exit_when_written is not None and not _State.writing:
         _exit(_State.exit_when_written)
-
-
-@contextlib.contextmanager
-def writing_checkpoint(path: str) -> Iterator[None]:
-    checkpoint_started(path)
-    try:
-        yield
-    finally:
-        checkpoint_finished(path)
 
 
 @contextlib.contextmanager

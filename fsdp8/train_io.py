@@ -89,9 +89,9 @@ def save_checkpoint(path: str, model, opt, extra: dict, cfg: TrainConfig) -> Non
         with saving(path):
             future = save(path, model, opt, extra, keep_last=cfg.keep_last, async_save=cfg.async_save)
     except BaseException:
-        checkpoint_finished(path)
+        checkpoint_finished(path, published=False)
         raise
     if future is None:
-        checkpoint_finished(path)
+        checkpoint_finished(path, published=True)
     else:
-        future.add_done_callback(lambda _: checkpoint_finished(path))
+        future.add_done_callback(lambda done: checkpoint_finished(path, published=done.exception() is None))

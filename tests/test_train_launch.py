@@ -164,7 +164,7 @@ def test_a_second_signal_of_a_process_on_its_own_finishes_the_checkpoint_first(e
         stop.checkpoint_started("ckpt/step-000005")
         os.kill(os.getpid(), signal.SIGINT)
         assert exits == [] and stop.stop_requested() == signal.SIGINT
-        stop.checkpoint_finished("ckpt/step-000005")
+        stop.checkpoint_finished("ckpt/step-000005", published=True)
         assert exits == [128 + signal.SIGINT]
     assert "second SIGINT: finishing checkpoint ckpt/step-000005, then stopping; a third kills at once" in \
         capfd.readouterr().err
@@ -198,11 +198,11 @@ def test_the_launchers_second_signal_waits_for_the_checkpoint_being_written(supe
     supervisor.signals.append(signal.SIGINT)
     supervisor._act_on_signals()
     assert supervisor.phase is launch_module._Phase.STOPPING and kills == []
-    supervisor._receive(stop.CheckpointWrite("ckpt/step-000005", done=False))
+    supervisor._receive(stop.CheckpointWrite("ckpt/step-000005", stop.Write.STARTED))
     supervisor.signals.append(signal.SIGINT)
     supervisor._act_on_signals()
     assert supervisor.phase is launch_module._Phase.FINISHING_CHECKPOINT and kills == []
-    supervisor._receive(stop.CheckpointWrite("ckpt/step-000005", done=True))
+    supervisor._receive(stop.CheckpointWrite("ckpt/step-000005", stop.Write.PUBLISHED))
     assert kills == [launch_module._Phase.KILLED]
     assert capfd.readouterr().err.splitlines() == [
         "fsdp8 train: second SIGINT: finishing checkpoint ckpt/step-000005, then stopping; a third kills at once",
@@ -214,7 +214,7 @@ def test_the_launchers_signal_beyond_that_kills_at_once(supervised, capfd, writi
     supervisor, kills = supervised
     supervisor.signals += [signal.SIGINT] * (3 if writing else 2)
     if writing:
-        supervisor._receive(stop.CheckpointWrite("ckpt/step-000005", done=False))
+        supervisor._receive(stop.CheckpointWrite("ckpt/step-000005", stop.Write.STARTED))
     supervisor._act_on_signals()
     assert kills == [launch_module._Phase.KILLED]
     last = capfd.readouterr().err.splitlines()[-1]
