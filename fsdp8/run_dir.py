@@ -135,6 +135,9 @@ def plan_run(cfg: TrainConfig, given: Collection[str], lock: bool = True) -> Run
     cfg = replace(cfg, out=out)
     _make_out(out)
     plan = RunPlan(cfg, lock=RunLock(out) if lock else None)
+    if plan.lock is not None and plan.lock.unsupported:
+        plan.notes.append(f"--out {out}: cannot lock it ({plan.lock.unsupported}): nothing stops another fsdp8 train "
+                          "from writing it meanwhile")
     try:
         _decide(plan, given)
     except BaseException:

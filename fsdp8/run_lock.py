@@ -39,23 +39,30 @@ class RunLock:
 
     def __init__(self, directory: str):
         self.path = os.path.join(directory, LOCK_FILE)
-        self.fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.unsupported: Optional[str] = None  # why this filesystem cannot lock it
+        try:
+            self.fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ValueError(f"--out {directory}: cannot create {self.path} ({e.strerror}); give a directory you can "
+                             "write to") from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _holder(self.fd)
-            os.close(self.fd)
-            self.fd = None
+            self.release()
             raise RunDirLocked(f"--out {directory} is being written by another fsdp8 train ({holder}); wait for it "
                                "to finish or stop it, or give another --out") from None
+        except OSError as e:  # a filesystem without locks (some network ones): the run goes on unguarded
+            self.unsupported = e.strerror
+            self.release()
+            return
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode()
         os.pwrite(self.fd, info, 0)
         os.ftruncate(self.fd, len(info))
 
     def release(self) -> None:
         if self.fd is not None:
-            os.ftruncate(self.fd, 0)  # no holder named any more; the file stays, as other runs may lock it now
-            os.close(self.fd)  # closing drops the lock
+            os.close(self.fd)  # closing drops the lock; the file stays, naming the last holder
             self.fd = None
 
     def __enter__(self) -> "RunLock":
