@@ -70,20 +70,23 @@ def saving(where: str) -> Iterator[None]:
                        "another --out") from e
 
 
-class _SlowToEncode(dict):
-    """Test seam, FSDP8_FAULT=slow_save:SECONDS: extra values that take that long to encode,
-    which save does after it has created the checkpoint's .partial directory: a window in
-    which a test signals the launcher mid-write."""
+class _HeldWhileEncoded(dict):
+    """Test seam, FSDP8_FAULT=hold_save:FILE: extra values whose encoding, which save does after
+    it created the checkpoint's .partial directory, waits until FILE exists (at most a
+    minute): a test signals the launcher mid-write, and lets the write go on when it likes."""
 
     def items(self):
-        time.sleep(float(os.environ["FSDP8_FAULT"].split(":")[1]))
+        release = os.environ["FSDP8_FAULT"].split(":", 1)[1]
+        deadline = time.monotonic() + 60
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return super().items()
 
 
 def save_checkpoint(path: str, model, opt, extra: dict, cfg: TrainConfig) -> None:
     """Save a checkpoint, telling the stop logic while it is being written (stop.py's Note)."""
-    if os.environ.get("FSDP8_FAULT", "").startswith("slow_save:"):
-        extra = _SlowToEncode(extra)
+    if os.environ.get("FSDP8_FAULT", "").startswith("hold_save:"):
+        extra = _HeldWhileEncoded(extra)
     checkpoint_started(path)
     try:
         with saving(path):

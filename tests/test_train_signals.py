@@ -65,12 +65,12 @@ def test_sigint_to_the_launcher_stops_the_run_cleanly(tmp_path):
 
 def test_a_second_sigint_while_the_checkpoint_is_written_lets_it_finish(tmp_path):
     """It killed the workers mid-save: step-N.partial was left, and nothing to resume from."""
-    out = tmp_path / "run"
-    # The test seam makes each save take 4 s after its .partial directory is created.
+    out, release = tmp_path / "run", tmp_path / "release"
+    # The test seam holds each save, once its .partial directory exists, until `release` does.
     proc = subprocess.Popen([sys.executable, "-m", "fsdp8.cli", "train", "--steps", "100000", "--batch-size", "2",
                              "--seq-len", "16", "--log-every", "1", "--save-every", "1000", "--out", str(out)],
-                            env=dict(ENV, FSDP8_FAULT="slow_save:4"), stderr=subprocess.PIPE, text=True)
-    workers = []
+                            env=dict(ENV, FSDP8_FAULT=f"hold_save:{release}"), stderr=subprocess.PIPE, text=True)
+    workers, said = [], []
     try:
         for line in proc.stderr:
             if line.startswith("step ") and "/100000" in line:
@@ -82,7 +82,12 @@ def test_a_second_sigint_while_the_checkpoint_is_written_lets_it_finish(tmp_path
             assert time.time() < deadline and proc.poll() is None, "the stop's checkpoint was not started"
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        err = proc.communicate(timeout=60)[1]
+        for line in proc.stderr:  # ends early when the launcher dies
+            said.append(line)
+            if "second SIGINT" in line:
+                break
+        release.touch()
+        err = "".join(said) + proc.communicate(timeout=60)[1]
         assert proc.returncode == 128 + signal.SIGINT, err
         (checkpoint,) = os.listdir(out / "checkpoints")  # complete, and no .partial beside it
         path = out / "checkpoints" / checkpoint
