@@ -21,9 +21,10 @@ from .launch import launch, resolve_nproc, under_torchrun
 from .models.llama import PRESETS
 from .plan import plan
 from .plan_hw import GPUS
-from .run_dir import OUTPUTS, clear_earlier_run, plan_run
+from .failures import Reporting
+from .run_dir import ERROR_LOG, OUTPUTS, plan_run
 from .run_log import find_checkpoint
-from .train import train
+from .train import TRAIN_MEMORY_ADVICE, train
 from .train_config import HF_PREFIX, OFFLOAD_MODES, PRECISIONS, TrainConfig, check_run
 
 
@@ -225,21 +226,27 @@ def _model_settings(settings: dict) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     settings = {k: v for k, v in vars(args).items() if k not in ("command", "nproc")}
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
         _model_settings(settings)
         given = set(settings)
         if "resume" in given:
             settings["resume"] = args.resume or settings.get("out", TrainConfig.out)
-        cfg = plan_run(TrainConfig(**settings), given)
-        nproc = None if under_torchrun() else resolve_nproc(getattr(args, "nproc", None))
-        check_run(cfg, int(os.environ["WORLD_SIZE"]) if nproc is None else nproc)
+        plan = plan_run(TrainConfig(**settings), given, lock=rank0)
     except (ValueError, FileNotFoundError) as e:
         _fail("train", str(e))
-    if cfg.overwrite and int(os.environ.get("RANK", "0")) == 0:
-        cleared = clear_earlier_run(cfg.out)
-        if cleared:
-            print(cleared, file=sys.stderr)
-    return launch(train, (cfg,), nproc=nproc)
+    with plan:  # the run directory stays locked until the workers are gone
+        cfg = plan.cfg
+        try:
+            nproc = None if under_torchrun() else resolve_nproc(getattr(args, "nproc", None))
+            check_run(cfg, int(os.environ["WORLD_SIZE"]) if nproc is None else nproc)
+        except (ValueError, FileNotFoundError) as e:
+            _fail("train", str(e))
+        if rank0:
+            for note in plan.start():
+                print(note, file=sys.stderr)
+        reporting = Reporting("fsdp8 train", os.path.join(cfg.out, ERROR_LOG), TRAIN_MEMORY_ADVICE)
+        return launch(train, (cfg,), nproc=nproc, reporting=reporting)
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -341,7 +348,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         cfg.check(int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         _fail("bench", str(e))
-    return launch(bench, (cfg,), nproc=nproc)
+    return launch(bench, (cfg,), nproc=nproc, reporting=Reporting("fsdp8 bench"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,7 +15,8 @@ VOCAB_SIZE = 256  # of byte data
 VAL_FRACTION = 0.05
 
 
-def _read(path: Optional[str]) -> bytes:
+def read_data(path: Optional[str]) -> bytes:
+    """The bytes of a text file to train on (``None``: the packaged corpus)."""
     if path is None:
         return (resources.files("fsdp8") / "assets" / "corpus.txt").read_bytes()
     with open(path, "rb") as f:
@@ -27,7 +28,7 @@ def _read(path: Optional[str]) -> bytes:
 
 def load_corpus() -> torch.Tensor:
     """The packaged corpus (fsdp8/assets/corpus.txt) as a 1-D uint8 tensor of bytes."""
-    return torch.frombuffer(bytearray(_read(None)), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(read_data(None)), dtype=torch.uint8)
 
 
 def encode(text: str) -> torch.Tensor:
@@ -63,11 +64,41 @@ def load_tokenizer(model_dir: str):
 def load_tokens(path: Optional[str] = None, tokenizer=None) -> torch.Tensor:
     """A text file (``None``: the packaged corpus) as a 1-D tensor of token ids: its bytes
     (uint8), or int32 ids from ``tokenizer`` (a transformers tokenizer; no special tokens added)."""
-    raw = _read(path)
+    return encode_data(read_data(path), tokenizer)
+
+
+def encode_data(raw: bytes, tokenizer=None) -> torch.Tensor:
+    """The bytes of a text as a 1-D tensor of token ids (see ``load_tokens``)."""
     if tokenizer is None:
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     ids = tokenizer.encode(raw.decode("utf-8", errors="replace"), add_special_tokens=False)
     return torch.tensor(ids, dtype=torch.int32)
+
+
+def fingerprint(raw: bytes) -> dict:
+    """What identifies a data file's content: its size and SHA-256 (a resumed run checks that
+    the file it would train on is the one it trained on)."""
+    return {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+
+
+def file_fingerprint(path: str) -> dict:
+    """``fingerprint`` of the file at ``path``, read in pieces."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 20), b""):
+            digest.update(piece)
+            size += len(piece)
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def check_token_count(n_tokens: int, seq_len: int, what: str) -> None:
+    """Raise ValueError when ``n_tokens`` of data (described by ``what``) hold no sequence of
+    ``seq_len`` (+1 target) in their validation part, the smaller of the two."""
+    val = int(n_tokens * VAL_FRACTION)
+    if val < seq_len + 1:
+        raise ValueError(f"{what} is too short: its validation part (the last {VAL_FRACTION:.0%}, {val} of "
+                         f"{n_tokens} tokens) holds no sequence of --seq-len {seq_len} (+1 target); give more text or "
+                         "a shorter --seq-len")
 
 
 def _step_seed(seed: int, step: int) -> int:

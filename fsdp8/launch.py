@@ -1,23 +1,27 @@
-"""Starting worker processes (under torchrun as they are, otherwise spawned here) and stopping them.
+"""Starting worker processes (under torchrun as they are, otherwise spawned here), passing
+stop requests on (see [Note: stopping on a signal] in stop.py) and reporting failures.
 
-[Note: stopping on a signal]
-SIGINT and SIGTERM ask for a stop, they do not interrupt: ``stop_on_signals()`` turns
-them into a flag that the training loop reads once per step, and the ranks agree on it
-in a collective, so every rank leaves after the same step and can still checkpoint and
-write its outputs. The launcher does not re-send signals to its workers; it passes the
-request down a pipe that each worker reads in a thread, which also works while a worker
-is still importing (a signal would be lost or raise there). Workers start with SIGINT
-and SIGTERM ignored, so a terminal's Ctrl-C, which reaches the whole process group,
-cannot kill one mid-import with a traceback; ``stop_on_signals()`` takes them over once
-training runs. A second signal to the launcher kills the workers at once. A worker that
-fails sends its traceback up the same pipe; the launcher prints the first one, kills
-the others (they are usually blocked in a collective with the dead rank) and exits 1.
-When the launcher itself dies, the pipe closes and every worker exits.
+[Note: the launcher's stop]
+The launcher passes the first SIGINT or SIGTERM to its workers as a stop request. A second
+one kills them at once, unless a checkpoint is being written (rank 0 reports the start and
+the publication of each write): then it says so, waits until the checkpoint is published
+and kills them then; a third kills at once. Signals only queue a byte on a wake-up pipe;
+the watch loop acts on them after reading what the workers sent, so a write reported just
+before the signal is seen.
+
+A worker that fails sends a ``Failure`` (one line for the user and its traceback) up the
+same pipe. After the first failure the launcher gives the others a moment to report theirs
+(ranks that check the same input fail together), kills the rest (they are usually blocked
+in a collective with the failed rank), prints one line per failing rank, writes the
+tracebacks to the run's error log and exits 1. A rank killed from outside (no report, a
+signal the launcher did not send) is reported with its likely cause: the kernel's
+out-of-memory killer. When the launcher itself dies, the pipe closes and every worker exits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import multiprocessing
 import os
 import signal
@@ -27,68 +31,18 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import wait
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from . import stop
+from .failures import Failure, Reporting, describe_death, failure_of, oom_kills, report
+from .stop import STOP_SIGNALS, CheckpointWrite, Stopped, Write
+
 CPU_DEFAULT_WORKERS = 2
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class Stopped(SystemExit):
-    """Raised once a run stopped early on a signal and wrote its outputs: exit status 128 + signal."""
-
-    def __init__(self, signum: int):
-        super().__init__(128 + signum)
-        self.signum = signum
-
-
-class _StopRequest:
-    """The signal that asked this process to stop (None: none did); ``direct`` counts those
-    delivered to this process itself, as opposed to passed on by the launcher, which speaks
-    for its workers (``supervised``)."""
-
-    signum: Optional[int] = None
-    direct = 0
-    supervised = False
-
-
-def request_stop(signum: int) -> None:
-    if _StopRequest.signum is None:
-        _StopRequest.signum = signum
-
-
-def stop_requested() -> Optional[int]:
-    """The signal number of a pending stop request, or None."""
-    return _StopRequest.signum
-
-
-def _on_stop_signal(signum, frame) -> None:
-    _StopRequest.direct += 1
-    if _StopRequest.direct > 1:  # the user insists: no clean stop
-        if not _StopRequest.supervised:
-            sys.stderr.write(f"\nsecond {signal.Signals(signum).name}: stopping at once\n")
-            sys.stderr.flush()
-        os._exit(128 + signum)
-    request_stop(signum)
-
-
-@contextlib.contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """Inside, SIGINT and SIGTERM set ``stop_requested()`` instead of interrupting (see the
-    Note); a second one exits at once. Outside the main thread signals cannot be caught,
-    and this does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, _on_stop_signal) for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        _StopRequest.signum, _StopRequest.direct = None, 0  # served: a later run in this process starts afresh
+# After the first failure, how long the other workers may take to report theirs before they are killed.
+REPORT_GRACE_S = 2.0
 
 
 def under_torchrun() -> bool:
@@ -143,21 +97,21 @@ def _listen(conn) -> None:
     """Worker thread: stop requests from the launcher; its end of the pipe closing means it died."""
     while True:
         try:
-            request_stop(conn.recv())
+            stop.request_stop(conn.recv())
         except (EOFError, OSError):
             os._exit(1)
 
 
-def _worker(rank: int, nproc: int, port: int, fn: Callable, args: tuple, conn) -> None:
-    _StopRequest.supervised = True
+def _worker(rank: int, nproc: int, port: int, fn: Callable, args: tuple, conn, reporting: Reporting) -> None:
+    stop.supervise(conn, rank)
     threading.Thread(target=_listen, args=(conn,), name="fsdp8-launcher", daemon=True).start()
     status = 0
     try:
         _child(rank, nproc, port, fn, args)
-    except Stopped as stop:
-        status = stop.code
-    except BaseException:
-        conn.send((time.time(), traceback.format_exc()))
+    except Stopped as stopped:
+        status = stopped.code
+    except BaseException as e:
+        stop.uplink().send(failure_of(e, rank, traceback.format_exc(), reporting.memory_advice))
         status = 1  # and no normal exit: with a broken process group, gloo's threads would abort it
     # Skipping the interpreter's teardown saves seconds (torch's module graph) and loses
     # nothing: the run's files are closed, the process group too.
@@ -170,35 +124,45 @@ def _failed(exitcode: int) -> bool:
     return exitcode not in (0, *(128 + s for s in STOP_SIGNALS))
 
 
-def _describe(exitcode: int) -> str:
-    if exitcode < 0:
-        return f"was killed by {signal.Signals(-exitcode).name}"
-    return f"exited with status {exitcode}"
+class _Phase(enum.Enum):
+    """Where a run stands with the signals the launcher got (see [Note: the launcher's stop])."""
+
+    RUNNING = "running"  # no stop asked
+    STOPPING = "stopping"  # the workers were asked to stop after the current step
+    FINISHING_CHECKPOINT = "finishing checkpoint"  # insisted on mid-write: kill once it is published
+    KILLED = "killed"  # the workers were killed on a signal
 
 
 class _Supervisor:
     """The launcher's side: starts the workers, passes stop requests on, watches for failures."""
 
-    def __init__(self, nproc: int, fn: Callable, args: tuple):
-        self.nproc, self.fn, self.args = nproc, fn, args
-        self.signum: Optional[int] = None
-        self.killed_by: Optional[int] = None
+    def __init__(self, nproc: int, fn: Callable, args: tuple, reporting: Reporting):
+        self.nproc, self.fn, self.args, self.reporting = nproc, fn, args, reporting
+        self.phase = _Phase.RUNNING
+        self.signum: Optional[int] = None  # the first signal
+        self.last_signum: Optional[int] = None
+        self.writing: List[str] = []  # checkpoints rank 0 is writing
         self.procs: List[multiprocessing.Process] = []
         self.conns: Dict[object, int] = {}
+        self.killed_here = False
+        self.failures: List[Failure] = []
+        self.signals: List[int] = []  # received, not yet acted on
+        self.wake_r, self.wake_w = os.pipe()
+        self.oom_before = oom_kills()
 
     def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         port = _free_port()
-        # Workers inherit ignored signals (see the Note); blocking them meanwhile keeps a
-        # signal that arrives during the start pending for our handler instead of lost.
+        # Workers inherit ignored signals (see stop.py's Note); blocking them meanwhile keeps
+        # a signal that arrives during the start pending for our handler instead of lost.
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             for s in STOP_SIGNALS:
                 signal.signal(s, signal.SIG_IGN)
             for rank in range(self.nproc):
                 ours, theirs = ctx.Pipe()
-                proc = ctx.Process(target=_worker, args=(rank, self.nproc, port, self.fn, self.args, theirs),
-                                   name=f"fsdp8-rank{rank}")
+                proc = ctx.Process(target=_worker, name=f"fsdp8-rank{rank}",
+                                   args=(rank, self.nproc, port, self.fn, self.args, theirs, self.reporting))
                 proc.start()
                 theirs.close()
                 self.procs.append(proc)
@@ -209,18 +173,51 @@ class _Supervisor:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
     def _on_signal(self, signum, frame) -> None:
-        if self.signum is None:
-            self.signum = signum
-            for conn in self.conns:
-                with contextlib.suppress(OSError):
-                    conn.send(signum)
-        else:
-            self.killed_by = signum
-            self.kill()
+        self.signals.append(signum)
+        os.write(self.wake_w, b"!")
+
+    def _say(self, text: str) -> None:
+        print(f"{self.reporting.name}: {text}", file=sys.stderr, flush=True)
+
+    def _act_on_signals(self) -> None:
+        while self.signals:
+            signum = self.signals.pop(0)
+            self.last_signum = signum
+            name = signal.Signals(signum).name
+            if self.phase is _Phase.RUNNING:
+                self.phase, self.signum = _Phase.STOPPING, signum
+                for conn in self.conns:
+                    with contextlib.suppress(OSError):
+                        conn.send(signum)
+            elif self.phase is _Phase.STOPPING and self.writing:
+                self.phase = _Phase.FINISHING_CHECKPOINT
+                self._say(f"second {name}: finishing checkpoint {self.writing[-1]}, then stopping; "
+                          "a third kills at once")
+            elif self.phase is not _Phase.KILLED:
+                self._say(f"{'second' if self.phase is _Phase.STOPPING else 'third'} {name}: workers killed before "
+                          "they wrote their outputs")
+                self.phase = _Phase.KILLED
+                self.kill()
+
+    def _receive(self, message) -> None:
+        if isinstance(message, Failure):
+            self.failures.append(message)
+        elif isinstance(message, CheckpointWrite) and message.event is Write.STARTED:
+            self.writing.append(message.path)
+        elif isinstance(message, CheckpointWrite):
+            with contextlib.suppress(ValueError):
+                self.writing.remove(message.path)
+            if self.phase is _Phase.FINISHING_CHECKPOINT and not self.writing:
+                self._say(f"checkpoint {message.path} is complete; workers stopped before they wrote their other "
+                          "outputs" if message.event is Write.PUBLISHED else
+                          f"writing checkpoint {message.path} failed; workers stopped")
+                self.phase = _Phase.KILLED
+                self.kill()
 
     def kill(self) -> None:
         for proc in self.procs:
             if proc.exitcode is None:
+                self.killed_here = True
                 with contextlib.suppress(OSError):
                     proc.kill()
 
@@ -237,59 +234,64 @@ class _Supervisor:
                 conn.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+
+    def _drain(self, listening: Dict[object, int]) -> None:
+        """Read every message the workers have sent so far."""
+        for conn in list(listening):
+            try:
+                while conn.poll():
+                    self._receive(conn.recv())
+            except (EOFError, OSError):
+                del listening[conn]
 
     def _watch(self) -> int:
-        reports: List[Tuple[float, int, str]] = []
         live = {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
         listening = dict(self.conns)
-        failure: Optional[int] = None
+        deaths: Dict[int, int] = {}  # rank -> exit code of a failed rank
+        kill_at: Optional[float] = None
         while live:
-            for ready in wait(list(live) + list(listening)):
-                if ready in listening:
-                    try:
-                        sent_at, text = ready.recv()
-                        reports.append((sent_at, listening[ready], text))
-                    except (EOFError, OSError):
-                        del listening[ready]
-                elif ready in live:
-                    rank = live.pop(ready)
+            timeout = None if kill_at is None else max(0.0, kill_at - time.monotonic())
+            ready = wait(list(live) + list(listening) + [self.wake_r], timeout)
+            self._drain(listening)
+            if self.wake_r in ready:
+                os.read(self.wake_r, 1024)
+                self._act_on_signals()
+            for sentinel in ready:
+                if sentinel in live:
+                    rank = live.pop(sentinel)
                     self.procs[rank].join()
-                    if failure is None and self.killed_by is None and _failed(self.procs[rank].exitcode):
-                        failure = rank
-                        self.kill()
-        for conn, rank in listening.items():  # a report sent just before its sender exited
-            while conn.poll():
-                try:
-                    reports.append((*conn.recv(), rank))
-                except (EOFError, OSError):
-                    break
-        if self.killed_by is not None:
-            name = signal.Signals(self.killed_by).name
-            print(f"fsdp8: second {name}: workers killed before they wrote their outputs", file=sys.stderr)
-            return 128 + self.killed_by
-        if failure is not None:
-            if reports:
-                _, rank, text = min(reports)  # the first to fail; the others failed because it did
-                sys.stderr.write(text)
-                last = text.strip().splitlines()[-1]
-                print(f"fsdp8: rank {rank} failed: {last} (its traceback is above); the other workers were stopped",
-                      file=sys.stderr)
-            else:
-                print(f"fsdp8: rank {failure} {_describe(self.procs[failure].exitcode)}; "
-                      "the other workers were stopped", file=sys.stderr)
+                    if self.phase is not _Phase.KILLED and not self.killed_here and _failed(self.procs[rank].exitcode):
+                        deaths[rank] = self.procs[rank].exitcode
+            if kill_at is None and (deaths or self.failures) and self.phase is not _Phase.KILLED:
+                kill_at = time.monotonic() + REPORT_GRACE_S
+            if kill_at is not None and time.monotonic() >= kill_at:
+                self.kill()
+        self._drain(listening)  # a report sent just before its sender exited
+        if deaths or self.failures:
+            reported = {f.rank for f in self.failures}
+            oom_now = oom_kills()
+            report(self.reporting, self.failures,
+                   {rank: describe_death(rank, code, self.oom_before, oom_now, self.reporting.memory_advice)
+                    for rank, code in deaths.items() if rank not in reported})
+        if self.phase is _Phase.KILLED:
+            return 128 + self.last_signum
+        if deaths or self.failures:
             return 1
         if self.signum is not None:
             return 128 + self.signum
         return max(proc.exitcode for proc in self.procs)
 
 
-def launch(fn: Callable, args: tuple = (), nproc: Optional[int] = None) -> int:
+def launch(fn: Callable, args: tuple = (), nproc: Optional[int] = None, reporting: Reporting = Reporting()) -> int:
     """Run ``fn(*args)`` on every rank: in this process under torchrun or for one rank,
     else in ``nproc`` spawned processes on this machine (default: ``resolve_nproc(None)``).
 
-    Returns the exit status: 0; 1 when a worker failed (its traceback and one line were
-    printed, the other workers killed); 128 + the signal when SIGINT or SIGTERM stopped the
-    run (``fn`` raises ``Stopped`` for that)."""
+    Returns the exit status: 0; 1 when a rank failed (one line per failing rank printed, the
+    tracebacks in ``reporting.error_log``, the other workers killed); 128 + the signal when
+    SIGINT or SIGTERM stopped the run (``fn`` raises ``Stopped`` for that)."""
+    rank = int(os.environ.get("RANK", "0"))
     try:
         if under_torchrun():
             _run_and_close(fn, args)
@@ -298,6 +300,9 @@ def launch(fn: Callable, args: tuple = (), nproc: Optional[int] = None) -> int:
         if nproc == 1:
             _child(0, 1, _free_port(), fn, args)
             return 0
-    except Stopped as stop:
-        return stop.code
-    return _Supervisor(nproc, fn, args).run()
+    except Stopped as stopped:
+        return stopped.code
+    except Exception as e:
+        report(reporting, [failure_of(e, rank, traceback.format_exc(), reporting.memory_advice)], {})
+        return 1
+    return _Supervisor(nproc, fn, args, reporting).run()

@@ -9,7 +9,7 @@ import os
 import resource
 import signal
 import sys
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
 
@@ -19,6 +19,8 @@ from .plot import save_line_plot
 
 if TYPE_CHECKING:
     from .train import TrainConfig
+
+METRICS = "metrics.jsonl"
 
 
 def find_checkpoint(path: str) -> str:
@@ -41,16 +43,50 @@ def run_dir_of(checkpoint: str) -> Optional[str]:
     return (os.path.dirname(folder) or ".") if os.path.basename(folder) == "checkpoints" else None
 
 
+def read_metrics(path: str) -> Tuple[List[dict], Optional[str]]:
+    """The records of a metrics.jsonl (none where it does not exist), and a note when its last
+    line was torn (a write cut short by a kill: dropped). Raises ValueError naming the file and
+    line for any other line that is not a record (e.g. two runs wrote it at once)."""
+    if not os.path.isfile(path):
+        return [], None
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    records, torn = [], None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a record with a step")
+        except ValueError as e:
+            if number == len(lines):  # no newline after it: the last write was cut short
+                torn = f"{path}: dropped its last line, torn by an interrupted write ({len(line)} bytes)"
+                break
+            raise ValueError(f"{path} line {number} is not a metrics record ({e}): the file is damaged (two runs "
+                             "writing it at once leave such lines); delete that line, or move the file aside to "
+                             "go on without the run's history") from None
+        records.append(record)
+    return records, torn
+
+
 def history_of(checkpoint: str, step: int) -> List[dict]:
     """The metrics records of the run ``checkpoint`` belongs to, up to its step: a resumed
     run's outputs cover the whole run (records after the checkpoint are redone)."""
     run_dir = run_dir_of(checkpoint)
-    path = os.path.join(run_dir, "metrics.jsonl") if run_dir else ""
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records, _ = read_metrics(os.path.join(run_dir, METRICS)) if run_dir else ([], None)
     return [r for r in records if r["step"] <= step]
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Replace ``path`` by a file holding ``text``: written aside, synced, renamed over it, so
+    that at every instant ``path`` holds either its old or its new content in full."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def memory_mib(device: torch.device) -> float:
@@ -101,13 +137,17 @@ _BOARD_TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "
 class RunLog:
     """Rank 0's record of a run: metrics.jsonl, TensorBoard events (with --tensorboard), the
     progress line, and the series that loss.png and summary.json are made of, starting from
-    the records of a resumed run."""
+    the records of a resumed run.
+
+    metrics.jsonl is only ever appended to, a line per record, except at the start, where it
+    is replaced at once (``write_atomic``) by ``history``: no kill loses the records it held."""
 
     def __init__(self, cfg: "TrainConfig", history: List[dict]):
         self.cfg = cfg
         os.makedirs(cfg.out, exist_ok=True)
-        self.file = open(os.path.join(cfg.out, "metrics.jsonl"), "w")
-        self.file.writelines(json.dumps(r) + "\n" for r in history)
+        path = os.path.join(cfg.out, METRICS)
+        write_atomic(path, "".join(json.dumps(r) + "\n" for r in history))
+        self.file = open(path, "a")
         self.progress = Progress(cfg.steps)
         self.steps = [r["step"] for r in history if "loss" in r]
         self.losses = [r["loss"] for r in history if "loss" in r]
@@ -167,8 +207,7 @@ class RunLog:
         stopped = signal.Signals(stopped_by).name if stopped_by else None
         summary = dict(summary, first_loss=self.losses[0], final_loss=self.losses[-1], final_val_loss=final_val,
                        skipped_steps=self.skipped, stopped_by=stopped)
-        with open(os.path.join(cfg.out, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        write_atomic(os.path.join(cfg.out, "summary.json"), json.dumps(summary, indent=2))
         head = f"stopped by {stopped} after step {summary['steps_done']} of {cfg.steps}: " if stopped else ""
         val = f" (val {final_val:.3f})" if final_val is not None else ""
         print(f"{head}loss {self.losses[0]:.3f} -> {self.losses[-1]:.3f}{val} in {summary['elapsed_s']:.0f}s; "

@@ -17,14 +17,20 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from .data import TokenCorpus, has_tokenizer, load_tokenizer, load_tokens
-from .checkpoint import load, load_pretrained, save, wait_for_saves
+from .checkpoint import wait_for_saves
+from .data import TokenCorpus
 from .engine.grads import clip_grad_norm_
-from .launch import Stopped, stop_on_signals, stop_requested
+from .stop import Stopped, stop_on_signals, stop_requested
 from .parallel.manager import cut_sequences, parallelize
 from .parallel.mesh import init_distributed
 from .run_log import RunLog, find_checkpoint, history_of, memory_mib
 from .train_config import TrainConfig, build_model, weight_files
+from .train_io import load_data, load_weights, resume_from, save_checkpoint, saving
+
+# What the launcher says when a worker ran out of memory.
+TRAIN_MEMORY_ADVICE = ("use less memory per process: a smaller --batch-size (or more --micro-batches), --ac full, or "
+                       "more ranks to shard over")
+
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up, then cosine decay to a tenth of the peak over ``lr_decay_steps``."""
@@ -95,7 +101,7 @@ def train(cfg: TrainConfig) -> Optional[dict]:
 
     SIGINT or SIGTERM stops the run after the step all ranks agree on (one small all-reduce
     per step): a checkpoint when ``save_every`` is set, then the outputs for the steps done,
-    then ``Stopped`` (see [Note: stopping on a signal] in launch.py)."""
+    then ``Stopped`` (see [Note: stopping on a signal] in stop.py)."""
     with stop_on_signals():
         return _train(cfg)
 
@@ -116,27 +122,24 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
     n_params = sum(p.numel() for p in model.parameters())
     model = parallelize(model, parallel)
     if hf and not cfg.resume and weight_files(cfg.hf_dir):
-        load_pretrained(model, cfg.hf_dir)  # each rank reads only its rows
+        load_weights(model, cfg)
     # Offloaded main weights live in host memory, where CUDA's fused AdamW cannot step them.
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                             fused=device.type == "cuda" and cfg.offload == "none")
-    tokenizer = load_tokenizer(cfg.hf_dir) if hf and has_tokenizer(cfg.hf_dir) else None
-    tokens = load_tokens(cfg.data or None, tokenizer)
+    tokens, data_id = load_data(cfg)
     train_data, val_data = TokenCorpus(tokens, split="train"), TokenCorpus(tokens, split="val")
     tokens_per_step = cfg.batch_size * cfg.seq_len * model.dp_size
     mesh = model.device_mesh
     layout = " x ".join(f"{name} {size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape))
     ckpt_dir = os.path.join(cfg.out, "checkpoints")
-    # Saved with every checkpoint: a resumed run keeps the schedule it started with.
-    saved_config = asdict(replace(cfg, lr_decay_steps=cfg.lr_decay_steps or cfg.steps))
+    # Saved with every checkpoint: a resumed run keeps the schedule it started with, and finds
+    # its data file from any directory (and checks it is the one it trained on: data_id).
+    saved_config = asdict(replace(cfg, lr_decay_steps=cfg.lr_decay_steps or cfg.steps,
+                                  data=os.path.abspath(cfg.data) if cfg.data else ""))
     first_step, resumed_from = 0, None
     if cfg.resume:
         resumed_from = find_checkpoint(cfg.resume)
-        extra = load(resumed_from, model, opt)  # at any layout: checkpoints reshard
-        first_step = int(extra["step"])  # the data position: batches are a function of the step
-        torch.set_rng_state(extra["rng"])
-        if device.type == "cuda" and "cuda_rng" in extra:
-            torch.cuda.set_rng_state(extra["cuda_rng"], device)
+        first_step = resume_from(resumed_from, model, opt, device)
     last_step = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
 
     log = None
@@ -205,17 +208,18 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
                 log.write({"step": step + 1, "val_loss": val})
         if ((cfg.save_every and ((step + 1) % cfg.save_every == 0 or stopped_by))
                 or (cfg.stop_at and step + 1 == last_step)):
-            extra = {"step": step + 1, "rng": torch.get_rng_state(), "config": saved_config}
+            extra = {"step": step + 1, "rng": torch.get_rng_state(), "config": saved_config, **data_id}
             if device.type == "cuda":
                 extra["cuda_rng"] = torch.cuda.get_rng_state(device)
             path = os.path.join(ckpt_dir, f"step-{step + 1:06d}")
-            save(path, model, opt, extra, keep_last=cfg.keep_last, async_save=cfg.async_save)
+            save_checkpoint(path, model, opt, extra, cfg)
             if log:
                 log.note(f"saving checkpoint {path} in the background" if cfg.async_save
                          else f"saved checkpoint {path}")
         if stopped_by:
             break
-    wait_for_saves()
+    with saving(ckpt_dir):
+        wait_for_saves()
     summary = None
     if log:
         summary = log.finish({"config": asdict(cfg), "world_size": world, "layout": layout,

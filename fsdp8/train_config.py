@@ -13,7 +13,7 @@ from typing import List
 import torch
 
 from .config import AC_MODES, ParallelConfig, Precision
-from .data import VAL_FRACTION, VOCAB_SIZE, has_tokenizer, load_tokenizer
+from .data import VOCAB_SIZE, check_token_count, encode_data, has_tokenizer, load_tokenizer, read_data
 from .fp8.recipes import recipe_from_name
 from .models.llama import Llama, preset
 from .parallel.cp import local_multiple
@@ -21,6 +21,9 @@ from .parallel.cp import local_multiple
 PRECISIONS = ("auto", "fp32", "bf16", "fp8-delayed", "fp8-current", "fp8-block", "fp8-mxfp8")
 OFFLOAD_MODES = ("none", "optim")
 HF_PREFIX = "hf:"
+# A --data file up to this size is tokenized in the launching process to check its length
+# (well under a second); a longer one is checked by the workers, which tokenize it anyway.
+TOKENIZED_HERE_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -193,24 +196,59 @@ def check_run(cfg: TrainConfig, world: int) -> None:
         vocab = _check_hf_dir(cfg).vocab_size
     if cfg.tp > 1:
         _check_tensor_parallel(cfg)
+    if cfg.model and weight_files(cfg.hf_dir) and not cfg.resume:
+        _check_weights(cfg)
+    if cfg.resume:
+        _check_checkpoint_shapes(cfg)
+    data = f"--data {cfg.data}" if cfg.data else "the packaged corpus"
     if cfg.model and has_tokenizer(cfg.hf_dir):
         tokenizer = load_tokenizer(cfg.hf_dir)
         if len(tokenizer) > vocab:
             raise ValueError(f"the tokenizer in {cfg.hf_dir} has {len(tokenizer)} tokens, more than the model's "
                              f"vocabulary of {vocab} (config.json vocab_size); give the directory a config and "
                              "tokenizer that agree")
+        # Only a short file can be too short; the workers check a longer one once they have its tokens.
+        if not cfg.data or os.path.getsize(cfg.data) <= TOKENIZED_HERE_BYTES:
+            check_token_count(len(encode_data(read_data(cfg.data or None), tokenizer)), cfg.seq_len,
+                              f"{data} (read with the tokenizer of {cfg.hf_dir})")
         return
-    data = f"--data {cfg.data}" if cfg.data else "the packaged corpus"
     if vocab < VOCAB_SIZE:
         raise ValueError(f"{data} is read as bytes ({VOCAB_SIZE} token ids), but {cfg.model_name} has a vocabulary "
                          f"of {vocab}; use a model with vocab_size >= {VOCAB_SIZE}, or put a tokenizer in its "
                          "directory")
     if cfg.data:
-        val = int(os.path.getsize(cfg.data) * VAL_FRACTION)
-        if val < cfg.seq_len + 1:
-            raise ValueError(f"{data} is too short: its validation part (the last {VAL_FRACTION:.0%}, {val} bytes) "
-                             f"holds no sequence of --seq-len {cfg.seq_len} (+1 target); give more text or a "
-                             "shorter --seq-len")
+        check_token_count(os.path.getsize(cfg.data), cfg.seq_len, f"{data} (read as bytes)")
+
+
+def _check_checkpoint_shapes(cfg: TrainConfig) -> None:
+    """The model tensors of the checkpoint to resume against the model's shapes (what ``load``
+    checks on every rank, here in one line)."""
+    from .checkpoint.verify import inspect
+    from .engine.state_dict import describe_mismatch
+
+    metadata = inspect(cfg.resume)[1]
+    if metadata is None:  # unreadable: run_dir refused it already, unless it broke since
+        return
+    saved = {name[len("model."):]: tuple(meta.size) for name, meta in metadata.state_dict_metadata.items()
+             if name.startswith("model.") and hasattr(meta, "size")}
+    mis_shaped = [f"{name}: checkpoint {saved[name]} vs model {tuple(t.shape)}"
+                  for name, t in build_model(cfg).state_dict().items() if saved.get(name, tuple(t.shape)) != t.shape]
+    if mis_shaped:
+        raise ValueError(f"--resume: {cfg.resume} does not fit {cfg.model_name}: "
+                         f"{describe_mismatch([], [], mis_shaped)}; resume it with the model it was saved with")
+
+
+def _check_weights(cfg: TrainConfig) -> None:
+    """The weight files of ``--model hf:DIR`` against the model its config.json makes: readable
+    headers, sizes that hold the data they list, every weight there in its shape."""
+    from .checkpoint.safetensors import SafetensorsError
+    from .checkpoint.transfer import check_pretrained
+    from .engine.state_dict import StateDictError
+
+    try:
+        check_pretrained(build_model(cfg), cfg.hf_dir)
+    except (SafetensorsError, StateDictError) as e:
+        raise ValueError(f"--model {cfg.model}: {e}") from None
 
 
 def _check_hf_dir(cfg: TrainConfig):

@@ -18,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def launched(monkeypatch):
     """The configs `fsdp8 train` would have started workers with."""
     calls = []
-    monkeypatch.setattr(cli, "launch", lambda fn, args, nproc=None: calls.append(args[0]) or 0)
+    monkeypatch.setattr(cli, "launch", lambda fn, args, **kwargs: calls.append(args[0]) or 0)
     return calls
 
 
@@ -46,7 +46,7 @@ def test_refuses_to_start_where_an_earlier_run_is(tmp_path, capsys, launched):
         cli.main(["train", "--steps", "10", "--save-every", "5", "--out", str(out)])
     assert exit_info.value.code == 2 and launched == []
     line = _error_line(capsys)
-    assert "holds an earlier run (checkpoints/ up to step-000040, metrics.jsonl)" in line
+    assert "holds an earlier run (checkpoints/ up to step-000040, metrics.jsonl to step 40)" in line
     assert "--resume" in line and "--overwrite" in line
     assert sorted(os.listdir(out / "checkpoints")) == ["step-000020", "step-000040"]
 
@@ -56,13 +56,14 @@ def test_overwrite_deletes_the_earlier_run_and_says_so(tmp_path, capsys, launche
     _earlier_run(out)
     assert cli.main(["train", "--steps", "10", "--overwrite", "--out", str(out)]) == 0
     assert len(launched) == 1 and launched[0].overwrite
-    assert sorted(os.listdir(out)) == ["notes.txt"]  # only what the earlier run wrote is gone
+    assert sorted(os.listdir(out)) == [".fsdp8-run.lock", "notes.txt"]  # only what the earlier run wrote is gone
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"--overwrite: deleted the earlier run in {out} (checkpoints/ up to step-000040, metrics.jsonl)"]
+        f"--overwrite: deleted the earlier run in {out} (checkpoints/ up to step-000040, metrics.jsonl to step 40)"]
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--resume"], "--resume: run: no complete checkpoint in it"),
+    (["--resume"], "--resume: run holds no checkpoint to continue from (a run writes them with --save-every N or "
+                   "--stop-at N); rerun without --resume to start afresh"),
     (["--resume", "elsewhere"], "--resume: elsewhere: no such directory"),
     (["--lr", "-1"], "--lr must be a positive number, got -1.0"),
     (["--seq-len", "100000"], "--seq-len 100000 exceeds the 'tiny' preset's 256 positions"),
@@ -139,6 +140,90 @@ def test_hf_weights_must_be_safetensors(tmp_path, capsys, launched, hf_dir):
     with pytest.raises(SystemExit):
         cli.main(["train", "--model", f"hf:{hf_dir}", "--out", str(tmp_path / "run")])
     assert f"the weights in {hf_dir} are not safetensors files" in _error_line(capsys)
+
+
+def _weights(hf_dir, **changed):
+    """Save weights of the fixture's Llama (with ``changed`` config values) into ``hf_dir``."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig.from_pretrained(str(hf_dir))
+    for key, value in changed.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(hf_dir / "weights"))
+    os.rename(hf_dir / "weights" / "model.safetensors", hf_dir / "model.safetensors")
+    return hf_dir / "model.safetensors"
+
+
+def _word_tokenizer(hf_dir) -> None:
+    """A word-level tokenizer of a few words (a vocabulary within the fixture's 100)."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "the", "run", "trains", "on", "text", "."]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(str(hf_dir))
+
+
+def test_a_corrupt_weight_file_is_one_line_before_anything_starts(tmp_path, capsys, launched, hf_dir):
+    """A truncated model.safetensors was a traceback on every rank."""
+    _word_tokenizer(hf_dir)  # else its vocabulary of 100 is refused for bytes
+    weights = _weights(hf_dir)
+    os.truncate(weights, weights.stat().st_size - 1000)
+    capsys.readouterr()  # transformers' progress bar
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--model", f"hf:{hf_dir}", "--out", str(tmp_path / "run")])
+    line = _error_line(capsys)
+    assert line.startswith(f"fsdp8 train: error: --model hf:{hf_dir}: {weights} is truncated: its ") and launched == []
+    assert "an interrupted write or download leaves such a file, so write or fetch it again" in line
+
+
+def test_weights_of_another_shape_are_one_line_before_anything_starts(tmp_path, capsys, launched, hf_dir):
+    _word_tokenizer(hf_dir)
+    _weights(hf_dir, intermediate_size=96)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--model", f"hf:{hf_dir}", "--out", str(tmp_path / "run")])
+    line = _error_line(capsys)
+    assert line.startswith(f"fsdp8 train: error: --model hf:{hf_dir}: safetensors at {hf_dir} do not match "
+                           "LlamaForCausalLM: ") and launched == []
+    assert "model.layers.0.mlp.down_proj.weight: file (64, 96) vs model (64, 128)" in line
+
+
+def test_data_too_short_for_the_tokenizer_is_one_line_before_anything_starts(tmp_path, capsys, launched, hf_dir):
+    """With a tokenizer the length in tokens is known only once the file is tokenized: the
+    workers failed with a traceback after training, at the first validation."""
+    _word_tokenizer(hf_dir)
+    data = tmp_path / "text.txt"
+    data.write_text("the run trains on text . " * 100)  # 2500 bytes, but 600 tokens: 30 for validation
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--model", f"hf:{hf_dir}", "--data", str(data), "--seq-len", "32",
+                  "--out", str(tmp_path / "run")])
+    assert _error_line(capsys) == (
+        f"fsdp8 train: error: --data {data} (read with the tokenizer of {hf_dir}) is too short: its validation part "
+        "(the last 5%, 30 of 600 tokens) holds no sequence of --seq-len 32 (+1 target); give more text or a shorter "
+        "--seq-len")
+    assert cli.main(["train", "--model", f"hf:{hf_dir}", "--data", str(data), "--seq-len", "24",
+                     "--out", str(tmp_path / "run")]) == 0
+
+
+def test_workers_check_the_data_length_too(tmp_path, hf_dir):
+    """A file too long to tokenize in the launcher is checked where it is tokenized anyway."""
+    from fsdp8.failures import RunError
+    from fsdp8.train_config import TrainConfig
+    from fsdp8.train_io import load_data
+
+    _word_tokenizer(hf_dir)
+    data = tmp_path / "text.txt"
+    data.write_text("the run trains on text . " * 100)
+    with pytest.raises(RunError, match=r"--data .*text.txt \(read with the tokenizer of .*\) is too short: its "
+                                       r"validation part \(the last 5%, 30 of 600 tokens\)"):
+        load_data(TrainConfig(model=f"hf:{hf_dir}", data=str(data), seq_len=32))
+    tokens, recorded = load_data(TrainConfig(model=f"hf:{hf_dir}", data=str(data), seq_len=24))
+    assert tokens.numel() == 600 and recorded["data"]["bytes"] == 2500
 
 
 def _train_help(capsys) -> dict:

@@ -88,7 +88,7 @@ def test_tp_sp_lp_trains_as_data_parallel_and_resumes_at_another_layout(tp_run, 
 
 def test_a_resume_remembers_the_layout(tp_run, monkeypatch):
     launched = []
-    monkeypatch.setattr(cli, "launch", lambda fn, args, nproc=None: launched.append(args[0]) or 0)
+    monkeypatch.setattr(cli, "launch", lambda fn, args, **kwargs: launched.append(args[0]) or 0)
     checkpoint = tp_run / "checkpoints" / "step-000004"
     assert cli.main(["train", "--resume", str(checkpoint), "--out", str(tp_run.parent / "again"), "--nproc", "4"]) == 0
     cfg = launched[0]

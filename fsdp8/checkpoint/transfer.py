@@ -105,6 +105,32 @@ def load_pretrained(model: nn.Module, path: str, key_map: KeyMap = None, strict:
 
     Returns the names not found with ``strict=False``. Otherwise missing names, and always
     mis-shaped ones, raise one error that lists them with the file keys nothing used."""
+    files, found, hf_layout, missing = _match(model, path, key_map, strict)
+    with torch.no_grad():
+        for target in found:
+            file = files.file_of(target.file_name)
+            flip = target.transposed and hf_layout  # the file holds the transpose of the model's tensor
+            if target.unit is None:
+                value = file.read(target.file_name)
+                target.tensor.copy_(value.t() if flip else value)
+                continue
+            region = _rank_region(target)
+            value = file.read(target.file_name, region[::-1] if flip else region)
+            target.unit.main_view(target.slot).copy_(value.t() if flip else value)
+            target.unit.mark_stale()
+    return missing
+
+
+def check_pretrained(model: nn.Module, path: str, key_map: KeyMap = None, strict: bool = True) -> List[str]:
+    """What ``load_pretrained`` checks before it reads a tensor (the files' headers, names and
+    shapes against ``model``, e.g. one on the meta device), raising as it would: the launcher
+    of ``fsdp8 train`` checks a model directory with it before any worker starts."""
+    return _match(model, path, key_map, strict)[3]
+
+
+def _match(model: nn.Module, path: str, key_map: KeyMap, strict: bool):
+    """The files at ``path``, the targets found in them, whether converted Conv1D weights are
+    stored transposed (HF's layout) and the names not found; raises for a mismatch."""
     files = safetensors.SafetensorsDir(path)
     engine = getattr(model, "_fsdp8", None)
     targets = _sharded_targets(model, engine) if engine is not None else _plain_targets(model)
@@ -134,19 +160,7 @@ def load_pretrained(model: nn.Module, path: str, key_map: KeyMap = None, strict:
             message += ("; pass key_map={model name: file name} or key_map=callable(model name) -> file name "
                         "for names that differ")
         raise StateDictError(f"safetensors at {path} do not match {type(model).__name__}: {message}")
-    with torch.no_grad():
-        for target in found:
-            file = files.file_of(target.file_name)
-            flip = target.transposed and hf_layout  # the file holds the transpose of the model's tensor
-            if target.unit is None:
-                value = file.read(target.file_name)
-                target.tensor.copy_(value.t() if flip else value)
-                continue
-            region = _rank_region(target)
-            value = file.read(target.file_name, region[::-1] if flip else region)
-            target.unit.main_view(target.slot).copy_(value.t() if flip else value)
-            target.unit.mark_stale()
-    return missing
+    return files, found, hf_layout, missing
 
 
 def _rank_region(target: _Target) -> List[Tuple[int, int]]:
