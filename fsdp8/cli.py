@@ -11,12 +11,14 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from typing import List, Optional
 
 from . import __version__
 from .checkpoint.store import CheckpointError
 from .bench import PRECISIONS as BENCH_PRECISIONS, BenchConfig, bench
 from .config import AC_MODES, STRATEGY_NAMES
+from .fp8.convert import HighPrecisionLayerWarning
 from .launch import launch, resolve_nproc, under_torchrun
 from .models.llama import PRESETS
 from .plan import plan
@@ -239,7 +241,16 @@ def _run_train(args: argparse.Namespace) -> int:
         cleared = clear_earlier_run(cfg.out)
         if cleared:
             print(cleared, file=sys.stderr)
-    return launch(train, (cfg,), nproc=nproc)
+    return launch(train_quietly, (cfg,), nproc=nproc)
+
+
+def train_quietly(cfg: TrainConfig):
+    """``train`` as the command runs it on every rank: without the library's warning about layers
+    kept in high precision under FP8, which speaks of fully_shard's units= and comes from every
+    rank; the start-up line says which layers stay in bf16 instead."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HighPrecisionLayerWarning)
+        return train(cfg)
 
 
 def _run_export(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from .parallel.manager import cut_sequences, parallelize
 from .parallel.mesh import init_distributed
 from .run_log import RunLog, find_checkpoint, history_of, memory_mib
 from .train_config import TrainConfig, build_model, weight_files
+from .train_startup import startup_lines
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up, then cosine decay to a tenth of the peak over ``lr_decay_steps``."""
@@ -143,10 +144,10 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
     if rank == 0:
         log = RunLog(cfg, history_of(resumed_from, first_step) if resumed_from else [])
         compute = cfg.precision if parallel.fp8 else ("bf16" if parallel.precision.param_dtype else "fp32")
-        print(f"fsdp8 train: {cfg.model_name} ({n_params / 1e6:.2f}M params), {world} x {device.type} as {layout}, "
-              f"strategy {cfg.strategy}, {compute} compute, "
-              f"{tokens_per_step} tokens/step" + (f", resumed at step {first_step} from {resumed_from}"
-                                                   if resumed_from else ""), file=sys.stderr)
+        print(startup_lines(cfg, model, params=n_params, world=world, device=device.type, layout=layout,
+                            compute=compute, tokens_per_step=tokens_per_step, tokenizer=tokenizer,
+                            train_tokens=len(train_data), val_tokens=len(val_data), resumed_from=resumed_from,
+                            first_step=first_step), file=sys.stderr)
         print(model.memory_report(), file=sys.stderr)
     running = torch.zeros((), device=device)  # sum of this log window's step losses (applied steps)
     stop = torch.zeros((), device=device)  # a pending stop request's signal number, agreed by max

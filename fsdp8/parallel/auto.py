@@ -20,7 +20,7 @@ def model_spec_of(model: nn.Module):
                          tied=c.tie_embeddings)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict"):
-        return hf_spec_of(config.to_dict(), type(model).__name__, type(model).__name__)
+        return hf_spec_of(config.to_dict(), type(model).__name__, f"{type(model).__name__}'s config")
     raise ValueError(f"parallelize(model, 'auto') plans fsdp8's Llama and Hugging Face Llama-family models, not "
                      f"{type(model).__name__}; pass a fsdp8.ParallelConfig")
 

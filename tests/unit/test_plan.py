@@ -56,8 +56,33 @@ def test_hf_errors(tmp_path):
     with pytest.raises(ValueError, match="model_type 'gpt2' is not a Llama-family decoder"):
         hf_spec(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
-    with pytest.raises(ValueError, match="has no 'num_attention_heads'"):
+    with pytest.raises(ValueError, match="config.json has no 'num_hidden_layers', 'intermediate_size', "
+                                         "'num_attention_heads', 'vocab_size'$"):
         hf_spec(str(tmp_path))
+
+
+LLAMA_CONFIG = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                "num_attention_heads": 4, "vocab_size": 99}
+
+
+@pytest.mark.parametrize("text,problem", [
+    ('{"model_type": "llama", "hidden_size": 64,,}',
+     " is not valid JSON: Expecting property name enclosed in double quotes at line 1 column 43"),
+    ("", " is empty"),
+    ("[1, 2]", " holds a JSON array, not an object of config fields"),
+    (json.dumps({"hidden_size": 64}), " has no 'model_type'"),
+    (json.dumps(dict(LLAMA_CONFIG, hidden_size="64")), ": hidden_size is '64', not a positive integer"),
+    (json.dumps(dict(LLAMA_CONFIG, num_key_value_heads=0)), ": num_key_value_heads is 0, not a positive integer"),
+])
+def test_a_malformed_config_json_is_named_with_its_problem(tmp_path, capsys, text, problem):
+    from fsdp8 import cli
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--model", f"hf:{tmp_path}"])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"fsdp8 plan: error: {tmp_path / 'config.json'}{problem[0]}"), err
+    assert problem in err[0]
 
 
 def test_sizes_by_flag_and_their_errors():
