@@ -166,25 +166,47 @@ def _settings(setup: Setup, **overrides) -> dict:
     return dict(values, **overrides)
 
 
+# fsdp8 plan's flag for each setting a fix may change.
+_FLAGS = {"strategy": "--strategy", "activation_checkpointing": "--ac", "micro_batch": "--micro-batch", "tp": "--tp",
+          "sequence_parallel": "--sequence-parallel", "offload": "--offload"}
+
+
 def fixes(p: Plan, limit: int = 3) -> List[str]:
-    """Changes of one or two settings that make a plan that does not fit fit, fastest first, as flags."""
+    """Changes of one or two settings that make a plan that does not fit fit, fastest first, as
+    fsdp8 plan's flags. Each changes only settings not already in effect, and a pair is offered
+    only where neither of its changes fits alone (it would say nothing the single one does not)."""
     s, spec = p.setup, p.spec
     changes = [{"strategy": "optim_grads_params"}, {"activation_checkpointing": "selective"},
-               {"activation_checkpointing": "full"}, {"micro_batch": 1, "global_batch": s.global_batch}]
+               {"activation_checkpointing": "full"}, {"micro_batch": 1}]
     changes += [{"tp": t, "sequence_parallel": True} for t in _divisors(s.cluster.gpus_per_node) if t > s.tp]
     if not s.fp8 and s.strategy.label != "no_shard":
         changes.append({"offload": "optim"})
-    tried = changes + [dict(a, **b) for a, b in itertools.combinations(changes, 2) if not set(a) & set(b)]
-    found = []
-    for change in tried:
+    changes = [c for c in (_new_settings(s, c) for c in changes) if c]
+
+    def speed(change: dict) -> Optional[float]:
+        """Tokens/s/GPU with ``change`` where it fits; None where it does not, or cannot be made."""
         try:
             q = plan_setup(spec, make_setup(spec, s.cluster, **_settings(s, **change)))
         except ValueError:
-            continue
-        if q.memory.fits:
-            found.append((q.tokens_per_s_per_gpu, change))
+            return None
+        return q.tokens_per_s_per_gpu if q.memory.fits else None
+
+    singles = [speed(c) for c in changes]
+    found = [(tokens, c) for tokens, c in zip(singles, changes) if tokens is not None]
+    for (i, a), (j, b) in itertools.combinations(enumerate(changes), 2):
+        if not set(a) & set(b) and singles[i] is None and singles[j] is None:
+            tokens = speed(dict(a, **b))
+            if tokens is not None:
+                found.append((tokens, dict(a, **b)))
     found.sort(key=lambda item: -item[0])
-    flags = lambda c: " ".join(f"--{k.replace('_', '-')} {v}" for k, v in c.items()  # noqa: E731
-                               if k not in ("global_batch", "sequence_parallel")) + \
-        (" --sequence-parallel" if c.get("sequence_parallel") else "")
-    return [f"{flags(c)} ({tokens:,.0f} tokens/s/GPU)" for tokens, c in found[:limit]]
+    return [f"{_as_flags(c)} ({tokens:,.0f} tokens/s/GPU)" for tokens, c in found[:limit]]
+
+
+def _new_settings(s: Setup, change: dict) -> dict:
+    """``change`` less the settings ``s`` already has."""
+    return {key: value for key, value in change.items()
+            if (s.strategy.label if key == "strategy" else getattr(s, key)) != value}
+
+
+def _as_flags(change: dict) -> str:
+    return " ".join(_FLAGS[key] if value is True else f"{_FLAGS[key]} {value}" for key, value in change.items())

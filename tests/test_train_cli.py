@@ -208,6 +208,21 @@ def test_startup_says_where_weights_and_data_come_from_and_what_runs_in_fp8(tmp_
     assert [str(w.message) for w in recwarn if "units=" in str(w.message)] == []
 
 
+def test_startup_lines_of_an_hf_directory_without_weights_and_of_a_resumed_run(hf_dir):
+    from fsdp8.train_config import TrainConfig
+    from fsdp8.train_startup import startup_lines
+
+    def weights(cfg, resumed_from=None):
+        text = startup_lines(cfg, None, params=1, world=1, device="cpu", layout="dp_shard 1", compute="fp32",
+                             tokens_per_step=1, tokenizer=None, train_tokens=95, val_tokens=5,
+                             resumed_from=resumed_from, first_step=40)
+        return text.splitlines()[1]
+
+    cfg = TrainConfig(model=f"hf:{hf_dir}", seed=3)
+    assert weights(cfg) == f"  weights: freshly initialised (seed 3): {hf_dir} has no *.safetensors files"
+    assert weights(cfg, "run/checkpoints/step-000040") == "  weights: resumed at step 40 from run/checkpoints/step-000040"
+
+
 def _train_help(capsys) -> dict:
     """`fsdp8 train -h` as {flag: its help text}."""
     with pytest.raises(SystemExit) as exit_info:

@@ -3,8 +3,10 @@ times, validation, the search's ranking, and `fsdp8 plan` on the command line.""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -246,6 +248,26 @@ def test_fixes_name_flags_that_make_it_fit():
     kwargs = {k[2:].replace("-", "_"): (int(v) if v.isdigit() else v) for k, v in changed.items()}
     kwargs["activation_checkpointing"] = kwargs.pop("ac", "none")
     assert plan("8b", seq_len=8192, **dict(dict(micro_batch=4, strategy="optim", global_batch=32), **kwargs)).memory.fits
+
+
+@pytest.mark.parametrize("kwargs,expected", [
+    (dict(gpus_per_node=1), ["--offload optim"]),  # once, not again beside settings already in effect
+    (dict(gpus_per_node=8, strategy="no_shard"), None),
+    (dict(gpus_per_node=8, seq_len=8192, micro_batch=4, strategy="optim"), None),
+    (dict(gpus_per_node=8, seq_len=16384, strategy="no_shard", tp=2, sequence_parallel=True), None),
+])
+def test_fixes_are_distinct_changes_of_settings_not_in_effect(kwargs, expected):
+    p = plan("8b", **kwargs)
+    found = [fix.split(" (")[0] for fix in fixes(p)]
+    assert found and (expected is None or found == expected), found
+    current = {"--strategy": p.setup.strategy.label, "--ac": p.setup.activation_checkpointing,
+               "--micro-batch": str(p.setup.micro_batch), "--tp": str(p.setup.tp),
+               "--sequence-parallel": p.setup.sequence_parallel, "--offload": p.setup.offload}
+    changes = [set(re.findall(r"(--[a-z-]+)(?: ([^-]\S*))?", fix)) for fix in found]
+    for change in changes:
+        assert all(current[flag] != (value or True) for flag, value in change), (change, current)
+    # Each is needed whole: no suggestion holds another one.
+    assert all(not a <= b for a, b in itertools.permutations(changes, 2)), found
 
 
 def test_efficiency_is_the_stated_fraction():
