@@ -320,7 +320,7 @@ def _search_table(found) -> str:
     first = found[0].plan
     lines = [f"fsdp8 plan --search: {first.spec.describe()}",
              f"  on {first.setup.cluster.describe()} = {first.setup.cluster.world} GPUs, seq {first.setup.seq_len}, "
-             f"global batch {first.setup.global_batch}; the {len(found)} fastest configurations that fit",
+             f"global batch {first.setup.global_batch}; the {len(found)} fastest distinct configurations that fit",
              f"{'#':>3} {'tokens/s/GPU':>12} {'MFU':>6} {'GiB':>6}  {'R x S x cp x tp':<16}{'strategy':<19}{'outer':<9}"
              f"{'AC':<10}{'offload':<8}{'SP':<4}{'micro x acc':>11}"]
     for i, c in enumerate(found, 1):

@@ -106,9 +106,11 @@ def search(model: Union[str, ModelSpec, None] = None, *, gpu: Union[str, GPU] = 
     """The configurations of ``model`` on the cluster that fit, fastest (predicted tokens/s/GPU)
     first: strategies x outer strategies x dp_replicate x tp x cp x activation checkpointing x
     micro-batch (within ``global_batch``, default one sequence per GPU) x offload x sequence
-    parallelism. ``tps`` defaults to the divisors of gpus_per_node (TP inside a node), ``cps``
-    to 1: pass context-parallel degrees to weigh them too (worth it for long sequences, whose
-    activations or attention time one rank cannot carry). ``loss_parallel=True`` keeps the
+    parallelism; of those that predict the same speed and differ only in how the data-parallel
+    ranks shard, the one with the least memory (and the fewest replicas). ``tps`` defaults to
+    the divisors of gpus_per_node (TP inside a node), ``cps`` to 1: pass context-parallel
+    degrees to weigh them too (worth it for long sequences, whose activations or attention
+    time one rank cannot carry). ``loss_parallel=True`` keeps the
     logits vocabulary-sharded wherever tp > 1 (for a loss computed inside torch's
     ``loss_parallel()``). Raises ValueError, saying what would help, when nothing fits."""
     spec = model_spec(model, **sizes)
@@ -122,7 +124,7 @@ def search(model: Union[str, ModelSpec, None] = None, *, gpu: Union[str, GPU] = 
         raise ValueError(f"no configuration of the search space can run {spec.name} on {cluster.world} GPUs with "
                          f"global batch {global_batch} (tp {tps}, cp {tuple(cps)}): the global batch must be a "
                          "multiple of the data-parallel ranks, and tp must divide the heads")
-    fitting = sorted((p for p in plans if p.memory.fits), key=_rank)
+    fitting = _distinct(sorted((p for p in plans if p.memory.fits), key=_rank))
     if not fitting:
         smallest = min(plans, key=lambda p: p.memory.total)
         raise ValueError(f"nothing fits: the smallest footprint found ({smallest.setup.describe()}, micro batch "
@@ -137,6 +139,23 @@ def _rank(p: Plan):
     s = p.setup
     return (-p.tokens_per_s_per_gpu, p.memory.total, s.dp_replicate, s.outer_strategy, s.tp, s.sequence_parallel,
             s.offload is not None)
+
+
+def _distinct(ranked: List[Plan]) -> List[Plan]:
+    """The first of each group of plans that predict the same speed with the same layout and
+    differ only in how the data-parallel ranks shard (dp_replicate, strategy, outer strategy),
+    e.g. 1 x 8 ZeRO-1 and 8 x 1 HSDP sharding the optimizer across replicas. ``ranked`` puts
+    first the one with the least memory, and among those the simplest (fewest replicas): the
+    others hold more for nothing, or are the same choice said in another way."""
+    seen, kept = set(), []
+    for p in ranked:
+        s = p.setup
+        key = (f"{p.tokens_per_s_per_gpu:.6g}", s.cp, s.tp, s.sequence_parallel, s.loss_parallel,
+               s.activation_checkpointing, s.offload, s.micro_batch)
+        if key not in seen:
+            seen.add(key)
+            kept.append(p)
+    return kept
 
 
 def _more_gpus(spec: ModelSpec, cluster: Cluster, setup: Setup) -> str:
