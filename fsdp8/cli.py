@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import warnings
 from typing import List, Optional
 
@@ -241,13 +242,23 @@ def _run_train(args: argparse.Namespace) -> int:
         cleared = clear_earlier_run(cfg.out)
         if cleared:
             print(cleared, file=sys.stderr)
-    return launch(train_quietly, (cfg,), nproc=nproc)
+    return launch(train_worker, (cfg,), nproc=nproc)
 
 
-def train_quietly(cfg: TrainConfig):
-    """``train`` as the command runs it on every rank: without the library's warning about layers
-    kept in high precision under FP8, which speaks of fully_shard's units= and comes from every
-    rank; the start-up line says which layers stay in bf16 instead."""
+def train_worker(cfg: TrainConfig):
+    """``train`` as the command runs it on every rank. Without the library's warning about layers
+    kept in high precision under FP8: it speaks of fully_shard's units= and comes from every
+    rank, and the start-up line says which layers stay in bf16 instead. With tqdm's lock a
+    thread lock: Inductor's compilation opens a (disabled) tqdm bar, for which tqdm makes a
+    process-shared lock, a named semaphore, at the first bar. It is unregistered at interpreter
+    exit, which spawned workers skip (launch.py), so the resource tracker reported it leaked
+    after every --compile run. No tqdm bar is shared between processes here."""
+    try:
+        import tqdm
+    except ImportError:  # torch then uses a stand-in that makes no lock
+        pass
+    else:
+        tqdm.tqdm.set_lock(threading.RLock())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HighPrecisionLayerWarning)
         return train(cfg)

@@ -223,6 +223,31 @@ def test_startup_lines_of_an_hf_directory_without_weights_and_of_a_resumed_run(h
     assert weights(cfg, "run/checkpoints/step-000040") == "  weights: resumed at step 40 from run/checkpoints/step-000040"
 
 
+def test_the_workers_make_no_process_shared_tqdm_lock(monkeypatch):
+    """Inductor's compilation opens a disabled tqdm bar; tqdm made a named semaphore for it, which
+    a worker's os._exit left registered: "resource_tracker: There appear to be 2 leaked semaphore
+    objects" after every fsdp8 train --compile."""
+    import multiprocessing.synchronize
+
+    tqdm = pytest.importorskip("tqdm")
+    from torch.hub import tqdm as inductors_tqdm
+
+    monkeypatch.delattr(tqdm.tqdm, "_lock", raising=False)  # as in a fresh worker process
+    monkeypatch.delattr(tqdm.std.TqdmDefaultWriteLock, "mp_lock", raising=False)
+    made = []
+    semlock_init = multiprocessing.synchronize.SemLock.__init__
+    monkeypatch.setattr(multiprocessing.synchronize.SemLock, "__init__",
+                        lambda self, *a, **k: made.append(type(self).__name__) or semlock_init(self, *a, **k))
+
+    def compiles(cfg):
+        with inductors_tqdm(total=1, desc="Inductor Compilation", disable=True, delay=0):
+            pass
+
+    monkeypatch.setattr(cli, "train", compiles)
+    cli.train_worker(cli.TrainConfig())
+    assert made == []
+
+
 def _train_help(capsys) -> dict:
     """`fsdp8 train -h` as {flag: its help text}."""
     with pytest.raises(SystemExit) as exit_info:
