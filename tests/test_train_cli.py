@@ -1,5 +1,6 @@
 """`fsdp8 train` decides in the launching process, in one line, before any worker starts:
-bad flags, an earlier run in --out, --overwrite. All in this process: launch is replaced."""
+bad flags, an earlier run in --out, --overwrite; and what a run says as it starts. All in this
+process: launch is replaced, or the run is one rank here (--nproc 1)."""
 
 import io
 import json
@@ -8,6 +9,7 @@ import re
 import sys
 
 import pytest
+import torch
 
 from fsdp8 import cli
 from fsdp8.run_log import Progress
@@ -196,8 +198,12 @@ def test_startup_says_where_weights_and_data_come_from_and_what_runs_in_fp8(tmp_
         monkeypatch.delenv(name, raising=False)  # the rank sets them; they are restored after
     text = "a line of text to train on\n" * 100
     (tmp_path / "text.txt").write_text(text)
-    assert cli.main(["train", "--nproc", "1", "--steps", "1", "--precision", "fp8-current", "--seq-len", "32",
-                     "--batch-size", "2", "--data", str(tmp_path / "text.txt"), "--out", str(tmp_path / "run")]) == 0
+    threads = torch.get_num_threads()  # the rank sets its own
+    try:
+        assert cli.main(["train", "--nproc", "1", "--steps", "1", "--precision", "fp8-current", "--seq-len", "32",
+                         "--batch-size", "2", "--data", str(tmp_path / "text.txt"), "--out", str(tmp_path / "run")]) == 0
+    finally:
+        torch.set_num_threads(threads)
     lines = capsys.readouterr().err.splitlines()
     val = int(len(text) * 0.05)
     assert lines[0].startswith("fsdp8 train: preset tiny (0.85M params), 1 x cpu as dp_shard 1,"), lines
