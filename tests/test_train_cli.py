@@ -195,7 +195,10 @@ def test_startup_says_where_weights_and_data_come_from_and_what_runs_in_fp8(tmp_
     """One rank in this process (fsdp8 train --nproc 1): the start-up lines, and no library warning
     about the head kept in bf16 (it speaks of fully_shard's units=; the fp8 line says it instead)."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)  # the rank sets them; they are restored after
+        # Unset for the run, which sets them, and unset again after it (a plain delenv of an unset
+        # name records nothing to put back: later tests would think they run under torchrun).
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     text = "a line of text to train on\n" * 100
     (tmp_path / "text.txt").write_text(text)
     threads = torch.get_num_threads()  # the rank sets its own

@@ -121,17 +121,18 @@ def test_kept_layer_warnings_have_a_category_of_their_own():
     and still hears when nothing runs in FP8 at all."""
     from fsdp8.fp8.convert import HighPrecisionLayerWarning
 
-    def root():
+    def root(block: nn.Module):
         model = NoLinears()
+        model.blocks = nn.ModuleList([block])
         model.head = nn.Linear(32, 16)
         return model, list(model.blocks.named_children())
 
     with pytest.warns(HighPrecisionLayerWarning, match=r"select such a layer as a unit through units=.*: head \(32x16\)"):
-        convert_units_to_fp8(*root(), Float8CurrentScaling())
+        convert_units_to_fp8(*root(nn.Linear(32, 32)), Float8CurrentScaling())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         warnings.simplefilter("ignore", HighPrecisionLayerWarning)
-        convert_units_to_fp8(*root(), Float8CurrentScaling())
+        convert_units_to_fp8(*root(nn.LayerNorm(32)), Float8CurrentScaling())
     assert [str(w.message)[:40] for w in caught] == ["fsdp8: FP8 was requested but no layer of"]
 
 
