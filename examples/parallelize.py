@@ -4,8 +4,14 @@ Run on CPUs:  torchrun --nproc_per_node 2 examples/parallelize.py      (tp 2)
 Run on GPUs:  torchrun --nproc_per_node 8 examples/parallelize.py      (dp 4 x tp 2)
 """
 
+import sys
+
 import torch
-import transformers
+
+try:
+    import transformers
+except ImportError as e:  # a line saying what to install, not a traceback
+    sys.exit(f'examples/parallelize.py needs transformers ({e}): pip install -e ".[hf]"')
 
 import fsdp8
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from .bench_host import measure_host
 from .bench_run import run_steps, trainer
+from .hf_dir import import_transformers
 from .plan import Plan, make_setup, plan_setup
 from .plan_hw import GIB, GPU, GPUS, Cluster, Efficiency, gpu_named
 from .plan_model import ModelSpec, model_spec
@@ -62,11 +63,10 @@ class BenchConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.model is not None and self.model.startswith("hf:"):
-            import importlib.util
-
-            if importlib.util.find_spec("transformers") is None:
-                raise ValueError(f"--model {self.model} needs transformers to build the model: pip install transformers "
-                                 "(fsdp8 plan reads hf:DIR without it)")
+            try:
+                import_transformers(f"--model {self.model}")
+            except ImportError as e:
+                raise ValueError(f"{e} (fsdp8 plan reads hf:DIR without it)") from None
         self.parallel_config()
         self.setup(self.spec(), _cluster_here(world, self.gpu, measured=None))
 
@@ -233,6 +233,11 @@ def bench(cfg: BenchConfig, network: bool = True) -> Optional[dict]:
     peak = torch.cuda.max_memory_allocated() if cuda else float("nan")
     from torch.profiler import ProfilerActivity, profile
 
+    # Kineto, the profiler's backend, prints "USDT: ... profiler_start" and "profiler_stop" to
+    # stderr around every profile: it keeps its log to errors unless told otherwise, but those
+    # markers have a level above ERROR. Only a level above theirs (6) hides them; kineto reads
+    # it when the process's first profile starts. A KINETO_LOG_LEVEL of the user's stands.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         step(cfg.warmup + cfg.steps)

@@ -11,12 +11,15 @@ import argparse
 import json
 import os
 import sys
+import threading
+import warnings
 from typing import List, Optional
 
 from . import __version__
 from .checkpoint.store import CheckpointError
 from .bench import PRECISIONS as BENCH_PRECISIONS, BenchConfig, bench
 from .config import AC_MODES, STRATEGY_NAMES
+from .fp8.convert import HighPrecisionLayerWarning
 from .launch import launch, resolve_nproc, under_torchrun
 from .models.llama import PRESETS
 from .plan import plan
@@ -246,7 +249,26 @@ def _run_train(args: argparse.Namespace) -> int:
             for note in plan.start():
                 print(note, file=sys.stderr)
         reporting = Reporting("fsdp8 train", os.path.join(cfg.out, ERROR_LOG), TRAIN_MEMORY_ADVICE)
-        return launch(train, (cfg,), nproc=nproc, reporting=reporting)
+        return launch(train_worker, (cfg,), nproc=nproc, reporting=reporting)
+
+
+def train_worker(cfg: TrainConfig):
+    """``train`` as the command runs it on every rank. Without the library's warning about layers
+    kept in high precision under FP8: it speaks of fully_shard's units= and comes from every
+    rank, and the start-up line says which layers stay in bf16 instead. With tqdm's lock a
+    thread lock: Inductor's compilation opens a (disabled) tqdm bar, for which tqdm makes a
+    process-shared lock, a named semaphore, at the first bar. It is unregistered at interpreter
+    exit, which spawned workers skip (launch.py), so the resource tracker reported it leaked
+    after every --compile run. No tqdm bar is shared between processes here."""
+    try:
+        import tqdm
+    except ImportError:  # torch then uses a stand-in that makes no lock
+        pass
+    else:
+        tqdm.tqdm.set_lock(threading.RLock())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HighPrecisionLayerWarning)
+        return train(cfg)
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -316,7 +338,7 @@ def _search_table(found) -> str:
     first = found[0].plan
     lines = [f"fsdp8 plan --search: {first.spec.describe()}",
              f"  on {first.setup.cluster.describe()} = {first.setup.cluster.world} GPUs, seq {first.setup.seq_len}, "
-             f"global batch {first.setup.global_batch}; the {len(found)} fastest configurations that fit",
+             f"global batch {first.setup.global_batch}; the {len(found)} fastest distinct configurations that fit",
              f"{'#':>3} {'tokens/s/GPU':>12} {'MFU':>6} {'GiB':>6}  {'R x S x cp x tp':<16}{'strategy':<19}{'outer':<9}"
              f"{'AC':<10}{'offload':<8}{'SP':<4}{'micro x acc':>11}"]
     for i, c in enumerate(found, 1):

@@ -3,6 +3,7 @@ and world-size-independent batches of it."""
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 import sys
@@ -11,8 +12,11 @@ from typing import Optional
 
 import torch
 
+from .hf_dir import import_transformers
+
 VOCAB_SIZE = 256  # of byte data
 VAL_FRACTION = 0.05
+_SNIFF_BYTES = 64 * 1024  # what check_text_file reads of a --data file
 
 
 def read_data(path: Optional[str]) -> bytes:
@@ -24,6 +28,29 @@ def read_data(path: Optional[str]) -> bytes:
     if not raw:
         raise ValueError(f"--data {path} is empty; give a text file to train on")
     return raw
+
+
+def check_text_file(path: str) -> None:
+    """Raise ValueError, in one line, unless ``path`` is a file that starts as UTF-8 text. A
+    directory, or a weights file or archive given by mistake, would otherwise fail later or
+    train silently on its bytes. Only the first 64 KiB are read: a cheap look, not a proof."""
+    if os.path.isdir(path):
+        raise ValueError(f"--data {path} is a directory; give one text file to train on (concatenate the "
+                         "directory's files into one)")
+    if not os.path.isfile(path):
+        raise ValueError(f"--data {path}: no such file; give a text file to train on")
+    with open(path, "rb") as f:
+        head = f.read(_SNIFF_BYTES)
+    nul = head.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"--data {path} is not text: it has a NUL byte at offset {nul}, as weights, archives and "
+                         "other binary files do; give a UTF-8 text file")
+    try:
+        # A file cut at 64 KiB may end inside a character: that part is left to the next read.
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < _SNIFF_BYTES)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--data {path} is not UTF-8 text (byte 0x{head[e.start]:02x} at offset {e.start} is "
+                         "invalid); give a UTF-8 text file (iconv -t utf-8 converts one)") from None
 
 
 def load_corpus() -> torch.Tensor:
@@ -51,9 +78,8 @@ def has_tokenizer(model_dir: str) -> bool:
 
 def load_tokenizer(model_dir: str):
     """The tokenizer of a local Hugging Face model directory, read from it alone (no network)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    auto_tokenizer = import_transformers("a Hugging Face tokenizer").AutoTokenizer
+    tokenizer = auto_tokenizer.from_pretrained(model_dir, local_files_only=True)
     # The whole file is encoded at once and cut into windows afterwards: the model never sees
     # a sequence longer than --seq-len, so the "longer than the model's maximum" warning the
     # tokenizer would print for the whole file is wrong here.

@@ -3,11 +3,12 @@ and the parameters each unit holds on one rank (tensor-parallel pieces, FP8 or n
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, replace
 from typing import List, Optional, Tuple
+
+from .hf_dir import config_file, read_config
 
 # Hugging Face model types whose decoder layer is the Llama block (RMSNorm, rotary GQA
 # attention, SwiGLU), and what they add to it.
@@ -156,31 +157,39 @@ def check_tp(spec: ModelSpec, tp: int) -> None:
 def hf_spec(path: str) -> ModelSpec:
     """A ModelSpec from a Hugging Face model directory's config.json (read here; transformers is
     not needed to plan)."""
-    file = path if path.endswith(".json") else os.path.join(path, "config.json")
-    if not os.path.isfile(file):
+    if not os.path.isfile(config_file(path)):
         raise FileNotFoundError(f"hf:{path}: no config.json there; give a Hugging Face model directory")
-    with open(file) as f:
-        config = json.load(f)
-    return hf_spec_of(config, os.path.basename(os.path.normpath(path)), f"hf:{path}")
+    return hf_spec_of(read_config(path), os.path.basename(os.path.normpath(path)), config_file(path))
 
 
-def hf_spec_of(config: dict, name: str = "", where: str = "the model") -> ModelSpec:
-    """A ModelSpec from a Hugging Face config as a dict (config.json, or ``config.to_dict()``)."""
+def hf_spec_of(config: dict, name: str = "", where: str = "the model's config") -> ModelSpec:
+    """A ModelSpec from a Hugging Face config as a dict (config.json, or ``config.to_dict()``);
+    ``where`` names it in errors."""
     config = config.get("text_config", config)
-    kind = config.get("model_type", "?")
+    if "model_type" not in config:
+        raise ValueError(f"{where} has no 'model_type'; give the sizes with --layers --hidden --ffn --heads --vocab "
+                         "instead")
+    kind = config["model_type"]
     if kind not in HF_TYPES:
         raise ValueError(f"{where}: model_type {kind!r} is not a Llama-family decoder the planner knows "
                          f"({', '.join(HF_TYPES)}); give the sizes with --layers --hidden --ffn --heads --vocab instead")
-    try:
-        heads = config["num_attention_heads"]
-        spec = ModelSpec(
-            name=name or kind, layers=config["num_hidden_layers"],
-            hidden=config["hidden_size"], ffn=config["intermediate_size"], heads=heads,
-            kv_heads=config.get("num_key_value_heads") or heads, vocab=config["vocab_size"],
-            head_dim=config.get("head_dim") or 0, tied=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=bool(config.get("attention_bias", False)), family="hf")
-    except KeyError as e:
-        raise ValueError(f"{where}: its config has no {e.args[0]!r}") from None
+    required = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+    missing = [field for field in required if field not in config]
+    if missing:
+        raise ValueError(f"{where} has no {', '.join(map(repr, missing))}")
+    sizes = {field: config[field] for field in required}
+    # Without these two (or with null), the others give them.
+    sizes.update({field: config[field] for field in ("num_key_value_heads", "head_dim") if config.get(field) is not None})
+    for field, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: {field} is {value!r}, not a positive integer")
+    heads = sizes["num_attention_heads"]
+    spec = ModelSpec(
+        name=name or kind, layers=sizes["num_hidden_layers"], hidden=sizes["hidden_size"],
+        ffn=sizes["intermediate_size"], heads=heads, kv_heads=sizes.get("num_key_value_heads", heads),
+        vocab=sizes["vocab_size"], head_dim=sizes.get("head_dim", 0),
+        tied=bool(config.get("tie_word_embeddings", False)), qkv_bias=bool(config.get("attention_bias", False)),
+        family="hf")
     return replace(spec, **HF_TYPES[kind])
 
 

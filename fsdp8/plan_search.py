@@ -106,9 +106,11 @@ def search(model: Union[str, ModelSpec, None] = None, *, gpu: Union[str, GPU] = 
     """The configurations of ``model`` on the cluster that fit, fastest (predicted tokens/s/GPU)
     first: strategies x outer strategies x dp_replicate x tp x cp x activation checkpointing x
     micro-batch (within ``global_batch``, default one sequence per GPU) x offload x sequence
-    parallelism. ``tps`` defaults to the divisors of gpus_per_node (TP inside a node), ``cps``
-    to 1: pass context-parallel degrees to weigh them too (worth it for long sequences, whose
-    activations or attention time one rank cannot carry). ``loss_parallel=True`` keeps the
+    parallelism; of those that predict the same speed and differ only in how the data-parallel
+    ranks shard, the one with the least memory (and the fewest replicas). ``tps`` defaults to
+    the divisors of gpus_per_node (TP inside a node), ``cps`` to 1: pass context-parallel
+    degrees to weigh them too (worth it for long sequences, whose activations or attention
+    time one rank cannot carry). ``loss_parallel=True`` keeps the
     logits vocabulary-sharded wherever tp > 1 (for a loss computed inside torch's
     ``loss_parallel()``). Raises ValueError, saying what would help, when nothing fits."""
     spec = model_spec(model, **sizes)
@@ -122,7 +124,7 @@ def search(model: Union[str, ModelSpec, None] = None, *, gpu: Union[str, GPU] = 
         raise ValueError(f"no configuration of the search space can run {spec.name} on {cluster.world} GPUs with "
                          f"global batch {global_batch} (tp {tps}, cp {tuple(cps)}): the global batch must be a "
                          "multiple of the data-parallel ranks, and tp must divide the heads")
-    fitting = sorted((p for p in plans if p.memory.fits), key=_rank)
+    fitting = _distinct(sorted((p for p in plans if p.memory.fits), key=_rank))
     if not fitting:
         smallest = min(plans, key=lambda p: p.memory.total)
         raise ValueError(f"nothing fits: the smallest footprint found ({smallest.setup.describe()}, micro batch "
@@ -137,6 +139,23 @@ def _rank(p: Plan):
     s = p.setup
     return (-p.tokens_per_s_per_gpu, p.memory.total, s.dp_replicate, s.outer_strategy, s.tp, s.sequence_parallel,
             s.offload is not None)
+
+
+def _distinct(ranked: List[Plan]) -> List[Plan]:
+    """The first of each group of plans that predict the same speed with the same layout and
+    differ only in how the data-parallel ranks shard (dp_replicate, strategy, outer strategy),
+    e.g. 1 x 8 ZeRO-1 and 8 x 1 HSDP sharding the optimizer across replicas. ``ranked`` puts
+    first the one with the least memory, and among those the simplest (fewest replicas): the
+    others hold more for nothing, or are the same choice said in another way."""
+    seen, kept = set(), []
+    for p in ranked:
+        s = p.setup
+        key = (f"{p.tokens_per_s_per_gpu:.6g}", s.cp, s.tp, s.sequence_parallel, s.loss_parallel,
+               s.activation_checkpointing, s.offload, s.micro_batch)
+        if key not in seen:
+            seen.add(key)
+            kept.append(p)
+    return kept
 
 
 def _more_gpus(spec: ModelSpec, cluster: Cluster, setup: Setup) -> str:
@@ -166,25 +185,47 @@ def _settings(setup: Setup, **overrides) -> dict:
     return dict(values, **overrides)
 
 
+# fsdp8 plan's flag for each setting a fix may change.
+_FLAGS = {"strategy": "--strategy", "activation_checkpointing": "--ac", "micro_batch": "--micro-batch", "tp": "--tp",
+          "sequence_parallel": "--sequence-parallel", "offload": "--offload"}
+
+
 def fixes(p: Plan, limit: int = 3) -> List[str]:
-    """Changes of one or two settings that make a plan that does not fit fit, fastest first, as flags."""
+    """Changes of one or two settings that make a plan that does not fit fit, fastest first, as
+    fsdp8 plan's flags. Each changes only settings not already in effect, and a pair is offered
+    only where neither of its changes fits alone (it would say nothing the single one does not)."""
     s, spec = p.setup, p.spec
     changes = [{"strategy": "optim_grads_params"}, {"activation_checkpointing": "selective"},
-               {"activation_checkpointing": "full"}, {"micro_batch": 1, "global_batch": s.global_batch}]
+               {"activation_checkpointing": "full"}, {"micro_batch": 1}]
     changes += [{"tp": t, "sequence_parallel": True} for t in _divisors(s.cluster.gpus_per_node) if t > s.tp]
     if not s.fp8 and s.strategy.label != "no_shard":
         changes.append({"offload": "optim"})
-    tried = changes + [dict(a, **b) for a, b in itertools.combinations(changes, 2) if not set(a) & set(b)]
-    found = []
-    for change in tried:
+    changes = [c for c in (_new_settings(s, c) for c in changes) if c]
+
+    def speed(change: dict) -> Optional[float]:
+        """Tokens/s/GPU with ``change`` where it fits; None where it does not, or cannot be made."""
         try:
             q = plan_setup(spec, make_setup(spec, s.cluster, **_settings(s, **change)))
         except ValueError:
-            continue
-        if q.memory.fits:
-            found.append((q.tokens_per_s_per_gpu, change))
+            return None
+        return q.tokens_per_s_per_gpu if q.memory.fits else None
+
+    singles = [speed(c) for c in changes]
+    found = [(tokens, c) for tokens, c in zip(singles, changes) if tokens is not None]
+    for (i, a), (j, b) in itertools.combinations(enumerate(changes), 2):
+        if not set(a) & set(b) and singles[i] is None and singles[j] is None:
+            tokens = speed(dict(a, **b))
+            if tokens is not None:
+                found.append((tokens, dict(a, **b)))
     found.sort(key=lambda item: -item[0])
-    flags = lambda c: " ".join(f"--{k.replace('_', '-')} {v}" for k, v in c.items()  # noqa: E731
-                               if k not in ("global_batch", "sequence_parallel")) + \
-        (" --sequence-parallel" if c.get("sequence_parallel") else "")
-    return [f"{flags(c)} ({tokens:,.0f} tokens/s/GPU)" for tokens, c in found[:limit]]
+    return [f"{_as_flags(c)} ({tokens:,.0f} tokens/s/GPU)" for tokens, c in found[:limit]]
+
+
+def _new_settings(s: Setup, change: dict) -> dict:
+    """``change`` less the settings ``s`` already has."""
+    return {key: value for key, value in change.items()
+            if (s.strategy.label if key == "strategy" else getattr(s, key)) != value}
+
+
+def _as_flags(change: dict) -> str:
+    return " ".join(_FLAGS[key] if value is True else f"{_FLAGS[key]} {value}" for key, value in change.items())

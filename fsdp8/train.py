@@ -26,6 +26,7 @@ from .parallel.mesh import init_distributed
 from .run_log import RunLog, find_checkpoint, history_of, memory_mib
 from .train_config import TrainConfig, build_model, weight_files
 from .train_io import load_data, load_weights, resume_from, save_checkpoint, saving
+from .train_startup import startup_lines
 
 # What the launcher says when a worker ran out of memory.
 TRAIN_MEMORY_ADVICE = ("use less memory per process: a smaller --batch-size (or more --micro-batches), --ac full, or "
@@ -126,7 +127,7 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
     # Offloaded main weights live in host memory, where CUDA's fused AdamW cannot step them.
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                             fused=device.type == "cuda" and cfg.offload == "none")
-    tokens, data_id = load_data(cfg)
+    tokens, data_id, tokenized = load_data(cfg)
     train_data, val_data = TokenCorpus(tokens, split="train"), TokenCorpus(tokens, split="val")
     tokens_per_step = cfg.batch_size * cfg.seq_len * model.dp_size
     mesh = model.device_mesh
@@ -146,10 +147,10 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
     if rank == 0:
         log = RunLog(cfg, history_of(resumed_from, first_step) if resumed_from else [])
         compute = cfg.precision if parallel.fp8 else ("bf16" if parallel.precision.param_dtype else "fp32")
-        print(f"fsdp8 train: {cfg.model_name} ({n_params / 1e6:.2f}M params), {world} x {device.type} as {layout}, "
-              f"strategy {cfg.strategy}, {compute} compute, "
-              f"{tokens_per_step} tokens/step" + (f", resumed at step {first_step} from {resumed_from}"
-                                                   if resumed_from else ""), file=sys.stderr)
+        print(startup_lines(cfg, model, params=n_params, world=world, device=device.type, layout=layout,
+                            compute=compute, tokens_per_step=tokens_per_step, tokenized=tokenized,
+                            train_tokens=len(train_data), val_tokens=len(val_data), resumed_from=resumed_from,
+                            first_step=first_step), file=sys.stderr)
         print(model.memory_report(), file=sys.stderr)
     running = torch.zeros((), device=device)  # sum of this log window's step losses (applied steps)
     stop = torch.zeros((), device=device)  # a pending stop request's signal number, agreed by max

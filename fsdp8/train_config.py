@@ -13,8 +13,10 @@ from typing import List
 import torch
 
 from .config import AC_MODES, ParallelConfig, Precision
-from .data import VOCAB_SIZE, check_token_count, encode_data, has_tokenizer, load_tokenizer, read_data
+from .data import (VOCAB_SIZE, check_text_file, check_token_count, encode_data, has_tokenizer,
+                   load_tokenizer, read_data)
 from .fp8.recipes import recipe_from_name
+from .hf_dir import config_file, import_transformers, read_config
 from .models.llama import Llama, preset
 from .parallel.cp import local_multiple
 
@@ -156,9 +158,7 @@ class TrainConfig:
 
 
 def _hf_config(directory: str):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(directory)
+    return import_transformers("--model hf:DIR").AutoConfig.from_pretrained(directory)
 
 
 def build_model(cfg: TrainConfig) -> torch.nn.Module:
@@ -167,12 +167,10 @@ def build_model(cfg: TrainConfig) -> torch.nn.Module:
     if not cfg.model:
         with torch.device("meta"):
             return Llama(preset(cfg.preset))
-    from transformers import AutoModelForCausalLM
-
     config = _hf_config(cfg.hf_dir)
     with torch.device("meta"):
         # fp32 whatever config.json's dtype: these are the main weights; --precision sets the compute dtype.
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return import_transformers("--model hf:DIR").AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def weight_files(directory: str) -> List[str]:
@@ -189,8 +187,8 @@ def check_run(cfg: TrainConfig, world: int) -> None:
         raise ValueError(f"{world} worker processes do not divide into groups of --dp-replicate {cfg.dp_replicate} x "
                          f"--cp {cfg.cp} x --tp {cfg.tp} = {degree}; run a multiple of {degree} workers (--nproc), or "
                          "change those degrees")
-    if cfg.data and not os.path.isfile(cfg.data):
-        raise ValueError(f"--data {cfg.data}: no such file; give a text file to train on")
+    if cfg.data:
+        check_text_file(cfg.data)
     vocab = preset(cfg.preset).vocab_size
     if cfg.model:
         vocab = _check_hf_dir(cfg).vocab_size
@@ -259,11 +257,14 @@ def _check_hf_dir(cfg: TrainConfig):
         raise ValueError(f"--model {cfg.model}: {directory} {what}; give a Hugging Face model directory (config.json, "
                          "optionally *.safetensors weights and a tokenizer)")
     try:
-        config = _hf_config(directory)
+        import_transformers(f"--model {cfg.model}")
     except ImportError as e:
-        raise ValueError(f"--model {cfg.model} needs transformers ({e}): pip install transformers") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--model {cfg.model}: transformers cannot read {directory}/config.json: "
+        raise ValueError(str(e)) from None
+    read_config(directory)  # JSON mistakes said precisely, before transformers words them its way
+    try:
+        config = _hf_config(directory)
+    except Exception as e:  # whatever transformers raises there (its field checks derive from Exception only)
+        raise ValueError(f"--model {cfg.model}: transformers cannot read {config_file(directory)}: "
                          f"{' '.join(str(e).split())}") from None
     if not weight_files(directory) and any(name.endswith((".bin", ".pt", ".pth")) for name in os.listdir(directory)):
         raise ValueError(f"--model {cfg.model}: the weights in {directory} are not safetensors files, which is what "

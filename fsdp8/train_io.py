@@ -29,9 +29,10 @@ def load_weights(model, cfg: TrainConfig) -> None:
         raise RunError(f"--model {cfg.model}: {e}") from e
 
 
-def load_data(cfg: TrainConfig) -> Tuple[torch.Tensor, dict]:
-    """The token ids to train on, and what the checkpoints record of a --data file: its path
-    and fingerprint (the launcher checked a short file's length; this checks any)."""
+def load_data(cfg: TrainConfig) -> Tuple[torch.Tensor, dict, bool]:
+    """The token ids to train on, what the checkpoints record of a --data file (its path and
+    fingerprint; the launcher checked a short file's length, this checks any), and whether
+    the model's tokenizer read it (else it was read as bytes)."""
     tokenizer = load_tokenizer(cfg.hf_dir) if cfg.model and has_tokenizer(cfg.hf_dir) else None
     raw = read_data(cfg.data or None)
     tokens = encode_data(raw, tokenizer)
@@ -41,7 +42,8 @@ def load_data(cfg: TrainConfig) -> Tuple[torch.Tensor, dict]:
                                                                 if tokenizer is not None else " (read as bytes)"))
     except ValueError as e:
         raise RunError(str(e)) from None
-    return tokens, ({"data": {"path": os.path.abspath(cfg.data), **fingerprint(raw)}} if cfg.data else {})
+    record = {"data": {"path": os.path.abspath(cfg.data), **fingerprint(raw)}} if cfg.data else {}
+    return tokens, record, tokenizer is not None
 
 
 def resume_from(checkpoint: str, model, opt, device: torch.device) -> int:

@@ -11,12 +11,14 @@ import pytest
 
 @pytest.mark.parametrize("layout,mesh", [([], "dp_shard 2 x cp 1"), (["--cp", "2"], "dp_shard 1 x cp 2")])
 def test_bench_tiny_on_two_cpu_workers(tmp_path, layout, mesh):
+    # As `python -m fsdp8` (fsdp8/__main__.py): spawned workers must not run the command again.
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, "-m", "fsdp8.cli", "bench", "--model", "tiny", "--steps", "2", "--warmup", "1",
+    proc = subprocess.run([sys.executable, "-m", "fsdp8", "bench", "--model", "tiny", "--steps", "2", "--warmup", "1",
                            "--json", *layout], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "USDT" not in proc.stderr, proc.stderr  # kineto's profiler markers
     result = json.loads(proc.stdout)
     assert (result["world"], result["device"]) == (2, "cpu")
     assert mesh in result["setup"], result["setup"]
@@ -55,6 +57,19 @@ def test_bench_bad_flags_fail_in_one_line(capsys, monkeypatch, argv, message):
         cli.main(["bench", *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("fsdp8 bench: error: ") and message in err[0], err
+
+
+def test_bench_of_an_hf_model_without_transformers_names_the_extra(capsys, monkeypatch):
+    from fsdp8 import cli
+
+    monkeypatch.setattr(cli, "launch", lambda *a, **k: pytest.fail("a worker was started"))
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--model", "hf:somewhere"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["fsdp8 bench: error: --model hf:somewhere needs transformers (import of transformers halted; None "
+                   "in sys.modules); install fsdp8's Hugging Face extra: pip install -e \".[hf]\" (fsdp8 plan reads "
+                   "hf:DIR without it)"], err
 
 
 def test_bench_at_a_loopback_world_of_two(tmp_path):

@@ -47,6 +47,26 @@ def test_readme_quickstart_runs(tmp_path):
     assert "tensors, e.g. embed.weight" in proc.stdout and "memory per rank" in proc.stdout
 
 
+def test_python_m_fsdp8_is_the_command(monkeypatch, capsys):
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["fsdp8", "--version"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("fsdp8", run_name="__main__")
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("fsdp8 ")
+
+
+def test_parallelize_example_without_transformers_says_what_to_install(monkeypatch):
+    import runpy
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "parallelize.py")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(script, run_name="__main__")
+    assert exit_info.value.code == ("examples/parallelize.py needs transformers (import of transformers halted; None in "
+                                    "sys.modules): pip install -e \".[hf]\"")
+
+
 def test_readme_parallelize_example_runs(tmp_path):
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "parallelize.py")
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script], tmp_path)

@@ -85,7 +85,7 @@ def test_resume_passes_over_a_damaged_newest_checkpoint_saying_why(tmp_path, cap
     assert cli.main(["train", "--resume", str(out), "--steps", "10"]) == 0
     assert launched[0].resume == str(out / "checkpoints" / "step-000002")
     note = capsys.readouterr().err.strip()
-    assert note.startswith(f"--resume: passed over step-000004 (") and why in note, note
+    assert note.startswith("--resume: passed over step-000004 (") and why in note, note
     assert note.endswith(f") in {out / 'checkpoints'}; resuming from step-000002, the newest checkpoint that can be "
                          "loaded")
 

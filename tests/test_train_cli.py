@@ -1,12 +1,15 @@
 """`fsdp8 train` decides in the launching process, in one line, before any worker starts:
-bad flags, an earlier run in --out, --overwrite. All in this process: launch is replaced."""
+bad flags, an earlier run in --out, --overwrite; and what a run says as it starts. All in this
+process: launch is replaced, or the run is one rank here (--nproc 1)."""
 
 import io
 import json
 import os
 import re
+import sys
 
 import pytest
+import torch
 
 from fsdp8 import cli
 from fsdp8.run_log import Progress
@@ -76,7 +79,13 @@ def test_overwrite_deletes_the_earlier_run_and_says_so(tmp_path, capsys, launche
                                     "--tp 2 = 2; run a multiple of 2 workers (--nproc)"),
     (["--nproc", "8", "--dp-replicate", "2", "--cp", "3", "--seq-len", "120"],
      "--dp-replicate 2 x --cp 3 x --tp 1 = 6"),
-    (["--nproc", "3", "--tp", "3"], "--tp 3: tensor_parallel: n_heads=4 is not divisible by tp=3"),
+    # Every size tp splits, and the tp values that divide them all (not those of one size alone).
+    (["--nproc", "3", "--tp", "3"], "--tp 3: tensor_parallel: tp=3 must divide n_heads=4 and n_kv_heads=2 (each rank "
+                                    "computes whole heads), and the split dims 128 (layers.*.attn.wq, layers.*.attn.wo) "
+                                    "and 64 (layers.*.attn.wk, layers.*.attn.wv); use tp in (1, 2), which divide them "
+                                    "all"),
+    (["--nproc", "4", "--tp", "4"], "--tp 4: tensor_parallel: tp=4 must divide n_kv_heads=2 (each rank computes "
+                                    "whole heads); use tp in (1, 2), which divide them all"),
     (["--nproc", "4", "--cp", "2", "--seq-len", "30"], "--seq-len 30 is not a multiple of 4: --cp 2 cuts each "
                                                        "sequence into 2 x 2 equal chunks; pass --seq-len 28"),
     (["--nproc", "8", "--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-len", "36"],
@@ -91,6 +100,8 @@ def test_overwrite_deletes_the_earlier_run_and_says_so(tmp_path, capsys, launche
      "--offload optim does not work with --precision fp8-current"),
     # The model and the data.
     (["--data", "missing.txt"], "--data missing.txt: no such file"),
+    (["--data", "run"], "--data run is a directory; give one text file to train on"),
+    (["--data", "model.safetensors"], "--data model.safetensors is not text: it has a NUL byte at offset 1"),
     (["--model", "llama"], "--model takes hf:DIR (a Hugging Face model directory) or a built-in preset"),
     (["--model", "small", "--preset", "tiny"], "--model small and --preset tiny name different presets"),
     (["--model", "hf:nowhere"], "--model hf:nowhere: nowhere is not a directory"),
@@ -99,6 +110,7 @@ def test_overwrite_deletes_the_earlier_run_and_says_so(tmp_path, capsys, launche
 def test_bad_arguments_are_one_line_before_anything_starts(tmp_path, monkeypatch, capsys, launched, args, message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a-file").write_text("")
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
     (tmp_path / "run").mkdir()
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", "--out", "run", *args] if "--out" not in args else ["train", *args])
@@ -126,13 +138,51 @@ def hf_dir(tmp_path):
          "with vocab_size >= 256, or put a tokenizer in its directory"),
     (["--preset", "small"], "--preset sizes the built-in Llama, which --model hf:{dir} replaces; pass one of them"),
     (["--seq-len", "512"], "--seq-len 512 exceeds the 256 positions of hf:{dir}"),
-    (["--nproc", "3", "--tp", "3"], "--tp 3: tensor_parallel: num_attention_heads=4 is not divisible by tp=3"),
+    (["--nproc", "3", "--tp", "3"], "--tp 3: tensor_parallel: tp=3 must divide num_attention_heads=4 and "
+                                    "num_key_value_heads=2 (each rank computes whole heads), and the split dims 64"),
 ])
 def test_bad_hf_model_runs_are_one_line(tmp_path, capsys, launched, hf_dir, args, message):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", "--model", f"hf:{hf_dir}", "--out", str(tmp_path / "run"), *args])
     assert exit_info.value.code == 2 and launched == []
     assert message.format(dir=hf_dir) in _error_line(capsys)
+
+
+def test_hf_model_without_transformers_names_the_extra(tmp_path, monkeypatch, capsys, launched):
+    """`pip install -e .` brings no transformers: --model hf:DIR says how to add it."""
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--model", f"hf:{tmp_path / 'hf'}", "--out", str(tmp_path / "run")])
+    line = _error_line(capsys)
+    assert line == (f"fsdp8 train: error: --model hf:{tmp_path / 'hf'} needs transformers (import of transformers "
+                    "halted; None in sys.modules); install fsdp8's Hugging Face extra: pip install -e \".[hf]\""), line
+
+
+def test_the_extra_the_errors_name_brings_transformers_and_the_tests_install_it():
+    tomllib = pytest.importorskip("tomllib")
+    from fsdp8.hf_dir import INSTALL_HF
+
+    extra = re.search(r"\.\[(\w+)\]", INSTALL_HF).group(1)
+    extras = tomllib.loads(open(os.path.join(REPO, "pyproject.toml")).read())["project"]["optional-dependencies"]
+    assert any(req.startswith("transformers") for req in extras[extra]), extras
+    tested = [req for req in extras["test"] if req.startswith("fsdp8[")]
+    assert tested and extra in re.search(r"\[(.*)\]", tested[0]).group(1).split(","), extras["test"]
+
+
+@pytest.mark.parametrize("text,problem", [
+    ('{"model_type": "llama",}', "is not valid JSON: Expecting property name enclosed in double quotes at line 1 "
+                                 "column 24; fix it, or give the config.json that save_pretrained writes"),
+    ('["llama"]', "holds a JSON array, not an object of config fields"),
+])
+def test_a_malformed_hf_config_is_named_with_its_problem(tmp_path, capsys, launched, text, problem):
+    pytest.importorskip("transformers")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(text)
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--model", f"hf:{tmp_path / 'hf'}", "--out", str(tmp_path / "run")])
+    assert _error_line(capsys).startswith(f"fsdp8 train: error: {tmp_path / 'hf' / 'config.json'} {problem}")
 
 
 def test_hf_weights_must_be_safetensors(tmp_path, capsys, launched, hf_dir):
@@ -222,8 +272,74 @@ def test_workers_check_the_data_length_too(tmp_path, hf_dir):
     with pytest.raises(RunError, match=r"--data .*text.txt \(read with the tokenizer of .*\) is too short: its "
                                        r"validation part \(the last 5%, 30 of 600 tokens\)"):
         load_data(TrainConfig(model=f"hf:{hf_dir}", data=str(data), seq_len=32))
-    tokens, recorded = load_data(TrainConfig(model=f"hf:{hf_dir}", data=str(data), seq_len=24))
-    assert tokens.numel() == 600 and recorded["data"]["bytes"] == 2500
+    tokens, recorded, tokenized = load_data(TrainConfig(model=f"hf:{hf_dir}", data=str(data), seq_len=24))
+    assert tokens.numel() == 600 and recorded["data"]["bytes"] == 2500 and tokenized
+
+
+def test_startup_says_where_weights_and_data_come_from_and_what_runs_in_fp8(tmp_path, monkeypatch, capsys, recwarn):
+    """One rank in this process (fsdp8 train --nproc 1): the start-up lines, and no library warning
+    about the head kept in bf16 (it speaks of fully_shard's units=; the fp8 line says it instead)."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        # Unset for the run, which sets them, and unset again after it (a plain delenv of an unset
+        # name records nothing to put back: later tests would think they run under torchrun).
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    text = "a line of text to train on\n" * 100
+    (tmp_path / "text.txt").write_text(text)
+    threads = torch.get_num_threads()  # the rank sets its own
+    try:
+        assert cli.main(["train", "--nproc", "1", "--steps", "1", "--precision", "fp8-current", "--seq-len", "32",
+                         "--batch-size", "2", "--data", str(tmp_path / "text.txt"), "--out", str(tmp_path / "run")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    lines = capsys.readouterr().err.splitlines()
+    val = int(len(text) * 0.05)
+    assert lines[0].startswith("fsdp8 train: preset tiny (0.85M params), 1 x cpu as dp_shard 1,"), lines
+    assert lines[1:4] == ["  weights: freshly initialised (seed 0)",
+                          "  fp8: 28 linear layers run FP8 GEMMs; in bf16: head (128x256)",
+                          f"  data: --data {tmp_path / 'text.txt'}, read as bytes: {len(text):,} tokens "
+                          f"({len(text) - val:,} train, {val:,} validation)"], lines
+    assert [str(w.message) for w in recwarn if "units=" in str(w.message)] == []
+
+
+def test_startup_lines_of_an_hf_directory_without_weights_and_of_a_resumed_run(hf_dir):
+    from fsdp8.train_config import TrainConfig
+    from fsdp8.train_startup import startup_lines
+
+    def weights(cfg, resumed_from=None):
+        text = startup_lines(cfg, None, params=1, world=1, device="cpu", layout="dp_shard 1", compute="fp32",
+                             tokens_per_step=1, tokenized=False, train_tokens=95, val_tokens=5,
+                             resumed_from=resumed_from, first_step=40)
+        return text.splitlines()[1]
+
+    cfg = TrainConfig(model=f"hf:{hf_dir}", seed=3)
+    assert weights(cfg) == f"  weights: freshly initialised (seed 3): {hf_dir} has no *.safetensors files"
+    assert weights(cfg, "run/checkpoints/step-000040") == "  weights: resumed at step 40 from run/checkpoints/step-000040"
+
+
+def test_the_workers_make_no_process_shared_tqdm_lock(monkeypatch):
+    """Inductor's compilation opens a disabled tqdm bar; tqdm made a named semaphore for it, which
+    a worker's os._exit left registered: "resource_tracker: There appear to be 2 leaked semaphore
+    objects" after every fsdp8 train --compile."""
+    import multiprocessing.synchronize
+
+    tqdm = pytest.importorskip("tqdm")
+    from torch.hub import tqdm as inductors_tqdm
+
+    monkeypatch.delattr(tqdm.tqdm, "_lock", raising=False)  # as in a fresh worker process
+    monkeypatch.delattr(tqdm.std.TqdmDefaultWriteLock, "mp_lock", raising=False)
+    made = []
+    semlock_init = multiprocessing.synchronize.SemLock.__init__
+    monkeypatch.setattr(multiprocessing.synchronize.SemLock, "__init__",
+                        lambda self, *a, **k: made.append(type(self).__name__) or semlock_init(self, *a, **k))
+
+    def compiles(cfg):
+        with inductors_tqdm(total=1, desc="Inductor Compilation", disable=True, delay=0):
+            pass
+
+    monkeypatch.setattr(cli, "train", compiles)
+    cli.train_worker(cli.TrainConfig())
+    assert made == []
 
 
 def _train_help(capsys) -> dict:

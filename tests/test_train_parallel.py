@@ -145,6 +145,10 @@ def test_hf_model_directory_with_weights_tokenizer_and_data(tmp_path):
     losses, _ = _records(out)
 
     ids = transformers.AutoTokenizer.from_pretrained(str(model_dir)).encode(text, add_special_tokens=False)
+    val = int(len(ids) * 0.05)
+    assert f"\n  weights: loaded from {model_dir}: model.safetensors\n" in stderr, stderr
+    assert (f"\n  data: --data {tmp_path / 'text.txt'}, tokenized with the tokenizer of hf:{model_dir}: {len(ids):,} "
+            f"tokens ({len(ids) - val:,} train, {val:,} validation)\n") in stderr, stderr
     x, _ = TokenCorpus(torch.tensor(ids), split="train").batch(0, 0, 1, 4, 32, seed=0)
     with torch.no_grad():
         expected = float(model(input_ids=x, labels=x).loss)

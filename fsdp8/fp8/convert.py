@@ -26,6 +26,11 @@ _OUTSIDE = ("projection layer(s) in high precision outside the units (fully_shar
             "only; select such a layer as a unit through units= to convert it)")
 
 
+class HighPrecisionLayerWarning(UserWarning):
+    """Projection-like layers left in high precision under an FP8 recipe, named with why.
+    Filter this category to silence it where that is expected (fsdp8 train says it its own way)."""
+
+
 class KeptLayer(NamedTuple):
     """A projection-like layer left in high precision, and why."""
 
@@ -51,6 +56,11 @@ def _features(module: nn.Module) -> Tuple[int, int]:
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
     return module.nx, module.nf  # Conv1D
+
+
+def _detail(module: nn.Module, kind: str) -> str:
+    """How a kept layer is named beside its name: ``in x out``, or the class fsdp8 does not know."""
+    return type(module).__name__ if kind == "other" else "x".join(map(str, _features(module)))
 
 
 def _kind(module: nn.Module, conv1d: Optional[type]) -> Optional[str]:
@@ -104,8 +114,7 @@ def convert_units_to_fp8(root: nn.Module, units: Sequence[Tuple[str, nn.Module]]
     for name, module in root.named_modules():
         kind = _kind(module, conv1d)
         if id(module) not in inside and kind is not None:
-            detail = type(module).__name__ if kind == "other" else "x".join(map(str, _features(module)))
-            kept.append(KeptLayer(name, detail, _OUTSIDE))
+            kept.append(KeptLayer(name, _detail(module, kind), _OUTSIDE))
     warn_skipped(kept, root)
     return converted
 
@@ -133,7 +142,7 @@ def convert_linears(model: nn.Module, recipe: Recipe, filter: Optional[LinearFil
                 Float8Linear.convert(module, recipe)
             converted.append(full)
         elif filter is None:
-            kept.append(KeptLayer(full, "x".join(map(str, _features(module))), _DIMS))
+            kept.append(KeptLayer(full, _detail(module, kind), _DIMS))
     if converted:
         from .mlp import fuse_swiglu_mlps
 
@@ -154,6 +163,22 @@ def _convert_conv1d(conv: nn.Module, recipe: Recipe) -> Float8Conv1D:
     return Float8Linear.convert(conv, recipe)
 
 
+def projection_layers(model: nn.Module) -> Tuple[List[str], List[str]]:
+    """The names of ``model``'s projection-like layers (nn.Linear, transformers Conv1D, other
+    2-D weights outside embeddings) that run in FP8, and of those that do not, each as
+    ``name (in x out)`` or ``name (class)``."""
+    conv1d = _conv1d_class()
+    fp8, high = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, Float8Linear):
+            fp8.append(name)
+            continue
+        kind = _kind(module, conv1d)
+        if kind is not None:
+            high.append(f"{name} ({_detail(module, kind)})")
+    return fp8, high
+
+
 def warn_skipped(kept: List[KeptLayer], model: Optional[nn.Module] = None) -> None:
     """One warning for the layers kept in high precision (grouped by reason), and, given the
     model, one when none of its layers runs in FP8."""
@@ -163,7 +188,7 @@ def warn_skipped(kept: List[KeptLayer], model: Optional[nn.Module] = None) -> No
     if by_reason:
         parts = [f"kept {len(names)} {reason}: {', '.join(names)}"
                  for reason, names in by_reason.items()]
-        warnings.warn("fsdp8: " + "; ".join(parts), stacklevel=3)
+        warnings.warn("fsdp8: " + "; ".join(parts), HighPrecisionLayerWarning, stacklevel=3)
     if model is not None and not any(isinstance(m, Float8Linear) for m in model.modules()):
         warnings.warn(f"fsdp8: FP8 was requested but no layer of {type(model).__name__} runs in FP8, so every "
                       "GEMM stays in high precision: no nn.Linear or transformers Conv1D was converted (there is "

@@ -137,8 +137,10 @@ def warn_tp_kept(kept) -> None:
     if kept:
         import warnings
 
+        from .convert import HighPrecisionLayerWarning
+
         warnings.warn(f"fsdp8: kept {len(kept)} tensor-parallel layer(s) in high precision: {'; '.join(kept)}",
-                      stacklevel=3)
+                      HighPrecisionLayerWarning, stacklevel=3)
 
 
 class Float8ColwiseParallel(ColwiseParallel):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Union
 
@@ -159,10 +160,13 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
     says which."""
     config = ParallelConfig() if config is None else config
     if isinstance(config, str) and config == "auto":
-        from .auto import auto_config
+        from .auto import auto_choice, describe_choice
 
         init_distributed()
-        config = auto_config(model)
+        best = auto_choice(model)
+        if dist.get_rank() == 0:  # every rank chose the same
+            print(describe_choice(best, torch.cuda.is_available()), file=sys.stderr, flush=True)
+        config = best.parallel_config()
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"parallelize takes a fsdp8.ParallelConfig or 'auto', got {config!r}")
     is_hf = hf.is_hf_model(model)

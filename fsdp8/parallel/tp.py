@@ -206,36 +206,36 @@ def _sharded_dim(module: nn.Module, style: ParallelStyle) -> Optional[Tuple[str,
 
 
 def check_shapes(modules: Mapping[str, nn.Module], plan: Plan, tp: int, family: Optional[FamilyPlan]) -> None:
-    """Raise one ValueError listing every head count and module dim that tp does not divide.
+    """Raise one ValueError naming the head counts and module dims that tp does not divide, and
+    the tp values that divide them all (every head count and split dim, not only the failing ones).
 
     Vocabulary dims may be uneven (torch's vocab-sharded embedding, colwise head and
     loss_parallel handle unequal chunks): an embedding's rows, and the family's head."""
-    problems = []
     heads = [(name, count) for name, count, pattern in (family.heads if family else [])
              if any(fnmatchcase(fqn, pattern) and isinstance(style, ColwiseParallel) for fqn, style in plan.items())]
-    if heads:
-        common = math.gcd(*(count for _, count in heads))
-        for name, count in heads:
-            if count % tp:
-                problems.append(
-                    f"{name}={count} is not divisible by tp={tp} (each rank computes whole heads); "
-                    f"use tp in {_divisors(common)}"
-                )
+    dims: Dict[int, List[str]] = {}  # a size tp splits -> the modules it splits it in
     vocab = family.vocab_modules if family else ()
     for fqn, style in plan.items():
         module = modules[fqn]
         dim = _sharded_dim(module, style)
-        uneven_ok = fqn in vocab or (isinstance(module, nn.Embedding) and isinstance(style, RowwiseParallel))
-        if dim is None or dim[1] % tp == 0 or uneven_ok:
+        if dim is None or fqn in vocab or (isinstance(module, nn.Embedding) and isinstance(style, RowwiseParallel)):
             continue
-        # One line for all layers: the same module in every block fails the same way.
+        # One name for all layers: the same module in every block fails the same way.
         pattern = re.sub(r"[.]\d+[.]", ".*.", fqn)
-        problem = (f"{pattern} ({type(style).__name__}) splits {dim[0]}={dim[1]} "
-                   f"over tp={tp}, which does not divide it; use tp in {_divisors(dim[1])}")
-        if problem not in problems:
-            problems.append(problem)
-    if problems:
-        raise ValueError("tensor_parallel: " + "; ".join(problems))
+        names = dims.setdefault(dim[1], [])
+        if pattern not in names:
+            names.append(pattern)
+    wrong = []
+    if any(count % tp for _, count in heads):
+        wrong.append(" and ".join(f"{name}={count}" for name, count in heads if count % tp)
+                     + " (each rank computes whole heads)")
+    if any(size % tp for size in dims):
+        wrong.append("the split dims " + " and ".join(f"{size} ({', '.join(names)})" for size, names in dims.items()
+                                                      if size % tp))
+    if wrong:
+        working = _divisors(math.gcd(*[count for _, count in heads], *dims))
+        fix = f"use tp in {working}, which divide them all" if len(working) > 1 else "no tp > 1 divides them all"
+        raise ValueError(f"tensor_parallel: tp={tp} must divide {', and '.join(wrong)}; {fix}")
 
 
 def _predicted_placement(module: nn.Module, param_name: str, style: Optional[ParallelStyle]) -> Optional[Placement]:

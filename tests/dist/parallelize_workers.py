@@ -303,11 +303,11 @@ def auto_layout(family: str = "builtin") -> dict:
     """parallelize(model, "auto"): the layout fsdp8.plan.search ranks first here, the same on
     every rank; its losses against the same layout given explicitly (equal) and against one
     process (meaningful where the layout computes in fp32, as on CPUs)."""
-    from fsdp8.parallel.auto import auto_config
+    from fsdp8.parallel.auto import auto_choice
 
     model = build(family)
     reference = reference_run(copy.deepcopy(model), family)
-    expected = auto_config(model)
+    expected = auto_choice(model).parallel_config()
 
     def mean_losses(sharded) -> torch.Tensor:
         opt = torch.optim.SGD(sharded.parameters(), lr=LR)

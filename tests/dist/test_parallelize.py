@@ -141,8 +141,8 @@ BAD_WORLDS = [
      "sequence_parallel need tensor parallelism, but tp came out as 1 on 4 ranks"),
     (("mlp", {"tp": 2}), "no automatic tensor-parallel plan for Sequential (fsdp8 knows the plans of its own Llama and "
                          "of Hugging Face models); pass ParallelConfig(tp_plan={'module pattern': ParallelStyle"),
-    (("builtin", {"tp": 4}), "n_kv_heads=2 is not divisible by tp=4 (each rank computes whole heads); use tp in (1, 2) "
-                             "(parallelize passes ParallelConfig.tp_plan as tensor_parallel's plan)"),
+    (("builtin", {"tp": 4}), "tp=4 must divide n_kv_heads=2 (each rank computes whole heads); use tp in (1, 2), which "
+                             "divide them all (parallelize passes ParallelConfig.tp_plan as tensor_parallel's plan)"),
 ]
 
 

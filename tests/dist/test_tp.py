@@ -73,20 +73,19 @@ def test_hf_parity(world, family, sp, lp, model_kw):
 
 
 BAD = {
-    "kv_heads": "n_kv_heads=1 is not divisible by tp=2 (each rank computes whole heads); use tp in (1,)",
-    "heads": "n_heads=3 is not divisible by tp=2 (each rank computes whole heads); use tp in (1, 3); "
-             "n_kv_heads=3 is not divisible",
-    "ffn": "tensor_parallel: layers.*.ffn.w1 (ColwiseParallel) splits out_features=49 over tp=2, which does not "
-           "divide it; use tp in (1, 7, 49); layers.*.ffn.w3 (ColwiseParallel) splits out_features=49 over tp=2, which "
-           "does not divide it; use tp in (1, 7, 49); layers.*.ffn.w2 (RowwiseParallel) splits in_features=49",
+    "kv_heads": "tp=2 must divide n_kv_heads=1 (each rank computes whole heads); no tp > 1 divides them all",
+    "heads": "tp=2 must divide n_heads=3 and n_kv_heads=3 (each rank computes whole heads); use tp in (1, 3), "
+             "which divide them all",
+    # The head counts (4 and 2) allow no tp that the feed-forward's 49 allows.
+    "ffn": "tensor_parallel: tp=2 must divide the split dims 49 (layers.*.ffn.w1, layers.*.ffn.w3, layers.*.ffn.w2); "
+           "no tp > 1 divides them all",
     "unknown_key": "plan key 'layers.*.attn.wz' matches no module",
     "not_a_style": "plan['head'] must be a torch ParallelStyle",
     "no_plan": "no automatic tensor-parallel plan for Sequential",
-    "uneven_features": "0 (ColwiseParallel) splits out_features=15 over tp=2, which does not divide it; "
-                       "use tp in (1, 3, 5, 15)",
+    "uneven_features": "tp=2 must divide the split dims 15 (0); use tp in (1, 3, 5, 15)",
     "tied_split": "tied parameter placed differently by the plan: embed.weight as Shard(dim=0), head.weight as a "
                   "plain tensor",
-    "hf_kv_heads": "num_key_value_heads=1 is not divisible by tp=2",
+    "hf_kv_heads": "tp=2 must divide num_key_value_heads=1",
     "hf_unsupported": "model.layers.*.self_attn.q_proj ('packed_colwise')",
     "two_d_mesh": "tp_mesh must be a 1-D DeviceMesh",
     "twice": "Llama already has DTensor parameters (embed.weight, layers.0.attn_norm.weight, layers.0.attn.wq.weight",

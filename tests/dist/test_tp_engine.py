@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import BACKEND, run_on_ranks
+from tests.harness import run_on_ranks
 from tests.dist import tp_engine_workers as workers
 from tests.dist import tp_fp8_workers
 

@@ -1,12 +1,14 @@
 """Unit tests for the byte corpus: packaging, determinism, world-size independence, errors."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from fsdp8.data import VAL_FRACTION, ByteCorpus, decode, encode, load_corpus
+from fsdp8.data import (VAL_FRACTION, ByteCorpus, check_text_file, decode, encode, has_tokenizer, load_corpus,
+                        load_tokenizer)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,3 +99,41 @@ def test_constructor_errors():
         ByteCorpus(split="test")
     with pytest.raises(ValueError, match="uint8"):
         ByteCorpus(torch.arange(100))
+
+
+def test_a_directory_or_a_binary_file_is_no_data(tmp_path):
+    (tmp_path / "weights.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}" + bytes(64))
+    (tmp_path / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))
+    # A 3-byte character cut by the 64 KiB look is no error: the text goes on past it.
+    (tmp_path / "long.txt").write_bytes("€".encode() * 30000)
+    check_text_file(str(tmp_path / "long.txt"))
+    for name, message in [(".", " is a directory; give one text file to train on"),
+                          ("weights.safetensors", " is not text: it has a NUL byte at offset 1"),
+                          ("latin1.txt", " is not UTF-8 text (byte 0xe9 at offset 3 is invalid)"),
+                          ("missing.txt", ": no such file")]:
+        path = str(tmp_path / name)
+        with pytest.raises(ValueError) as e:
+            check_text_file(path)
+        assert str(e.value).startswith(f"--data {path}{message}"), e.value
+
+
+def test_a_tokenizer_model_alone_is_a_tokenizer(tmp_path):
+    """A directory whose tokenizer is only SentencePiece's tokenizer.model (Llama 2, Mistral v0.1):
+    transformers reads it through sentencepiece, which the [hf] extra brings."""
+    import sentencepiece
+
+    text = decode(load_corpus()).splitlines()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(text), model_prefix=str(tmp_path / "tokenizer"),
+                                             vocab_size=300, model_type="bpe", minloglevel=2)
+    (tmp_path / "tokenizer.vocab").unlink()
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert has_tokenizer(str(tmp_path))
+    tokenizer = load_tokenizer(str(tmp_path))
+    assert len(tokenizer) == 300 and tokenizer.decode(tokenizer.encode("plus = 7", add_special_tokens=False)) == "plus = 7"
+
+
+def test_load_tokenizer_without_transformers_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    with pytest.raises(ImportError, match=r'^a Hugging Face tokenizer needs transformers \(.*\); install fsdp8\'s '
+                                          r'Hugging Face extra: pip install -e "\.\[hf\]"$'):
+        load_tokenizer(str(tmp_path))

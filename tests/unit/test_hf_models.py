@@ -115,6 +115,27 @@ def test_fully_shard_conversion_names_layers_outside_the_units():
     assert "no layer of NoLinears runs in FP8" in messages[1]
 
 
+def test_kept_layer_warnings_have_a_category_of_their_own():
+    """Library callers see which layers stay in high precision and how to convert them; a caller
+    for whom that is expected (fsdp8 train, whose start-up line says it) filters the category,
+    and still hears when nothing runs in FP8 at all."""
+    from fsdp8.fp8.convert import HighPrecisionLayerWarning
+
+    def root(block: nn.Module):
+        model = NoLinears()
+        model.blocks = nn.ModuleList([block])
+        model.head = nn.Linear(32, 16)
+        return model, list(model.blocks.named_children())
+
+    with pytest.warns(HighPrecisionLayerWarning, match=r"select such a layer as a unit through units=.*: head \(32x16\)"):
+        convert_units_to_fp8(*root(nn.Linear(32, 32)), Float8CurrentScaling())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.simplefilter("ignore", HighPrecisionLayerWarning)
+        convert_units_to_fp8(*root(nn.LayerNorm(32)), Float8CurrentScaling())
+    assert [str(w.message)[:40] for w in caught] == ["fsdp8: FP8 was requested but no layer of"]
+
+
 # -- meta-device init (tests/dist/test_hf.py builds GPT-2, Llama and Qwen2 on meta) -----------------
 def _rope(config, device):
     return 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float, device=device) / 8)), 1.0

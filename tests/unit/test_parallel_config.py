@@ -127,3 +127,18 @@ def test_hf_gradient_checkpointing_and_ours_together_are_refused():
                                          "activation_checkpointing='full', which would recompute twice; call "
                                          f"model.{name}_disable\\(\\)"):
         fsdp8.parallelize(model, ParallelConfig(activation_checkpointing="full"))
+
+
+def test_auto_says_once_which_layout_it_chose_and_why(capsys):
+    from fsdp8.models.llama import Llama, preset
+    from fsdp8.plan_search import search
+
+    torch.manual_seed(0)
+    model = fsdp8.parallelize(Llama(preset("tiny")), "auto")
+    best = search("tiny", gpus_per_node=1, top=1)[0]  # what a world of one predicts
+    assert model.parallel_config == best.parallel_config()
+    assert capsys.readouterr().err.splitlines() == [
+        f"fsdp8.parallelize: 'auto' chose dp_replicate 1 x dp_shard 1 x cp 1 x tp 1, strategy {best.strategy}: the "
+        "fastest layout that fits on 1 h100 GPU (the planner's figures for the CPU ranks here: only the ranking "
+        f"counts), predicted {best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU and {best.plan.memory.total / 2**30:.1f} "
+        "GiB per GPU with 1 sequence(s) of 2048 tokens per rank (model.parallel_config holds it)"]

@@ -3,8 +3,10 @@ times, validation, the search's ranking, and `fsdp8 plan` on the command line.""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -56,8 +58,33 @@ def test_hf_errors(tmp_path):
     with pytest.raises(ValueError, match="model_type 'gpt2' is not a Llama-family decoder"):
         hf_spec(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
-    with pytest.raises(ValueError, match="has no 'num_attention_heads'"):
+    with pytest.raises(ValueError, match="config.json has no 'num_hidden_layers', 'intermediate_size', "
+                                         "'num_attention_heads', 'vocab_size'$"):
         hf_spec(str(tmp_path))
+
+
+LLAMA_CONFIG = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                "num_attention_heads": 4, "vocab_size": 99}
+
+
+@pytest.mark.parametrize("text,problem", [
+    ('{"model_type": "llama", "hidden_size": 64,,}',
+     " is not valid JSON: Expecting property name enclosed in double quotes at line 1 column 43"),
+    ("", " is empty"),
+    ("[1, 2]", " holds a JSON array, not an object of config fields"),
+    (json.dumps({"hidden_size": 64}), " has no 'model_type'"),
+    (json.dumps(dict(LLAMA_CONFIG, hidden_size="64")), ": hidden_size is '64', not a positive integer"),
+    (json.dumps(dict(LLAMA_CONFIG, num_key_value_heads=0)), ": num_key_value_heads is 0, not a positive integer"),
+])
+def test_a_malformed_config_json_is_named_with_its_problem(tmp_path, capsys, text, problem):
+    from fsdp8 import cli
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--model", f"hf:{tmp_path}"])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"fsdp8 plan: error: {tmp_path / 'config.json'}{problem[0]}"), err
+    assert problem in err[0]
 
 
 def test_sizes_by_flag_and_their_errors():
@@ -194,13 +221,27 @@ def test_search_ranks_what_fits_fastest_first():
     # A 1 B model fits on one H100 without recomputation or model parallelism: the winner
     # needs neither, and recomputation only slows the same layout down.
     assert (best.tp, best.activation_checkpointing, best.offload) == (1, "none", None)
-    same = {c.activation_checkpointing: c.tokens_per_s_per_gpu for c in found
-            if (c.dp_replicate, c.tp, c.strategy, c.outer_strategy, c.offload, c.micro_batch) ==
-            (best.dp_replicate, best.tp, best.strategy, best.outer_strategy, best.offload, best.micro_batch)}
-    assert same["none"] > max(same["selective"], same["full"])
+    fastest = {}  # the fastest of each checkpointing mode at the winner's tp, offload and micro-batch
+    for c in found:
+        if (c.tp, c.offload, c.micro_batch) == (best.tp, best.offload, best.micro_batch):
+            fastest.setdefault(c.activation_checkpointing, c.tokens_per_s_per_gpu)
+    assert fastest["none"] > max(fastest["selective"], fastest["full"])
     config = best.parallel_config()
     assert (config.dp_shard, config.tp, config.activation_checkpointing) == (best.dp_shard, 1, "none")
     assert fsdp8.plan.search is search and len(search("1b", global_batch=16, top=3)) == 3
+
+
+def test_search_shows_one_of_configurations_that_differ_only_in_data_parallel_sharding():
+    """1 x 8 ZeRO-2 and the HSDP meshes 2 x 4, 4 x 2, 8 x 1 sharding the optimizer across replicas
+    predict the same speed: the top shows the first (the least memory, the fewest replicas)."""
+    def layout(c):
+        return c.cp, c.tp, c.sequence_parallel, c.activation_checkpointing, c.offload, c.micro_batch
+
+    found = search("1b", top=5)
+    pairs = [(a, b) for a, b in itertools.combinations(found, 2) if layout(a) == layout(b)
+             and a.tokens_per_s_per_gpu == pytest.approx(b.tokens_per_s_per_gpu, rel=1e-9)]
+    assert pairs == [], [(a.plan.setup.describe(), b.plan.setup.describe()) for a, b in pairs]
+    assert (found[0].dp_replicate, found[0].strategy) == (1, "optim_grads")
 
 
 def test_a_model_that_fits_nowhere_says_what_would():
@@ -221,6 +262,26 @@ def test_fixes_name_flags_that_make_it_fit():
     kwargs = {k[2:].replace("-", "_"): (int(v) if v.isdigit() else v) for k, v in changed.items()}
     kwargs["activation_checkpointing"] = kwargs.pop("ac", "none")
     assert plan("8b", seq_len=8192, **dict(dict(micro_batch=4, strategy="optim", global_batch=32), **kwargs)).memory.fits
+
+
+@pytest.mark.parametrize("kwargs,expected", [
+    (dict(gpus_per_node=1), ["--offload optim"]),  # once, not again beside settings already in effect
+    (dict(gpus_per_node=8, strategy="no_shard"), None),
+    (dict(gpus_per_node=8, seq_len=8192, micro_batch=4, strategy="optim"), None),
+    (dict(gpus_per_node=8, seq_len=16384, strategy="no_shard", tp=2, sequence_parallel=True), None),
+])
+def test_fixes_are_distinct_changes_of_settings_not_in_effect(kwargs, expected):
+    p = plan("8b", **kwargs)
+    found = [fix.split(" (")[0] for fix in fixes(p)]
+    assert found and (expected is None or found == expected), found
+    current = {"--strategy": p.setup.strategy.label, "--ac": p.setup.activation_checkpointing,
+               "--micro-batch": str(p.setup.micro_batch), "--tp": str(p.setup.tp),
+               "--sequence-parallel": p.setup.sequence_parallel, "--offload": p.setup.offload}
+    changes = [set(re.findall(r"(--[a-z-]+)(?: ([^-]\S*))?", fix)) for fix in found]
+    for change in changes:
+        assert all(current[flag] != (value or True) for flag, value in change), (change, current)
+    # Each is needed whole: no suggestion holds another one.
+    assert all(not a <= b for a, b in itertools.permutations(changes, 2)), found
 
 
 def test_efficiency_is_the_stated_fraction():
