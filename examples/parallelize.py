@@ -30,8 +30,8 @@ opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 data = fsdp8.data.ByteCorpus()
 for step in range(10):
     x, _ = data.batch(step, 0, 1, batch_per_rank=4 * model.dp_size, seq_len=32)  # the global batch
-    batch = model.shard_batch({"input_ids": x, "labels": x})  # this data-parallel rank's rows
-    loss = model(**{k: v.to(model.device) for k, v in batch.items()}).loss
+    batch = model.shard_batch({"input_ids": x, "labels": x})  # this data-parallel rank's rows, on its device
+    loss = model(**batch).loss
     loss.backward()
     fsdp8.clip_grad_norm_(model, 1.0)
     opt.step()

@@ -46,7 +46,8 @@ def _train_parser(sub) -> None:
                                    "machine. Works under torchrun too. The workers are laid out as --dp-replicate x "
                                    "data-parallel shards x --cp x --tp (fsdp8.parallelize). SIGINT or SIGTERM stops "
                                    "after the current step with the outputs written (and a checkpoint with "
-                                   "--save-every); a second one stops at once.",
+                                   "--save-every); a second one stops once a checkpoint being written is complete, "
+                                   "a third at once.",
                        argument_default=argparse.SUPPRESS)  # only the flags given: a resume fills in the rest
 
     def flag(name: str, help: str, **kwargs) -> None:
