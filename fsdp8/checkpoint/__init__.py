@@ -1,8 +1,9 @@
 """Checkpoints: atomic, reshardable save/load, safetensors export and import."""
 
 from .core import load, save, wait_for_saves
+from .exporter import export
 from .store import CheckpointError, latest
-from .transfer import export, load_pretrained
+from .transfer import load_pretrained
 from .verify import verify
 
 __all__ = ["CheckpointError", "export", "latest", "load", "load_pretrained", "save", "verify", "wait_for_saves"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fsdp8
-from fsdp8.checkpoint import CheckpointError, safetensors, store
+from fsdp8.checkpoint import CheckpointError, extra as extra_values, safetensors, store
 
 SCRIPT = textwrap.dedent("""
     import sys, torch, fsdp8
@@ -106,10 +106,10 @@ def test_optimizer_requested_but_not_saved(tmp_path):
 
 def test_extra_encoding_roundtrip():
     extra = {"step": 3, "rng": torch.get_rng_state(), "nested": [1.5, {"a": torch.arange(3)}], "name": "x", "none": None}
-    back = store.decode_extra(store.encode_extra(extra))
+    back = extra_values.decode(extra_values.encode(extra))
     assert back["step"] == 3 and torch.equal(back["rng"], extra["rng"]) and torch.equal(back["nested"][1]["a"], torch.arange(3))
     with pytest.raises(TypeError, match="extra holds a set"):
-        store.encode_extra({"bad": {1, 2}})
+        extra_values.encode({"bad": {1, 2}})
 
 
 def test_export_cli_and_bad_keep_last(tmp_path):

@@ -1,0 +1,93 @@
+"""Writing a checkpoint's data files: DCP's FileSystemWriter, plus the checksums of what this
+rank wrote, and write errors that keep their cause.
+
+torch.save reports a failed write of its zip archive as "[enforce fail at
+inline_container.cc] unexpected pos", dropping the OSError (a full disk, a quota); the
+streams here keep the first such error so the save can say what it was and where.
+"""
+
+from __future__ import annotations
+
+import errno
+from contextlib import contextmanager
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from . import checksums
+from .store import CheckpointError
+
+
+class _RecordingStream:
+    """A data file being written: what DCP and torch.save use of it, with its write errors kept."""
+
+    def __init__(self, file, fs: "_RecordingFileSystem"):
+        self._file, self._fs = file, fs
+
+    def write(self, data) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as e:
+            self._fs.failed = self._fs.failed or (self._file.name, e)
+            raise
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class _RecordingFileSystem(FileSystem):
+    def __init__(self):
+        self.failed = None  # (path, OSError) of the first failed write
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, mode) as file:
+            yield _RecordingStream(file, self)
+
+
+class SafeWriter(FileSystemWriter):
+    """FileSystemWriter that records the checksum of every item this rank writes (in
+    checksums.rank<r>.json beside them) and names the cause of a failed write."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.fs = _RecordingFileSystem()
+
+    def write_data(self, plan, planner):
+        try:
+            future = super().write_data(plan, planner)
+            results = future.value()
+            checksums.write_rank_file(str(self.path), self.rank or 0, (
+                (r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length) for r in results))
+        except Exception as e:
+            self._raise_cause(e)
+        return future
+
+    def finish(self, metadata, results) -> None:
+        try:
+            super().finish(metadata, results)
+        except Exception as e:
+            self._raise_cause(e)
+
+    def _raise_cause(self, error: Exception):
+        """Raise ``error``, or a CheckpointError naming the file and the OSError behind it."""
+        path, cause = self.fs.failed or (getattr(error, "filename", None), error)
+        if not isinstance(cause, OSError):
+            raise error
+        advice = ("free space there or save elsewhere" if cause.errno in (errno.ENOSPC, errno.EDQUOT)
+                  else "fix that or save elsewhere")
+        raise CheckpointError(f"cannot write checkpoint file {path or self.path}: {cause.strerror or cause}; "
+                              f"{advice}") from error
