@@ -15,12 +15,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import reprlib
 import zlib
 from collections import defaultdict
 from typing import Dict, Iterable, Optional, Tuple
 
-from .store import CheckpointError, write_json_atomic
+from .store import CheckpointError, shown, write_json_atomic
 
 ALGORITHM = "crc32"
 FILE = "checksums.json"  # beside the data files; the marker names the algorithm
@@ -82,7 +81,7 @@ def read_table(checkpoint: str, marker: dict) -> Optional[Table]:
     path = os.path.join(checkpoint, FILE)
     if algorithm != ALGORITHM:
         raise CheckpointError(f"{checkpoint}'s marker lists checksums of a kind fsdp8 does not know "
-                              f"({reprlib.repr(algorithm)})")
+                              f"({shown(algorithm)})")
     try:
         with open(path) as f:
             files = json.load(f)

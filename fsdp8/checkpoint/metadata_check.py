@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import reprlib
 from collections import defaultdict
 from typing import Dict, List, Tuple
 
@@ -18,6 +17,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    MetadataIndex, TensorProperties, TensorStorageMetadata)
 
 from .paths import OutsidePathError, inside
+from .store import shown
 
 MAX_NDIM = 64  # torch's own kernels stop at 25 dims
 MAX_LISTED = 5  # problems of one kind named; the rest counted
@@ -26,9 +26,9 @@ MAX_LISTED = 5  # problems of one kind named; the rest counted
 COVER_WORK_PER_CHUNK = 16
 
 
-def _short(value) -> str:
-    """A value read from the checkpoint, for a message: its repr, cut short."""
-    return reprlib.repr(value)
+def _name(fqn) -> str:
+    """An entry's name for a message (cut short: a crafted one may be megabytes long)."""
+    return fqn if type(fqn) is str and len(fqn) <= 200 else shown(fqn)
 
 
 class _Found:
@@ -66,15 +66,15 @@ def problems(path: str, metadata: Metadata) -> List[str]:
     for fqn, entry in metadata.state_dict_metadata.items():
         if type(entry) is TensorStorageMetadata:
             if id(entry) in seen or id(entry.chunks) in seen:
-                found.add("shared", f"entry {fqn} shares its metadata or chunk list with another entry")
+                found.add("shared", f"entry {_name(fqn)} shares its metadata or chunk list with another entry")
                 continue
             seen.update((id(entry), id(entry.chunks)))
             _tensor(fqn, entry, storage, found)
         elif type(entry) is BytesStorageMetadata:
             if MetadataIndex(fqn) not in storage:
-                found.add("unstored", f"entry {fqn} has no stored item")
+                found.add("unstored", f"entry {_name(fqn)} has no stored item")
         else:
-            found.add("type", f"entry {fqn} is a {type(entry).__name__}, not tensor or bytes metadata")
+            found.add("type", f"entry {_name(fqn)} is a {type(entry).__name__}, not tensor or bytes metadata")
     _planner_paths(metadata.planner_data, len(metadata.state_dict_metadata), found)
     _files(path, needed, found)
     return found.sentences()
@@ -83,27 +83,30 @@ def problems(path: str, metadata: Metadata) -> List[str]:
 def _storage_items(path: str, storage: dict, found: _Found) -> Dict[str, Tuple[str, int]]:
     """Checks each stored item's fields; returns {file name: (real path, bytes it must hold)}."""
     needed: Dict[str, Tuple[str, int]] = {}
+    refused = set()  # names outside the directory, said once
     for key, info in storage.items():
         if type(key) is not MetadataIndex or type(info) is not _StorageInfo:
             found.add("type", "checkpoint metadata's storage_data maps other things than MetadataIndex to _StorageInfo")
             continue
         if type(info.offset) is not int or type(info.length) is not int or info.offset < 0 or info.length < 0:
-            found.add("item", f"the stored item of {key.fqn} has offset {_short(info.offset)} and length "
-                              f"{_short(info.length)}")
+            found.add("item", f"the stored item of {_name(key.fqn)} has offset {shown(info.offset)} and length "
+                              f"{shown(info.length)}")
             continue
         if getattr(info, "transform_descriptors", None):
-            found.add("transform", f"the stored item of {key.fqn} is transformed "
-                                   f"({_short(info.transform_descriptors)}: "
-                                   "compressed): fsdp8 reads only checkpoints written without DCP's stream "
-                                   "extensions, whose decompressed size nothing bounds; load it with "
-                                   "torch.distributed.checkpoint if you trust it, and save it again without them")
+            found.add("transform", f"the stored item of {_name(key.fqn)} is transformed by DCP stream extensions "
+                                   f"({shown(info.transform_descriptors)}, e.g. zstd), whose output nothing bounds: "
+                                   "fsdp8 reads only checkpoints written without them; if you trust this one, load it "
+                                   "with torch.distributed.checkpoint and save it again without them")
             continue
         name = info.relative_path
+        if name in refused:
+            continue
         if name not in needed:
             try:
                 needed[name] = (inside(path, name, "the checkpoint metadata"), 0)
             except OutsidePathError as e:
                 found.add("outside", str(e))
+                refused.add(name)
                 continue
         real, end = needed[name]
         needed[name] = (real, max(end, info.offset + info.length))
@@ -121,13 +124,14 @@ def _files(path: str, needed: Dict[str, Tuple[str, int]], found: _Found) -> None
 def _tensor(fqn: str, entry: TensorStorageMetadata, storage: dict, found: _Found) -> None:
     props, size, chunks = entry.properties, entry.size, entry.chunks
     if type(props) is not TensorProperties or type(props.dtype) is not torch.dtype:
-        found.add("type", f"tensor {fqn} has no dtype")
+        found.add("type", f"tensor {_name(fqn)} has no dtype")
         return
     if type(size) is not torch.Size or len(size) > MAX_NDIM or any(n < 0 for n in size):
-        found.add("type", f"tensor {fqn} has the size {_short(size)}, not a torch.Size of at most {MAX_NDIM} dims >= 0")
+        found.add("type", f"tensor {_name(fqn)} has the size {shown(size)}, not a torch.Size of at most {MAX_NDIM} "
+                          "dims >= 0")
         return
     if type(chunks) is not list:
-        found.add("type", f"tensor {fqn} has no list of chunks")
+        found.add("type", f"tensor {_name(fqn)} has no list of chunks")
         return
     element = torch.empty((), dtype=props.dtype).element_size()
     boxes = []
@@ -135,10 +139,11 @@ def _tensor(fqn: str, entry: TensorStorageMetadata, storage: dict, found: _Found
         if (type(chunk) is not ChunkStorageMetadata or type(chunk.offsets) is not torch.Size
                 or type(chunk.sizes) is not torch.Size or len(chunk.offsets) != len(size)
                 or len(chunk.sizes) != len(size)):
-            found.add("chunk", f"tensor {fqn} has a chunk that is not a ChunkStorageMetadata of {len(size)} dims")
+            found.add("chunk", f"tensor {_name(fqn)} has a chunk that is not a ChunkStorageMetadata of {len(size)} "
+                               "dims")
             return
         if any(o < 0 or n < 0 or o + n > dim for o, n, dim in zip(chunk.offsets, chunk.sizes, size)):
-            found.add("chunk", f"tensor {fqn} of size {list(size)} has a chunk at {list(chunk.offsets)} of size "
+            found.add("chunk", f"tensor {_name(fqn)} of size {list(size)} has a chunk at {list(chunk.offsets)} of size "
                                f"{list(chunk.sizes)}, which reaches outside it")
             return
         numel = math.prod(chunk.sizes)
@@ -146,16 +151,16 @@ def _tensor(fqn: str, entry: TensorStorageMetadata, storage: dict, found: _Found
             continue
         info = storage.get(MetadataIndex(fqn, chunk.offsets))
         if info is None:
-            found.add("unstored", f"tensor {fqn} has no stored item for its chunk at {list(chunk.offsets)}")
+            found.add("unstored", f"tensor {_name(fqn)} has no stored item for its chunk at {list(chunk.offsets)}")
             return
         if type(info) is _StorageInfo and type(info.length) is int and info.length < numel * element:
-            found.add("short", f"tensor {fqn}'s chunk at {list(chunk.offsets)} holds {numel * element} bytes, but its "
-                               f"stored item has {info.length}")
+            found.add("short", f"tensor {_name(fqn)}'s chunk at {list(chunk.offsets)} holds {numel * element} bytes, "
+                               f"but its stored item has {info.length}")
             return
         boxes.append((chunk.offsets, chunk.sizes))
     if math.prod(size) and not _covers(size, boxes):
-        found.add("cover", f"the chunks of tensor {fqn} (size {list(size)}) do not cover each of its elements exactly "
-                           "once: some would be left unread or read twice")
+        found.add("cover", f"the chunks of tensor {_name(fqn)} (size {list(size)}) do not cover each of its elements "
+                           "exactly once: some would be left unread or read twice")
 
 
 _ABSENT = object()
@@ -215,10 +220,10 @@ def _planner_paths(planner_data, entries: int, found: _Found) -> None:
     for fqn, route in planner_data.items():
         if type(route) not in (tuple, list) or not route or not all(
                 type(k) is str or (type(k) is int and 0 <= k < entries) for k in route):
-            found.add("planner", f"planner path of {fqn} is {_short(route)}: not a sequence of names and indices "
+            found.add("planner", f"planner path of {_name(fqn)} is {shown(route)}: not a sequence of names and indices "
                                  f"below {entries}")
         elif not _place(tree, route, key_types):
-            found.add("planner", f"planner path of {fqn} ({_short(route)}) collides with another entry's")
+            found.add("planner", f"planner path of {_name(fqn)} ({shown(route)}) collides with another entry's")
     if not found.listed["planner"] and not _dense(tree, key_types):
         found.add("planner", "planner paths index a list with gaps (indices 0 to n-1 must all be there)")
 

@@ -9,9 +9,8 @@ refusal names only what the directory said, never whether or how large anything 
 from __future__ import annotations
 
 import os
-import reprlib
 
-from .store import CheckpointError
+from .store import CheckpointError, shown
 
 
 class OutsidePathError(CheckpointError):
@@ -34,11 +33,11 @@ def inside(directory: str, name, what: str) -> str:
     ``directory`` names, symlinks resolved, if it lies inside ``directory``; else an
     OutsidePathError."""
     if type(name) is not str or not name or "\0" in name:
-        raise OutsidePathError(f"{what} in {directory} names a file as {reprlib.repr(name)}, which is not a file "
+        raise OutsidePathError(f"{what} in {directory} names a file as {shown(name)}, which is not a file "
                                "name")
     real = os.path.realpath(os.path.join(directory, name))
     if not any(real != root and os.path.commonpath([root, real]) == root for root in _roots(directory)):
-        raise OutsidePathError(f"{what} in {directory} names the file {reprlib.repr(name)}, which is not inside that "
+        raise OutsidePathError(f"{what} in {directory} names the file {shown(name)}, which is not inside that "
                                "directory (symlinks resolved); fsdp8 reads only files inside it: the directory is "
                                "damaged or was made to read other files")
     return real

@@ -47,7 +47,6 @@ import itertools
 import pathlib
 import pickle
 import pickletools
-import reprlib
 
 from typing import Tuple
 
@@ -56,7 +55,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
-from .store import CheckpointError
+from .store import CheckpointError, shown
 
 # [Note: the sizes of a very large checkpoint's metadata]
 # A 1T-parameter dense transformer has about 1,500 weight tensors (160 layers of 9); with
@@ -399,7 +398,7 @@ class _MetadataUnpickler(pickle._Unpickler):
         if type(state) is not dict:
             raise _refuse(f"a {type(state).__qualname__} as the state of a {type(inst).__qualname__}")
         if not state.keys() <= fields:
-            extra = ", ".join(sorted(reprlib.repr(k) for k in state if k not in fields))
+            extra = ", ".join(sorted(shown(k) for k in state if k not in fields))
             raise _refuse(f"{extra} in the state of a {type(inst).__qualname__}")
         self._spend(len(state))
         self._contain(inst, state.values())

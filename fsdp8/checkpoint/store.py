@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import reprlib
 import shutil
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -25,6 +26,16 @@ FORMAT = "fsdp8-checkpoint-v1"
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, damaged or does not fit the model."""
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 200
+
+
+def shown(value) -> str:
+    """A value read from a checkpoint, for a message: its repr, cut short (a crafted name or
+    list may be megabytes long)."""
+    return _SHOWN.repr(value)
 
 
 def partial_path(path: str) -> str:
