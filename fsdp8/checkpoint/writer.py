@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 from contextlib import contextmanager
+from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -21,32 +22,36 @@ from .store import CheckpointError
 class _RecordingStream:
     """A data file being written: what DCP and torch.save use of it, with its write errors kept."""
 
-    def __init__(self, file, fs: "_RecordingFileSystem"):
-        self._file, self._fs = file, fs
+    def __init__(self, file, path, fs: "_RecordingFileSystem"):
+        self._file, self._path, self._fs = file, path, fs
+
+    def _recorded(self, operation, *args):
+        try:
+            return operation(*args)
+        except OSError as e:
+            self._fs.failed = self._fs.failed or (self._path, e)
+            raise
 
     def write(self, data) -> int:
-        try:
-            return self._file.write(data)
-        except OSError as e:
-            self._fs.failed = self._fs.failed or (self._file.name, e)
-            raise
+        return self._recorded(self._file.write, data)
+
+    def flush(self) -> None:
+        self._recorded(self._file.flush)
+
+    def close(self) -> None:
+        self._recorded(self._file.close)
 
     def tell(self) -> int:
         return self._file.tell()
 
-    def flush(self) -> None:
-        self._file.flush()
-
     def fileno(self) -> int:
         return self._file.fileno()
-
-    def close(self) -> None:
-        self._file.close()
 
 
 class _RecordingFileSystem(FileSystem):
     def __init__(self):
         self.failed = None  # (path, OSError) of the first failed write
+        self.writing = None  # the file being written, for an OSError raised outside its stream (fsync)
 
     @contextmanager
     def create_stream(self, path, mode: str):
@@ -54,8 +59,20 @@ class _RecordingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with open(path, mode) as file:
-            yield _RecordingStream(file, self)
+        self.writing = path
+        file = self._open(path, mode)
+        stream = _RecordingStream(file, path, self)
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+    def _open(self, path, mode: str):
+        try:
+            return Path(path).open(mode)
+        except OSError as e:
+            self.failed = self.failed or (path, e)
+            raise
 
 
 class SafeWriter(FileSystemWriter):
@@ -84,7 +101,7 @@ class SafeWriter(FileSystemWriter):
 
     def _raise_cause(self, error: Exception):
         """Raise ``error``, or a CheckpointError naming the file and the OSError behind it."""
-        path, cause = self.fs.failed or (getattr(error, "filename", None), error)
+        path, cause = self.fs.failed or (getattr(error, "filename", None) or self.fs.writing, error)
         if not isinstance(cause, OSError):
             raise error
         advice = ("free space there or save elsewhere" if cause.errno in (errno.ENOSPC, errno.EDQUOT)
