@@ -14,6 +14,8 @@ import sys
 from typing import List, Optional
 
 from . import __version__
+from .checkpoint import export, verify
+from .checkpoint.exporter import EXPORT_FILES, describe_files, held_files
 from .checkpoint.store import CheckpointError, complete_checkpoints
 from .bench import PRECISIONS as BENCH_PRECISIONS, BenchConfig, bench
 from .config import AC_MODES, STRATEGY_NAMES
@@ -252,13 +254,15 @@ def _run_train(args: argparse.Namespace) -> int:
 def _run_export(args: argparse.Namespace) -> int:
     import torch
 
-    from .checkpoint import export, verify
-    from .checkpoint.exporter import EXPORT_FILES
-
     try:
         checkpoint = find_checkpoint(args.checkpoint)
-    except FileNotFoundError as e:
+        held = held_files(args.out)
+    except (FileNotFoundError, FileExistsError) as e:
         _fail("export", str(e))
+    if held and not args.overwrite:
+        _fail("export", f"{args.out} already holds files ({describe_files(held)}); give an empty or new directory, or "
+                        "--overwrite to replace the files an export writes there (model.safetensors, config.json, "
+                        "tokenizer files)")
     damaged = verify(checkpoint)
     try:
         if not damaged:
@@ -281,8 +285,10 @@ def _run_export(args: argparse.Namespace) -> int:
 def _intact_older(damaged: str, out: str) -> str:
     """What to export instead of a damaged checkpoint: the newest older one beside it that reads
     back whole (every item against its checksum)."""
-    older = complete_checkpoints(os.path.dirname(os.path.abspath(damaged)))
-    older = older[:older.index(os.path.abspath(damaged))] if os.path.abspath(damaged) in older else []
+    damaged = os.path.normpath(damaged)
+    beside = complete_checkpoints(os.path.dirname(damaged) or ".")
+    where = [os.path.abspath(p) for p in beside]
+    older = beside[:where.index(os.path.abspath(damaged))] if os.path.abspath(damaged) in where else []
     for candidate in reversed(older):
         if not verify(candidate, data=True):
             return f"; the older checkpoint {candidate} is intact: fsdp8 export {candidate} {out}"

@@ -4,7 +4,7 @@ makes), and written as safetensors, with what Hugging Face needs beside the weig
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -92,14 +92,23 @@ def _run_settings(checkpoint: str) -> dict:
     return saved if isinstance(saved, dict) else {}
 
 
-def _prepare(out: str, overwrite: bool) -> None:
+def held_files(out: str) -> List[str]:
+    """What directory ``out`` already holds (an export refuses it unless told to overwrite);
+    raises FileExistsError if ``out`` is a file."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise FileExistsError(f"{out} is a file; give a directory to export into")
-    present = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    return sorted(os.listdir(out)) if os.path.isdir(out) else []
+
+
+def describe_files(names: List[str]) -> str:
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+
+
+def _prepare(out: str, overwrite: bool) -> None:
+    present = held_files(out)
     if present and not overwrite:
-        shown = ", ".join(present[:4]) + (", ..." if len(present) > 4 else "")
-        raise FileExistsError(f"{out} already holds files ({shown}); export into an empty or new directory, or "
-                              "overwrite the files an export writes there (--overwrite; overwrite=True)")
+        raise FileExistsError(f"{out} already holds files ({describe_files(present)}); export into an empty or new "
+                              "directory, or pass overwrite=True to replace the files an export writes there")
     for name in EXPORT_FILES:
         if name in present:
             os.remove(os.path.join(out, name))
