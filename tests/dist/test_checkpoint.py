@@ -67,6 +67,11 @@ def test_missing_file_named_on_every_rank(tmp_path):
     assert any(".distcp is missing" in m for m in messages)
 
 
+def test_a_damaged_item_fails_every_rank(tmp_path):
+    messages = run_on_ranks(2, cw.flip_then_load, str(tmp_path / "c"))
+    assert all(m is not None and "data file __1_0.distcp is damaged: bytes" in m for m in messages), messages
+
+
 def test_wrong_model_lists_keys(tmp_path):
     message = run_on_ranks(2, cw.load_wrong_model, str(tmp_path / "c"))[0]
     assert message is not None
