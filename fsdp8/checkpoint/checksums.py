@@ -45,16 +45,23 @@ def crc32_of(stream, offset: int, length: int) -> int:
     return crc
 
 
-def write_rank_file(directory: str, rank: int, items: Iterable[Tuple[str, int, int]]) -> None:
+def write_rank_file(directory: str, rank: int, items: Iterable[Tuple[str, int, int]], known: Table) -> None:
     """Rank ``rank``'s items (data file name, offset, length), with their crc32s, into
-    ``directory``/checksums.rank<rank>.json for ``gather`` to collect."""
-    by_file = defaultdict(list)
-    for name, offset, length in items:
-        by_file[name].append((offset, length))
-    table = {}
-    for name, spans in by_file.items():
-        with open(os.path.join(directory, name), "rb") as f:
-            table[name] = [[offset, length, crc32_of(f, offset, length)] for offset, length in sorted(spans)]
+    ``directory``/checksums.rank<rank>.json for ``gather`` to collect. ``known``: the crc32s
+    computed while writing, by (file, offset); an item not among them is read back."""
+    table = defaultdict(list)
+    opened = {}
+    try:
+        for name, offset, length in sorted(items):
+            length_and_crc = known.get((name, offset))
+            if length_and_crc is None or length_and_crc[0] != length:
+                if name not in opened:
+                    opened[name] = open(os.path.join(directory, name), "rb")
+                length_and_crc = (length, crc32_of(opened[name], offset, length))
+            table[name].append([offset, *length_and_crc])
+    finally:
+        for f in opened.values():
+            f.close()
     write_json_atomic(os.path.join(directory, f"checksums.rank{rank}.json"), table)
 
 

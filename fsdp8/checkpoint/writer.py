@@ -1,5 +1,5 @@
 """Writing a checkpoint's data files: DCP's FileSystemWriter, plus the checksums of what this
-rank wrote, and write errors that keep their cause.
+rank wrote (computed as it is written), and write errors that keep their cause.
 
 torch.save reports a failed write of its zip archive as "[enforce fail at
 inline_container.cc] unexpected pos", dropping the OSError (a full disk, a quota); the
@@ -9,6 +9,8 @@ streams here keep the first such error so the save can say what it was and where
 from __future__ import annotations
 
 import errno
+import os
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,10 +22,14 @@ from .store import CheckpointError
 
 
 class _RecordingStream:
-    """A data file being written: what DCP and torch.save use of it, with its write errors kept."""
+    """A data file being written: what DCP and torch.save use of it, with its write errors kept
+    and the crc32 of the bytes written between two ``tell()`` calls. DCP asks ``tell()`` just
+    before and just after writing each item, so that is each item's checksum, computed as it
+    is written instead of by reading the file again."""
 
     def __init__(self, file, path, fs: "_RecordingFileSystem"):
         self._file, self._path, self._fs = file, path, fs
+        self._start, self._crc = file.tell(), 0
 
     def _recorded(self, operation, *args):
         try:
@@ -33,16 +39,21 @@ class _RecordingStream:
             raise
 
     def write(self, data) -> int:
-        return self._recorded(self._file.write, data)
+        written = self._recorded(self._file.write, data)
+        self._crc = zlib.crc32(data, self._crc)
+        return written
+
+    def tell(self) -> int:
+        position = self._file.tell()
+        self._fs.spans[(os.path.basename(self._path), self._start)] = (position - self._start, self._crc)
+        self._start, self._crc = position, 0
+        return position
 
     def flush(self) -> None:
         self._recorded(self._file.flush)
 
     def close(self) -> None:
         self._recorded(self._file.close)
-
-    def tell(self) -> int:
-        return self._file.tell()
 
     def fileno(self) -> int:
         return self._file.fileno()
@@ -52,6 +63,7 @@ class _RecordingFileSystem(FileSystem):
     def __init__(self):
         self.failed = None  # (path, OSError) of the first failed write
         self.writing = None  # the file being written, for an OSError raised outside its stream (fsync)
+        self.spans = {}  # (file name, offset) -> (length, crc32) of the bytes written between two tell()s
 
     @contextmanager
     def create_stream(self, path, mode: str):
@@ -74,7 +86,6 @@ class _RecordingFileSystem(FileSystem):
             self.failed = self.failed or (path, e)
             raise
 
-
 class SafeWriter(FileSystemWriter):
     """FileSystemWriter that records the checksum of every item this rank writes (in
     checksums.rank<r>.json beside them) and names the cause of a failed write."""
@@ -86,9 +97,9 @@ class SafeWriter(FileSystemWriter):
     def write_data(self, plan, planner):
         try:
             future = super().write_data(plan, planner)
-            results = future.value()
-            checksums.write_rank_file(str(self.path), self.rank or 0, (
-                (r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length) for r in results))
+            items = [(r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length)
+                     for r in future.value()]
+            checksums.write_rank_file(str(self.path), self.rank or 0, items, self.fs.spans)
         except Exception as e:
             self._raise_cause(e)
         return future

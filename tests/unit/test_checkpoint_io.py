@@ -2,6 +2,7 @@
 extra encoding, fsdp8 export."""
 
 import io
+import json
 import os
 import pathlib
 import pickle
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import fsdp8
-from fsdp8.checkpoint import CheckpointError, extra as extra_values, safetensors, store
+from fsdp8.checkpoint import CheckpointError, checksums, extra as extra_values, safetensors, store
 from fsdp8.checkpoint.safe_io import read_metadata_safely
 
 SCRIPT = textwrap.dedent("""
@@ -231,3 +232,19 @@ def test_checkpoints_are_ordered_by_step_never_by_the_clock(tmp_path, monkeypatc
     fsdp8.save(str(other / "step-000001"), model, opt)
     fsdp8.save(str(other / "later"), model, opt)
     assert fsdp8.latest(str(other)) == str(other / "step-000001")
+
+
+def test_checksums_computed_while_writing_are_those_of_the_files(tmp_path):
+    """The writer crc32s each item as DCP writes it (between two tell()s); read back, every
+    item has that checksum, and an item it did not see is read back for its checksum."""
+    path, _, _ = _saved(tmp_path)
+    with open(os.path.join(path, checksums.FILE)) as f:
+        written = json.load(f)
+    items = [(name, offset, length) for name, spans in written.items() for offset, length, _ in spans]
+    assert len(items) > 10
+    for name, spans in written.items():
+        with open(os.path.join(path, name), "rb") as f:
+            assert [[o, n, checksums.crc32_of(f, o, n)] for o, n, _ in spans] == spans
+    checksums.write_rank_file(path, 7, items, known={})
+    with open(os.path.join(path, "checksums.rank7.json")) as f:
+        assert json.load(f) == written
