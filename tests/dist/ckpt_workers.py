@@ -204,6 +204,17 @@ def flip_then_load(path):
     return None
 
 
+def save_unstorable_extra(path):
+    """Rank 1's extra holds a set (not JSON): it raises TypeError and rank 0 says that another
+    rank failed, instead of waiting for it inside the save's collectives."""
+    model, opt = _build("optim", None, "no_shard")
+    try:
+        fsdp8.save(path, model, opt, extra={"ids": {1, 2}} if common.rank() == 1 else {})
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def load_wrong_model(path):
     model, opt = _build("optim_grads_params", None, "no_shard")
     fsdp8.save(path, model, opt)
