@@ -112,7 +112,9 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     """Write a reshardable, atomic checkpoint of ``model`` (and ``optimizer``) to ``path``.
 
     ``extra`` (JSON values and tensors, e.g. step, RNG states, data position) is stored per
-    rank. ``keep_last=N`` deletes older complete checkpoints next to ``path``. With
+    rank. ``keep_last=N`` deletes all but the N highest steps of ``path``'s series: the
+    complete checkpoints beside it named like it with another number (``step-000120`` is step
+    120 of ``step-``; a name without a number rotates nothing). With
     ``async_save`` the state is copied to host memory (training waits only for that), the
     call returns a Future, and a background thread writes and publishes the files over a
     gloo group of its own (at most ``max_in_flight`` saves at once: a new one first waits

@@ -104,17 +104,18 @@ class SafeReader(FileSystemReader):
         if self._table is not None:
             checksums.check_item(str(self.path), name, file, info.offset, info.length, self._table)
         piece = _Slice(file, info.offset, info.length)
-        if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(piece.read()))
-            return
         fqn = item.storage_index.fqn
+        where = f"checkpoint {self.path}: data file {name}, the item of {fqn}"
+        if item.type == LoadItemType.BYTE_IO:  # a pickled value: torch.save stores it unpacked
+            _check_archive(piece, info.length, where)
+            _loading(where, lambda: planner.load_bytes(item, io.BytesIO(piece.read())))
+            return
         entry = self._metadata.state_dict_metadata[fqn]
         chunk = _chunk_at(entry, item.storage_index)
-        where = f"checkpoint {self.path}: data file {name}, the item of {fqn} at {list(chunk.offsets)}"
+        where += f" at {list(chunk.offsets)}"
         _check_archive(piece, math.prod(chunk.sizes) * torch.empty((), dtype=entry.properties.dtype).element_size(),
                        where)
-        piece.seek(0)
-        tensor = torch.load(piece, map_location="cpu", weights_only=True)
+        tensor = _loading(where, lambda: torch.load(piece, map_location="cpu", weights_only=True))
         if type(tensor) is not torch.Tensor or tensor.dtype != entry.properties.dtype or tensor.shape != chunk.sizes:
             what = (f"a {tensor.dtype} tensor of shape {list(tensor.shape)}" if isinstance(tensor, torch.Tensor)
                     else f"a {type(tensor).__name__}")
@@ -130,6 +131,16 @@ class SafeReader(FileSystemReader):
         planner.commit_tensor(item, target)
 
 
+def _loading(where: str, load):
+    """What ``load`` (a torch.load of a stored item) returns, or a CheckpointError saying why not."""
+    try:
+        return load()
+    except Exception as e:  # torch.load's refusals and parse errors: RuntimeError, UnpicklingError, ...
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"{where} cannot be read by torch.load ({type(e).__name__}: {cause}): the checkpoint "
+                              "is damaged") from e
+
+
 def _chunk_at(entry, index):
     """The chunk of ``entry`` stored under ``index`` (DCP's lookup: the hint first, then a search)."""
     chunks = entry.chunks
@@ -139,15 +150,17 @@ def _chunk_at(entry, index):
 
 
 def _check_archive(piece, nbytes: int, where: str) -> None:
-    """torch.load allocates what the zip archive's records claim: they may hold at most the
-    chunk's ``nbytes`` and torch.save's small records around them."""
+    """torch.load allocates what the zip archive's records claim (deflated records unpack up to
+    a thousand times larger): they may hold at most ``nbytes`` and torch.save's small records
+    around them. Leaves ``piece`` at its start."""
     try:
         claimed = sum(info.file_size for info in zipfile.ZipFile(piece).infolist())
     except (zipfile.BadZipFile, ValueError, EOFError) as e:
         raise CheckpointError(f"{where} is not a torch.save archive ({e}): the checkpoint is damaged") from None
     if claimed > nbytes + ZIP_OVERHEAD_BYTES:
-        raise CheckpointError(f"{where} unpacks to {claimed} bytes, more than the {nbytes} of its chunk: the "
+        raise CheckpointError(f"{where} unpacks to {claimed} bytes, more than the {nbytes} it stands for: the "
                               "checkpoint is damaged or malicious")
+    piece.seek(0)
 
 
 class _WeightsOnlyBytes:

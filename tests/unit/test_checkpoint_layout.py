@@ -3,9 +3,11 @@ directory, sizes, offsets and indices past what is stored, chunks that do not co
 tensor, dtypes that do not fit. Each is refused by fsdp8.load and export before anything is
 read or allocated, with a CheckpointError that names the checkpoint and the cause."""
 
+import io
 import os
 import pickle
 import shutil
+import zipfile
 
 import pytest
 import torch
@@ -206,3 +208,46 @@ def test_transformed_items_are_refused(saved, tmp_path):
     for message in _refused(saved, _edited(saved, tmp_path, edit), tmp_path):
         assert ("is transformed by DCP stream extensions (['stream.zstd/1', 'stream.zstd/1'], e.g. zstd), whose output "
                 "nothing bounds: fsdp8 reads only checkpoints written without them") in message
+
+
+def _replace_item(saved, tmp_path, archive: bytes) -> str:
+    """A copy of the saved checkpoint whose embedding item is ``archive`` (appended to its data
+    file), without checksums (as a checkpoint torch wrote: else they would catch it first)."""
+    def edit(metadata, path):
+        info = metadata.storage_data[MetadataIndex("model.embed.weight", torch.Size([0, 0]))]
+        with open(os.path.join(path, DATA), "ab") as f:
+            info.offset, info.length = f.tell(), len(archive)
+            f.write(archive)
+        marker = store.read_marker(path)
+        del marker["checksums"]
+        store.write_json_atomic(os.path.join(path, store.MARKER), marker)
+
+    return _edited(saved, tmp_path, edit)
+
+
+def _archive(value, compression=zipfile.ZIP_STORED) -> bytes:
+    """torch.save of ``value``, its zip records rewritten with ``compression``."""
+    raw = io.BytesIO()
+    torch.save(value, raw)
+    out = io.BytesIO()
+    with zipfile.ZipFile(raw) as source, zipfile.ZipFile(out, "w", compression) as target:
+        for info in source.infolist():
+            target.writestr(info.filename, source.read(info.filename))
+    return out.getvalue()
+
+
+def test_an_item_that_unpacks_larger_than_its_chunk_is_refused(saved, tmp_path):
+    """A deflated record of 4 MB of zeros in 5 KB, where the chunk is 612 bytes: torch.load
+    would allocate what the record claims (a thousandfold more than the file holds)."""
+    path = _replace_item(saved, tmp_path, _archive(torch.zeros(10**6), zipfile.ZIP_DEFLATED))
+    for message in _refused(saved, path, tmp_path):
+        assert f"data file {DATA}, the item of model.embed.weight at [0, 0] unpacks to 40" in message
+        assert "bytes, more than the 612 it stands for" in message
+
+
+def test_an_item_torch_load_refuses_is_named(saved, tmp_path):
+    """torch.load's own errors (here its weights-only unpickler) as a CheckpointError."""
+    path = _replace_item(saved, tmp_path, _archive({"x": torch.nn.Linear(1, 1)}))
+    for message in _refused(saved, path, tmp_path):
+        assert (f"data file {DATA}, the item of model.embed.weight at [0, 0] cannot be read by torch.load "
+                "(UnpicklingError: ") in message
