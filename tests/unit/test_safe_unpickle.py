@@ -19,7 +19,8 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 
 import fsdp8
 from fsdp8.checkpoint import CheckpointError, store
-from fsdp8.checkpoint import safe_io
+from fsdp8.checkpoint import pickle_bounds, safe_io
+from fsdp8.checkpoint.pickle_bounds import MetadataBoundError
 from fsdp8.checkpoint.safe_io import read_metadata_safely
 
 FS = "torch.distributed.checkpoint.filesystem"  # imports os, io and (through torch) builtins
@@ -222,7 +223,7 @@ def test_real_metadata_reads_as_pickle_reads_it(saved, tmp_path):
         assert metadata == pickle.loads(reference) and metadata.state_dict_metadata
 
 
-# -- bounds: what allowed objects can still cost (safe_io's [Note: bounds of the metadata unpickler])
+# -- bounds: what allowed objects can still cost (pickle_bounds' [Note: bounds of the metadata unpickler])
 
 def _read_file(tmp_path, data: bytes):
     """What verify.examine says of a checkpoint whose .metadata is ``data`` (the file as load reads it)."""
@@ -247,7 +248,7 @@ def test_a_million_deep_tuple_is_an_error_not_a_crash(tmp_path):
     done = subprocess.run([sys.executable, "-c", script, str(metadata)], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=repo))
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-500:]}"
-    bound = f"MetadataBoundError checkpoint metadata nests deeper than {safe_io.MAX_DEPTH} levels"
+    bound = f"MetadataBoundError checkpoint metadata nests deeper than {pickle_bounds.MAX_DEPTH} levels"
     assert done.stdout.startswith(bound), done.stdout
 
 
@@ -255,7 +256,7 @@ def test_a_structure_deepened_after_it_was_counted_is_refused():
     """Top-down: put a list into another, then fill it (pickle.dump never does this)."""
     data = _pickle(pickle.EMPTY_LIST, pickle.BINPUT + b"\x00", pickle.TUPLE1,  # ([],)
                    pickle.BINGET + b"\x00", pickle.NONE, pickle.APPEND)
-    with pytest.raises(safe_io.UnsafeCheckpointError, match="APPEND on a list already inside another object"):
+    with pytest.raises(MetadataBoundError, match="changes a list already inside another object with APPEND"):
         read_metadata_safely(io.BytesIO(data))
 
 
@@ -266,7 +267,7 @@ def test_keys_sharing_one_hash_fail_fast():
     data = _pickle(_global(META, "MetadataIndex"), pickle.BINPUT + b"\x00", _global("torch", "Size"),
                    pickle.BINPUT + b"\x01", pickle.EMPTY_DICT, pickle.MARK,
                    *(_metadata_index(a, b) + pickle.NONE for a, b in _colliding_pairs(3000)), pickle.SETITEMS)
-    with pytest.raises(safe_io.MetadataBoundError, match=f"more than {safe_io.MAX_SAME_HASH} dictionary keys with one"):
+    with pytest.raises(MetadataBoundError, match=f"more than {pickle_bounds.MAX_SAME_HASH} dictionary keys with one"):
         read_metadata_safely(io.BytesIO(data))
 
 
@@ -281,7 +282,7 @@ def test_repeated_references_count_every_item():
     from 200 KB of pickle."""
     inner = pickle.EMPTY_LIST + pickle.BINPUT + b"\x00" + pickle.MARK + pickle.NONE * 2**16 + pickle.APPENDS
     outer = pickle.EMPTY_LIST + pickle.MARK + (pickle.BINGET + b"\x00") * 2**16 + pickle.APPENDS
-    with pytest.raises(safe_io.MetadataBoundError, match=f"more than {safe_io.MAX_ITEMS} items .through repeated"):
+    with pytest.raises(MetadataBoundError, match=f"more than {pickle_bounds.MAX_ITEMS} items .through repeated"):
         read_metadata_safely(io.BytesIO(_pickle(inner, pickle.POP, outer)))
 
 
@@ -300,7 +301,7 @@ def test_garbage_says_it_is_not_a_pickle(tmp_path):
 
 def test_large_real_metadata_reads_and_the_bounds_hold_a_very_large_model():
     """5,000 chunks read as pickle reads them; per chunk, what they cost against the bounds,
-    scaled to the 37M chunks of safe_io's [Note: the sizes of a very large checkpoint's metadata]."""
+    scaled to the 37M chunks of pickle_bounds' [Note: the sizes of a very large checkpoint's metadata]."""
     tensors, chunks = 10, 500
     metadata = _metadata(tensors, chunks)
     data = pickle.dumps(metadata, protocol=4)
@@ -308,10 +309,10 @@ def test_large_real_metadata_reads_and_the_bounds_hold_a_very_large_model():
     read = unpickler.load()
     assert read == pickle.loads(data)
     per_chunk = 37e6 / (tensors * chunks)
-    assert unpickler._built * per_chunk < safe_io.MAX_ITEMS
-    assert unpickler._measure(read)[1] * per_chunk < safe_io.MAX_ITEMS
-    assert len(data) * per_chunk * 1.6 < safe_io.MAX_METADATA_BYTES  # fqns of 90 characters, not 30
-    assert 37e6 < safe_io.MAX_CONTAINER_LEN
+    assert unpickler._built * per_chunk < pickle_bounds.MAX_ITEMS
+    assert unpickler._measure(read)[1] * per_chunk < pickle_bounds.MAX_ITEMS
+    assert len(data) * per_chunk * 1.6 < pickle_bounds.MAX_METADATA_BYTES  # fqns of 90 characters, not 30
+    assert 37e6 < pickle_bounds.MAX_CONTAINER_LEN
 
 
 def _metadata(tensors: int, chunks: int):
