@@ -62,7 +62,7 @@ def _tensor(obj: dict, where: str) -> torch.Tensor:
         raw = base64.b64decode(obj["data"], validate=True)
     except binascii.Error as e:
         raise ValueError(f"{where} holds no base64 data ({e})") from None
-    element = torch.empty((), dtype=dtype).element_size()
+    element = dtype.itemsize
     if len(raw) != math.prod(shape) * element:
         raise ValueError(f"{where} holds {len(raw)} bytes, not the {math.prod(shape) * element} of a {dtype} "
                          f"tensor of shape {shape}")

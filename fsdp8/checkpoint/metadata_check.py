@@ -54,28 +54,32 @@ class _Found:
 
 
 def problems(path: str, metadata: Metadata) -> List[str]:
-    """What in ``metadata`` (read from checkpoint ``path``) is inconsistent, as sentences."""
+    """What in ``metadata`` (read from checkpoint ``path``) is inconsistent, as sentences.
+    Fields are read with getattr: the unpickler builds instances with any subset of them."""
     found = _Found()
-    if type(metadata.state_dict_metadata) is not dict:
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if type(entries) is not dict:
         return ["checkpoint metadata has no state_dict_metadata dict"]
-    storage = metadata.storage_data if metadata.storage_data is not None else {}
+    storage = getattr(metadata, "storage_data", None)
+    storage = {} if storage is None else storage
     if type(storage) is not dict:
         return ["checkpoint metadata's storage_data is not a dict"]
     needed = _storage_items(path, storage, found)
     seen = set()  # tensor metadata and chunk lists: one entry each (else each use repeats the work)
-    for fqn, entry in metadata.state_dict_metadata.items():
+    for fqn, entry in entries.items():
         if type(entry) is TensorStorageMetadata:
-            if id(entry) in seen or id(entry.chunks) in seen:
+            chunks = getattr(entry, "chunks", None)
+            if id(entry) in seen or id(chunks) in seen:
                 found.add("shared", f"entry {_name(fqn)} shares its metadata or chunk list with another entry")
                 continue
-            seen.update((id(entry), id(entry.chunks)))
+            seen.update((id(entry), id(chunks)))
             _tensor(fqn, entry, storage, found)
         elif type(entry) is BytesStorageMetadata:
             if MetadataIndex(fqn) not in storage:
                 found.add("unstored", f"entry {_name(fqn)} has no stored item")
         else:
             found.add("type", f"entry {_name(fqn)} is a {type(entry).__name__}, not tensor or bytes metadata")
-    _planner_paths(metadata.planner_data, len(metadata.state_dict_metadata), found)
+    _planner_paths(getattr(metadata, "planner_data", None), len(entries), found)
     _files(path, needed, found)
     return found.sentences()
 
@@ -88,9 +92,10 @@ def _storage_items(path: str, storage: dict, found: _Found) -> Dict[str, Tuple[s
         if type(key) is not MetadataIndex or type(info) is not _StorageInfo:
             found.add("type", "checkpoint metadata's storage_data maps other things than MetadataIndex to _StorageInfo")
             continue
-        if type(info.offset) is not int or type(info.length) is not int or info.offset < 0 or info.length < 0:
-            found.add("item", f"the stored item of {_name(key.fqn)} has offset {shown(info.offset)} and length "
-                              f"{shown(info.length)}")
+        name, offset, length = (getattr(info, field, None) for field in ("relative_path", "offset", "length"))
+        if type(name) is not str or type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            found.add("item", f"the stored item of {_name(key.fqn)} has file {shown(name)}, offset {shown(offset)} "
+                              f"and length {shown(length)}")
             continue
         if getattr(info, "transform_descriptors", None):
             found.add("transform", f"the stored item of {_name(key.fqn)} is transformed by DCP stream extensions "
@@ -98,7 +103,6 @@ def _storage_items(path: str, storage: dict, found: _Found) -> Dict[str, Tuple[s
                                    "fsdp8 reads only checkpoints written without them; if you trust this one, load it "
                                    "with torch.distributed.checkpoint and save it again without them")
             continue
-        name = info.relative_path
         if name in refused:
             continue
         if name not in needed:
@@ -109,7 +113,7 @@ def _storage_items(path: str, storage: dict, found: _Found) -> Dict[str, Tuple[s
                 refused.add(name)
                 continue
         real, end = needed[name]
-        needed[name] = (real, max(end, info.offset + info.length))
+        needed[name] = (real, max(end, offset + length))
     return needed
 
 
@@ -122,8 +126,8 @@ def _files(path: str, needed: Dict[str, Tuple[str, int]], found: _Found) -> None
 
 
 def _tensor(fqn: str, entry: TensorStorageMetadata, storage: dict, found: _Found) -> None:
-    props, size, chunks = entry.properties, entry.size, entry.chunks
-    if type(props) is not TensorProperties or type(props.dtype) is not torch.dtype:
+    props, size, chunks = (getattr(entry, field, None) for field in ("properties", "size", "chunks"))
+    if type(props) is not TensorProperties or type(getattr(props, "dtype", None)) is not torch.dtype:
         found.add("type", f"tensor {_name(fqn)} has no dtype")
         return
     if type(size) is not torch.Size or len(size) > MAX_NDIM or any(n < 0 for n in size):
@@ -133,11 +137,11 @@ def _tensor(fqn: str, entry: TensorStorageMetadata, storage: dict, found: _Found
     if type(chunks) is not list:
         found.add("type", f"tensor {_name(fqn)} has no list of chunks")
         return
-    element = torch.empty((), dtype=props.dtype).element_size()
+    element = props.dtype.itemsize
     boxes = []
     for chunk in chunks:
-        if (type(chunk) is not ChunkStorageMetadata or type(chunk.offsets) is not torch.Size
-                or type(chunk.sizes) is not torch.Size or len(chunk.offsets) != len(size)
+        if (type(chunk) is not ChunkStorageMetadata or type(getattr(chunk, "offsets", None)) is not torch.Size
+                or type(getattr(chunk, "sizes", None)) is not torch.Size or len(chunk.offsets) != len(size)
                 or len(chunk.sizes) != len(size)):
             found.add("chunk", f"tensor {_name(fqn)} has a chunk that is not a ChunkStorageMetadata of {len(size)} "
                                "dims")
@@ -153,7 +157,7 @@ def _tensor(fqn: str, entry: TensorStorageMetadata, storage: dict, found: _Found
         if info is None:
             found.add("unstored", f"tensor {_name(fqn)} has no stored item for its chunk at {list(chunk.offsets)}")
             return
-        if type(info) is _StorageInfo and type(info.length) is int and info.length < numel * element:
+        if type(info) is _StorageInfo and type(getattr(info, "length", None)) is int and info.length < numel * element:
             found.add("short", f"tensor {_name(fqn)}'s chunk at {list(chunk.offsets)} holds {numel * element} bytes, "
                                f"but its stored item has {info.length}")
             return

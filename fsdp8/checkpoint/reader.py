@@ -113,7 +113,7 @@ class SafeReader(FileSystemReader):
         entry = self._metadata.state_dict_metadata[fqn]
         chunk = _chunk_at(entry, item.storage_index)
         where += f" at {list(chunk.offsets)}"
-        _check_archive(piece, math.prod(chunk.sizes) * torch.empty((), dtype=entry.properties.dtype).element_size(),
+        _check_archive(piece, math.prod(chunk.sizes) * entry.properties.dtype.itemsize,
                        where)
         tensor = _loading(where, lambda: torch.load(piece, map_location="cpu", weights_only=True))
         if type(tensor) is not torch.Tensor or tensor.dtype != entry.properties.dtype or tensor.shape != chunk.sizes:

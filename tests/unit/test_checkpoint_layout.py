@@ -189,6 +189,17 @@ def test_an_int_checkpoint_tensor_into_a_float_weight_is_refused(saved, tmp_path
     fsdp8.load(path + "-float", saved[1])  # a checkpoint without checksums loads
 
 
+def test_fields_the_metadata_left_out_are_named(saved, tmp_path):
+    """An instance may be built with any subset of its fields; a missing one was an AttributeError."""
+    def edit(metadata, _):
+        del vars(_tensor(metadata))["chunks"]
+        del vars(next(iter(metadata.storage_data.values())))["length"]
+
+    for message in _refused(saved, _edited(saved, tmp_path, edit), tmp_path):
+        assert "tensor model.embed.weight has no list of chunks" in message
+        assert f"has file '{DATA}', offset 0 and length None" in message
+
+
 def test_planner_paths_index_only_what_exists(saved, tmp_path):
     """The issue's export with a planner path at index 10^12 grew memory without bound (here
     10^7, which the old export filled with ten million Nones and then dropped the weight)."""
