@@ -16,7 +16,7 @@ from typing import List, Optional
 from . import __version__
 from .checkpoint import export, verify
 from .checkpoint.exporter import EXPORT_FILES, describe_files, held_files
-from .checkpoint.store import CheckpointError, complete_checkpoints
+from .checkpoint.store import CheckpointError, DamagedCheckpointError, complete_checkpoints
 from .bench import PRECISIONS as BENCH_PRECISIONS, BenchConfig, bench
 from .config import AC_MODES, STRATEGY_NAMES
 from .launch import launch, resolve_nproc, under_torchrun
@@ -263,17 +263,16 @@ def _run_export(args: argparse.Namespace) -> int:
         _fail("export", f"{args.out} already holds files ({describe_files(held)}); give an empty or new directory, or "
                         "--overwrite to replace the files an export writes there (model.safetensors, config.json, "
                         "tokenizer files)")
-    damaged = verify(checkpoint)
-    try:
-        if not damaged:
-            export(checkpoint, args.out, getattr(torch, args.dtype) if args.dtype else None,
-                            overwrite=args.overwrite)
-    except CheckpointError as e:  # found reading it: an item that fails its checksum, say
-        damaged = [str(e)]
-    except (OSError, ValueError) as e:
-        _fail("export", str(e))
-    if damaged:
-        _fail("export", f"checkpoint {checkpoint} is damaged: {'; '.join(damaged)}"
+    problems = verify(checkpoint)
+    if not problems:
+        try:
+            export(checkpoint, args.out, getattr(torch, args.dtype) if args.dtype else None, overwrite=args.overwrite)
+        except DamagedCheckpointError as e:  # found reading it: an item that fails its checksum, say
+            problems = [str(e)]
+        except (CheckpointError, OSError, ValueError) as e:
+            _fail("export", str(e))
+    if problems:
+        _fail("export", f"checkpoint {checkpoint} cannot be exported: {'; '.join(problems)}"
                         f"{_intact_older(checkpoint, args.out)}")
     written = [name for name in EXPORT_FILES if os.path.isfile(os.path.join(args.out, name))]
     what = ("a transformers model" if "config.json" in written

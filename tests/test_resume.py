@@ -128,7 +128,7 @@ def test_export_of_a_damaged_checkpoint_is_one_line_naming_an_intact_one(runs, c
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     older = run / "checkpoints" / "step-000005"
-    assert err.count("\n") == 1 and err.startswith(f"fsdp8 export: error: checkpoint {newest} is damaged: ")
+    assert err.count("\n") == 1 and err.startswith(f"fsdp8 export: error: checkpoint {newest} cannot be exported: ")
     assert cause.format(name=name) in err
     assert err.endswith(f"; the older checkpoint {older} is intact: fsdp8 export {older} {out}\n")
     assert cli.main(["export", str(older), str(out), "--overwrite"]) == 0

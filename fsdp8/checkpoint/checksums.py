@@ -19,7 +19,7 @@ import zlib
 from collections import defaultdict
 from typing import Dict, Iterable, Optional, Tuple
 
-from .store import CheckpointError, shown, write_json_atomic
+from .store import CheckpointError, DamagedCheckpointError, shown, write_json_atomic
 
 ALGORITHM = "crc32"
 FILE = "checksums.json"  # beside the data files; the marker names the algorithm
@@ -38,8 +38,8 @@ def crc32_of(stream, offset: int, length: int) -> int:
     while left:
         n = stream.readinto(buffer[:min(left, len(buffer))])
         if not n:
-            raise CheckpointError(f"{getattr(stream, 'name', 'a data file')} ends {left} bytes before the item at "
-                                  f"offset {offset} does")
+            raise DamagedCheckpointError(f"{getattr(stream, 'name', 'a data file')} ends {left} bytes before the "
+                                         f"item at offset {offset} does")
         crc = zlib.crc32(buffer[:n], crc)
         left -= n
     return crc
@@ -105,15 +105,15 @@ def read_table(checkpoint: str, marker: dict) -> Optional[Table]:
 
 
 def check_item(checkpoint: str, name: str, stream, offset: int, length: int, table: Table) -> None:
-    """Raise CheckpointError unless the item at ``offset`` of data file ``name`` (open as
+    """Raise DamagedCheckpointError unless the item at ``offset`` of data file ``name`` (open as
     ``stream``) has the checksum its checkpoint recorded."""
     saved = table.get((name, offset))
     if saved is None or saved[0] != length:
-        raise CheckpointError(f"checkpoint {checkpoint}: data file {name} holds an item (bytes {offset} to "
-                              f"{offset + length}) that its {ALGORITHM} list does not: the checkpoint was altered "
-                              "after it was saved; load an older one")
+        raise DamagedCheckpointError(f"checkpoint {checkpoint}: data file {name} holds an item (bytes {offset} to "
+                                     f"{offset + length}) that its {ALGORITHM} list does not: the checkpoint was "
+                                     "altered after it was saved; load an older one")
     crc = crc32_of(stream, offset, length)
     if crc != saved[1]:
-        raise CheckpointError(f"checkpoint {checkpoint}: data file {name} is damaged: bytes {offset} to "
-                              f"{offset + length} have {ALGORITHM} {crc:08x}, but {saved[1]:08x} was written (the disk "
-                              "or a copy changed them); load an older checkpoint")
+        raise DamagedCheckpointError(f"checkpoint {checkpoint}: data file {name} is damaged: bytes {offset} to "
+                                     f"{offset + length} have {ALGORITHM} {crc:08x}, but {saved[1]:08x} was written "
+                                     "(the disk or a copy changed them); load an older checkpoint")

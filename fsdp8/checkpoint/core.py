@@ -204,14 +204,16 @@ def _agree(what: str, step, *args, group=None) -> None:
 
 def dcp_call(fn, *args, **kwargs) -> None:
     """A DCP save or load; DCP gathers every rank's exception into one CheckpointException on
-    all ranks: if all were CheckpointErrors (fsdp8's own checks), they become one again."""
+    all ranks: if all were CheckpointErrors (fsdp8's own checks), they become one again (of
+    their class, if they share one)."""
     try:
         fn(*args, **kwargs)
     except CheckpointException as e:
         errors = [exc for exc, _ in e.failures.values()]
         if not errors or not all(isinstance(exc, store.CheckpointError) for exc in errors):
             raise
-        raise store.CheckpointError("; ".join(dict.fromkeys(str(exc) for exc in errors))) from None
+        kind = type(errors[0]) if all(type(exc) is type(errors[0]) for exc in errors) else store.CheckpointError
+        raise kind("; ".join(dict.fromkeys(str(exc) for exc in errors))) from None
 
 
 def _fault_point(name: str) -> None:

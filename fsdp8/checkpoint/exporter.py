@@ -66,9 +66,10 @@ def export(checkpoint: str, out: str, dtype: Optional[torch.dtype] = None, *, ll
     must be empty or new unless ``overwrite``, which replaces the files an export writes."""
     found = _checked(checkpoint)
     run = _run_settings(checkpoint)
-    if llama is None and not run.get("model") and run.get("preset") in PRESETS:
-        llama = preset(run["preset"])
-    hf_dir = run["model"][len("hf:"):] if str(run.get("model", "")).startswith("hf:") else None
+    model, preset_name = run.get("model"), run.get("preset")
+    if llama is None and not model and isinstance(preset_name, str) and preset_name in PRESETS:
+        llama = preset(preset_name)
+    hf_dir = model[len("hf:"):] if isinstance(model, str) and model.startswith("hf:") else None  # --model hf:DIR
     _prepare(out, overwrite)
     tensors = _model_tensors(checkpoint, found)
     if dtype is not None:
@@ -76,12 +77,13 @@ def export(checkpoint: str, out: str, dtype: Optional[torch.dtype] = None, *, ll
     if llama is not None:
         tensors = hf_export.llama_tensors(tensors, llama, checkpoint)
     weights_dtype = dtype or next((v.dtype for v in tensors.values() if v.is_floating_point()), torch.float32)
+    hf = hf_export.hf_config(hf_dir, weights_dtype) if hf_dir is not None and llama is None else None
     target = os.path.join(out, "model.safetensors")
     safetensors.write(target, tensors, metadata={"format": "pt", "source": os.path.abspath(checkpoint)})
     if llama is not None:
         hf_export.write_json(os.path.join(out, "config.json"), hf_export.llama_config_json(llama, weights_dtype))
-    elif hf_dir is not None:
-        hf_export.copy_hf_files(hf_dir, out, weights_dtype)
+    elif hf is not None:
+        hf_export.write_hf_files(hf_dir, out, hf)
     return target
 
 

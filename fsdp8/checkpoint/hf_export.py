@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Dict, List
+from typing import Dict
 
 import torch
 
@@ -105,9 +105,9 @@ def write_json(path: str, obj: dict) -> None:
         f.write("\n")
 
 
-def copy_hf_files(model_dir: str, out: str, dtype: torch.dtype) -> List[str]:
-    """config.json of the Hugging Face model in ``model_dir`` (its dtype set to the exported
-    weights') and its tokenizer files, into ``out``; returns the names written."""
+def hf_config(model_dir: str, dtype: torch.dtype) -> dict:
+    """config.json of the Hugging Face model in ``model_dir``, its dtype set to ``dtype`` (the
+    exported weights')."""
     config_file = os.path.join(model_dir, "config.json")
     try:
         with open(config_file) as f:
@@ -119,11 +119,13 @@ def copy_hf_files(model_dir: str, out: str, dtype: torch.dtype) -> List[str]:
         raise CheckpointError(f"{config_file} is not a JSON object; restore that directory")
     config.pop("torch_dtype", None)
     config["dtype"] = str(dtype).replace("torch.", "")
+    return config
+
+
+def write_hf_files(model_dir: str, out: str, config: dict) -> None:
+    """``config`` as ``out``/config.json, and the tokenizer files of ``model_dir`` beside it."""
     write_json(os.path.join(out, "config.json"), config)
-    written = ["config.json"]
     for name in TOKENIZER_FILES:
         source = os.path.join(model_dir, name)
         if os.path.isfile(source):
             shutil.copyfile(source, os.path.join(out, name))
-            written.append(name)
-    return written

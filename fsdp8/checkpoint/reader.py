@@ -29,7 +29,7 @@ from torch.futures import Future
 
 from . import checksums
 from .paths import inside
-from .store import CheckpointError, METADATA
+from .store import METADATA, CheckpointError, DamagedCheckpointError
 
 # What torch.save adds around a tensor's bytes in its zip archive (a pickle of ~150 bytes,
 # version records, local and central headers); a generous bound.
@@ -119,8 +119,8 @@ class SafeReader(FileSystemReader):
         if type(tensor) is not torch.Tensor or tensor.dtype != entry.properties.dtype or tensor.shape != chunk.sizes:
             what = (f"a {tensor.dtype} tensor of shape {list(tensor.shape)}" if isinstance(tensor, torch.Tensor)
                     else f"a {type(tensor).__name__}")
-            raise CheckpointError(f"{where} holds {what}, but the metadata declares {entry.properties.dtype} "
-                                  f"{list(chunk.sizes)}: the checkpoint is damaged")
+            raise DamagedCheckpointError(f"{where} holds {what}, but the metadata declares "
+                                         f"{entry.properties.dtype} {list(chunk.sizes)}: the checkpoint is damaged")
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
             tensor = tensor.narrow(dim, start, length)
         target = planner.resolve_tensor(item).detach()
@@ -137,8 +137,8 @@ def _loading(where: str, load):
         return load()
     except Exception as e:  # torch.load's refusals and parse errors: RuntimeError, UnpicklingError, ...
         cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CheckpointError(f"{where} cannot be read by torch.load ({type(e).__name__}: {cause}): the checkpoint "
-                              "is damaged") from e
+        raise DamagedCheckpointError(f"{where} cannot be read by torch.load ({type(e).__name__}: {cause}): the "
+                                     "checkpoint is damaged") from e
 
 
 def _chunk_at(entry, index):
@@ -156,10 +156,11 @@ def _check_archive(piece, nbytes: int, where: str) -> None:
     try:
         claimed = sum(info.file_size for info in zipfile.ZipFile(piece).infolist())
     except (zipfile.BadZipFile, ValueError, EOFError) as e:
-        raise CheckpointError(f"{where} is not a torch.save archive ({e}): the checkpoint is damaged") from None
+        raise DamagedCheckpointError(f"{where} is not a torch.save archive ({e}): the checkpoint is "
+                                     "damaged") from None
     if claimed > nbytes + ZIP_OVERHEAD_BYTES:
-        raise CheckpointError(f"{where} unpacks to {claimed} bytes, more than the {nbytes} it stands for: the "
-                              "checkpoint is damaged or malicious")
+        raise DamagedCheckpointError(f"{where} unpacks to {claimed} bytes, more than the {nbytes} it stands for: "
+                                     "the checkpoint is damaged or malicious")
     piece.seek(0)
 
 

@@ -28,6 +28,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, damaged or does not fit the model."""
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint's data files do not hold what its metadata and checksums say: found while
+    reading them (an older checkpoint may be intact)."""
+
+
 _SHOWN = reprlib.Repr()
 _SHOWN.maxstring = _SHOWN.maxother = 200
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fsdp8
+from fsdp8 import cli
 from fsdp8.checkpoint import export
 from fsdp8.models.llama import Llama, LlamaConfig, preset
 
@@ -75,6 +76,20 @@ def test_an_existing_export_is_replaced_only_when_asked(tmp_path):
         export(str(tmp_path / "c"), str(out))
     export(str(tmp_path / "c"), str(out), overwrite=True)
     assert sorted(os.listdir(out)) == ["model.safetensors", "notes.txt"]
+
+
+def test_a_run_whose_model_directory_is_gone_is_one_line(tmp_path, capsys):
+    """Not a damaged checkpoint (no older one is offered): what is missing, and nothing written."""
+    model, opt = _trained(preset("tiny"))
+    fsdp8.save(str(tmp_path / "c"), model, opt, extra={"config": {"model": f"hf:{tmp_path / 'gone'}"}})
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["export", str(tmp_path / "c"), str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    config = tmp_path / "gone" / "config.json"
+    assert capsys.readouterr().err == (f"fsdp8 export: error: the run trained --model hf:{tmp_path / 'gone'}, whose "
+                                       f"config.json export copies, but {config} cannot be read ([Errno 2] No such "
+                                       f"file or directory: '{config}'); restore that directory\n")
+    assert not os.listdir(tmp_path / "out")
 
 
 def test_a_run_of_a_hugging_face_model_gets_its_config_and_tokenizer(tmp_path):
