@@ -267,7 +267,14 @@ def _check_keys(model_sd: Dict[str, Any], metadata, strict: bool) -> None:
 def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, strict: bool = True) -> dict:
     """Load a checkpoint written by ``save`` (at any world size, strategy or mesh) into
     ``model`` and ``optimizer`` in place; returns this rank's ``extra`` (rank 0's when the
-    checkpoint was written by fewer ranks)."""
+    checkpoint was written by fewer ranks).
+
+    Before anything is read every rank checks the checkpoint (``verify.examine``: files,
+    metadata, chunks, extra values) and all raise one CheckpointError if any rank found a
+    problem; a tensor must hold the model's dtype, or both must be floating point (a bf16
+    checkpoint into fp32 weights). Each stored item is checked against its checksum as it is
+    read: a DamagedCheckpointError on every rank then means the model (and optimizer) hold a
+    mix of old and loaded values."""
     init_distributed()
     path = os.path.abspath(path)
     check_same_everywhere([f"path={path}", f"optimizer={optimizer is not None}"], "the checkpoint to load",
