@@ -7,6 +7,12 @@ A save with checksums crc32s every item as it writes it; a load reads every item
 once more to crc32 it before torch.load reads it. Without checksums is fsdp8 saving through
 torch's FileSystemWriter and loading as it loads a checkpoint that has none (written by
 torch, or an older fsdp8).
+
+Measured 2026-11-26 on a 2-core AMD EPYC VM shared with other jobs (median of 9, twice):
+save 0.55 -> 0.51 s and 0.65 -> 0.58 s (+8 to 11%), load 0.45 -> 0.29 s and 0.44 -> 0.29 s
+(+50%, all of it the crc32 of each item read again from the page cache: about 0.15 s per
+292 MiB, crc32 running at 2.5 to 3 GB/s here; on a cold read from disk the same 0.15 s
+comes on top of the disk's time).
 """
 
 import argparse
