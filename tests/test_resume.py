@@ -3,6 +3,7 @@ remembers, exporting a run's latest checkpoint, NaN steps skipped."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 
 from fsdp8 import cli
-from fsdp8.checkpoint.transfer import read_full_state
+from fsdp8.checkpoint import store
+from fsdp8.checkpoint.exporter import read_full_state
+from fsdp8.checkpoint.safe_io import read_metadata_safely
 
 COMMON = ["--log-every", "5", "--eval-every", "5"]
 
@@ -86,9 +89,64 @@ def test_resume_with_another_preset_names_the_checkpoints(runs, capsys):
 @pytest.mark.parametrize("given", ["resumed", "resumed/checkpoints"])
 def test_export_takes_the_latest_checkpoint_of_a_run(runs, capsys, given):
     tmp, _, _ = runs
-    assert cli.main(["export", str(tmp / given), str(tmp / "export")]) == 0
+    out = tmp / f"export-{given.replace('/', '-')}"
+    assert cli.main(["export", str(tmp / given), str(out)]) == 0
     ckpt = tmp / "resumed" / "checkpoints" / "step-000010"
-    assert capsys.readouterr().err.strip() == f"wrote {tmp / 'export' / 'model.safetensors'} from {ckpt}"
+    assert capsys.readouterr().err.strip() == (f"wrote model.safetensors, config.json to {out} from {ckpt}: a "
+                                               "transformers model")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def _damaged_copy(tmp, damage):
+    """A copy of the resumed run (checkpoints step-000005 and step-000010), its newest damaged."""
+    run = tmp / f"damaged-{damage}"
+    shutil.copytree(tmp / "resumed", run)
+    newest = run / "checkpoints" / "step-000010"
+    with open(newest / store.METADATA, "rb") as f:
+        metadata = read_metadata_safely(f)
+    item = next(v for k, v in metadata.storage_data.items() if k.fqn == "model.embed.weight")
+    data = newest / item.relative_path
+    if damage == "deleted":
+        data.unlink()
+    else:
+        raw = bytearray(data.read_bytes())
+        raw[item.offset + item.length // 2] ^= 0x40  # amid the embedding's values
+        data.write_bytes(bytes(raw))
+    return run, newest, data.name
+
+
+@pytest.mark.parametrize("damage,cause", [("deleted", "data file {name} is missing"),
+                                          ("flipped", "data file {name} is damaged: bytes")])
+def test_export_of_a_damaged_checkpoint_is_one_line_naming_an_intact_one(runs, capsys, damage, cause):
+    """It printed 44-47 lines of traceback ending in FileNotFoundError or "PytorchStreamReader
+    failed reading zip archive" (or, for a flipped byte, exported it)."""
+    tmp, _, _ = runs
+    run, newest, name = _damaged_copy(tmp, damage)
+    out = tmp / f"export-{damage}"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["export", str(run), str(out)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    older = run / "checkpoints" / "step-000005"
+    assert err.count("\n") == 1 and err.startswith(f"fsdp8 export: error: checkpoint {newest} cannot be exported: ")
+    assert cause.format(name=name) in err
+    assert err.endswith(f"; the older checkpoint {older} is intact: fsdp8 export {older} {out}\n")
+    assert cli.main(["export", str(older), str(out), "--overwrite"]) == 0
+
+
+def test_export_refuses_a_directory_that_holds_files(runs, capsys):
+    tmp, _, _ = runs
+    out = tmp / "occupied"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["export", str(tmp / "resumed"), str(out)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (f"fsdp8 export: error: {out} already holds files (notes.txt); give an empty "
+                                       "or new directory, or --overwrite to replace the files an export writes there "
+                                       "(model.safetensors, config.json, tokenizer files)\n")
+    assert cli.main(["export", str(tmp / "resumed"), str(out), "--overwrite"]) == 0
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "notes.txt"]
 
 
 def test_nan_in_one_ranks_batch_is_reported_and_skipped(tmp_path):

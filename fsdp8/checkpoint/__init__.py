@@ -1,8 +1,10 @@
 """Checkpoints: atomic, reshardable save/load, safetensors export and import."""
 
 from .core import load, save, wait_for_saves
-from .store import CheckpointError, latest
-from .transfer import export, load_pretrained
+from .exporter import export
+from .store import CheckpointError, DamagedCheckpointError, latest
+from .transfer import load_pretrained
 from .verify import verify
 
-__all__ = ["CheckpointError", "export", "latest", "load", "load_pretrained", "save", "verify", "wait_for_saves"]
+__all__ = ["CheckpointError", "DamagedCheckpointError", "export", "latest", "load", "load_pretrained", "save", "verify",
+           "wait_for_saves"]

@@ -6,7 +6,6 @@ a DTensor with its global shape: DCP matches the saved chunks to the new ones.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from concurrent.futures import Future
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
@@ -24,9 +23,10 @@ from torch.distributed.tensor import DTensor
 from ..engine.check import check_same_everywhere
 from ..engine.state_dict import StateDictError, describe_mismatch
 from ..parallel.mesh import init_distributed
-from . import store
-from .safe_io import SafeLoadPlanner, SafeReader
-from .verify import inspect
+from . import checksums, extra as extra_values, store
+from .reader import SafeLoadPlanner, SafeReader, same_kind
+from .verify import Inspection, examine
+from .writer import SafeWriter
 
 _PENDING: List[Future] = []
 _CKPT_GROUP = None
@@ -112,7 +112,9 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     """Write a reshardable, atomic checkpoint of ``model`` (and ``optimizer``) to ``path``.
 
     ``extra`` (JSON values and tensors, e.g. step, RNG states, data position) is stored per
-    rank. ``keep_last=N`` deletes older complete checkpoints next to ``path``. With
+    rank. ``keep_last=N`` deletes all but the N highest steps of ``path``'s series: the
+    complete checkpoints beside it named like it with another number (``step-000120`` is step
+    120 of ``step-``; a name without a number rotates nothing). With
     ``async_save`` the state is copied to host memory (training waits only for that), the
     call returns a Future, and a background thread writes and publishes the files over a
     gloo group of its own (at most ``max_in_flight`` saves at once: a new one first waits
@@ -130,21 +132,17 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
         store.prepare(path)
     _barrier()
     tmp = store.partial_path(path)
-    store.write_json_atomic(store.extra_path(tmp, rank), store.encode_extra(extra or {}))
+    _agree("write the extra values", _write_extra, store.extra_path(tmp, rank), extra or {})
     _agree_delayed_pending(model)
     state = _state(model, optimizer)
     info = {"world_size": dist.get_world_size(), "optimizer": optimizer is not None}
 
     def finish(group) -> None:
         _barrier(group)  # every rank's files are written
-        if rank == 0:
-            store.publish(path, info)
-            if keep_last is not None:
-                store.prune(os.path.dirname(path), keep_last, protect=path)
-        _barrier(group)  # nobody returns before the checkpoint is visible
+        _agree("publish the checkpoint", _publish if rank == 0 else None, path, info, keep_last, group=group)
 
     if not async_save:
-        dcp.save(state, storage_writer=FileSystemWriter(tmp))
+        dcp_call(dcp.save, state, storage_writer=SafeWriter(tmp))
         _fault_point("before_publish")
         finish(None)
         return None
@@ -154,7 +152,7 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
 
     def background() -> None:
         try:
-            dcp.save(staged, storage_writer=FileSystemWriter(tmp), process_group=group)
+            dcp_call(dcp.save, staged, storage_writer=SafeWriter(tmp), process_group=group)
             finish(group)
             done.set_result(path)
         except BaseException as e:  # surfaced through the Future
@@ -165,6 +163,59 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     return done
 
 
+def _write_extra(file: str, values: dict) -> None:
+    encoded = extra_values.encode(values)  # a TypeError names what cannot be stored
+    try:
+        store.write_json_atomic(file, encoded)
+    except OSError as e:
+        raise store.CheckpointError(f"cannot write checkpoint file {file}: {e.strerror or e}") from None
+
+
+def _publish(path: str, info: dict, keep_last: Optional[int]) -> None:
+    """Rank 0, once every rank's files are written: checksums, marker, rename, rotation."""
+    try:
+        info = dict(info, checksums=checksums.gather(store.partial_path(path)))
+        store.publish(path, info)
+    except OSError as e:
+        raise store.CheckpointError(f"cannot publish checkpoint {path}: {e.strerror or e} "
+                                    f"({e.filename or 'its marker'})") from None
+    if keep_last is not None:
+        store.prune(os.path.dirname(path), keep_last, protect=path)
+
+
+def _agree(what: str, step, *args, group=None) -> None:
+    """Run ``step(*args)`` where given (None: nothing to do on this rank), then agree with the
+    other ranks (one all-reduce) whether it worked: where it failed it raises, and every other
+    rank raises a CheckpointError saying so, instead of waiting for it in a collective."""
+    error = None
+    if step is not None:
+        try:
+            step(*args)
+        except Exception as e:
+            error = e
+    failed = torch.tensor([0.0 if error is None else 1.0], device=_device() if group is None else "cpu")
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        raise error
+    if failed.item() > 0:
+        raise store.CheckpointError(f"could not {what}: another rank failed (its error says why)")
+
+
+def dcp_call(fn, *args, **kwargs) -> None:
+    """A DCP save or load; DCP gathers every rank's exception into one CheckpointException on
+    all ranks: if all were CheckpointErrors (fsdp8's own checks), they become one again (of
+    their class, if they share one)."""
+    try:
+        fn(*args, **kwargs)
+    except CheckpointException as e:
+        errors = [exc for exc, _ in e.failures.values()]
+        if not errors or not all(isinstance(exc, store.CheckpointError) for exc in errors):
+            raise
+        kind = type(errors[0]) if all(type(exc) is type(errors[0]) for exc in errors) else store.CheckpointError
+        raise kind("; ".join(dict.fromkeys(str(exc) for exc in errors))) from None
+
+
 def _fault_point(name: str) -> None:
     """Test seam: FSDP8_FAULT=<name> kills this process here (the SIGKILL-during-save test)."""
     if os.environ.get("FSDP8_FAULT") == name:
@@ -173,17 +224,18 @@ def _fault_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _check_loadable(path: str) -> Any:
-    """Metadata of ``path``, or one CheckpointError on every rank naming all that is wrong."""
-    found, metadata = inspect(path)
+def _check_loadable(path: str) -> Inspection:
+    """What examine found of ``path`` for this rank, or one CheckpointError on every rank naming
+    all that is wrong."""
+    found = examine(path, dist.get_rank())
     # Agree before anything collective: one rank's missing file must not hang the others.
-    flag = torch.tensor([1.0 if found else 0.0], device=_device())
+    flag = torch.tensor([1.0 if found.problems else 0.0], device=_device())
     if dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() > 0:
-        raise store.CheckpointError("cannot load checkpoint: " + ("; ".join(found) if found else
+        raise store.CheckpointError("cannot load checkpoint: " + ("; ".join(found.problems) if found.problems else
                                                                    "another rank found it incomplete or damaged"))
-    return metadata
+    return found
 
 
 def _nested(metadata) -> bool:
@@ -202,8 +254,12 @@ def _check_keys(model_sd: Dict[str, Any], metadata, strict: bool) -> None:
     mis_shaped = []
     for k, v in model_sd.items():
         meta = saved.get(k)
-        if isinstance(meta, TensorStorageMetadata) and isinstance(v, torch.Tensor) and tuple(meta.size) != tuple(v.shape):
+        if not isinstance(meta, TensorStorageMetadata) or not isinstance(v, torch.Tensor):
+            continue
+        if tuple(meta.size) != tuple(v.shape):
             mis_shaped.append(f"{k}: checkpoint {tuple(meta.size)} vs model {tuple(v.shape)}")
+        elif not same_kind(meta.properties.dtype, v.dtype):
+            mis_shaped.append(f"{k}: checkpoint {meta.properties.dtype} vs model {v.dtype}")
     if mis_shaped or (strict and (missing or unexpected)):
         raise StateDictError(f"checkpoint does not match the model: {describe_mismatch(missing, unexpected, mis_shaped)}")
 
@@ -211,18 +267,27 @@ def _check_keys(model_sd: Dict[str, Any], metadata, strict: bool) -> None:
 def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, strict: bool = True) -> dict:
     """Load a checkpoint written by ``save`` (at any world size, strategy or mesh) into
     ``model`` and ``optimizer`` in place; returns this rank's ``extra`` (rank 0's when the
-    checkpoint was written by fewer ranks)."""
+    checkpoint was written by fewer ranks).
+
+    Before anything is read every rank checks the checkpoint (``verify.examine``: files,
+    metadata, chunks, extra values) and all raise one CheckpointError if any rank found a
+    problem; a tensor must hold the model's dtype, or both must be floating point (a bf16
+    checkpoint into fp32 weights). Each stored item is checked against its checksum as it is
+    read: a DamagedCheckpointError on every rank then means the model (and optimizer) hold a
+    mix of old and loaded values."""
     init_distributed()
     path = os.path.abspath(path)
     check_same_everywhere([f"path={path}", f"optimizer={optimizer is not None}"], "the checkpoint to load",
                           dist.group.WORLD, _device())
-    metadata = _check_loadable(path)
+    found = _check_loadable(path)
+    metadata = found.metadata
     state = _state(model, optimizer)
     _check_keys(state["model"], metadata, strict)
     if optimizer is not None and not any(k.startswith("optim.") for k in metadata.state_dict_metadata):
         raise store.CheckpointError(f"{path} holds no optimizer state; load it with optimizer=None")
     target = state if _nested(metadata) else state["model"]
-    dcp.load(target, storage_reader=SafeReader(path), planner=SafeLoadPlanner(allow_partial_load=not strict))
+    dcp_call(dcp.load, target, storage_reader=SafeReader(path, metadata, found.table),
+              planner=SafeLoadPlanner(allow_partial_load=not strict))
     engine = getattr(model, "_fsdp8", None)
     if engine is not None:  # main weights changed under the engine: refresh compute copies
         for unit in engine.all_units:
@@ -236,10 +301,4 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
             delayed.refresh_inverses()
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
-    rank_file = store.extra_path(path, dist.get_rank())
-    if not os.path.exists(rank_file):
-        rank_file = store.extra_path(path, 0)
-    if not os.path.exists(rank_file):
-        return {}  # a checkpoint written by another library
-    with open(rank_file) as f:
-        return store.decode_extra(json.load(f))
+    return found.extra

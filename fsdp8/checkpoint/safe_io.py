@@ -1,9 +1,8 @@
-"""Reading DCP checkpoints without unpickling arbitrary objects.
+"""Reading a DCP checkpoint's metadata file without unpickling arbitrary objects, within bounds.
 
-torch.distributed.checkpoint pickles its metadata file and loads non-tensor entries with
-``torch.load(weights_only=False)``. fsdp8 reads the metadata through an unpickler that only
-builds the checkpoint library's own metadata classes and plain containers, and loads
-non-tensor entries (optimizer hyper-parameters) with ``weights_only=True``.
+torch.distributed.checkpoint pickles its metadata file. fsdp8 reads it through an unpickler
+that only builds the checkpoint library's own metadata classes and plain containers, and
+only as large and as deep as a real checkpoint's metadata gets.
 
 [Note: the metadata unpickler]
 A pickle runs code wherever an opcode looks up a global (GLOBAL, STACK_GLOBAL, INST,
@@ -13,36 +12,35 @@ BINPERSID). So:
 - a global is one of the exact (module, name) pairs of ``_GLOBALS``, looked up in that
   table and never imported or resolved by attribute (protocol 4 resolves ``a.b`` names
   through attributes: ``os.system`` was reachable through any module that imports ``os``);
-- only the classes of that table are called, and the two functions torch pickles a
-  layout and a memory format with are replaced by lookups in fixed tables;
-- BUILD only fills the fields of an instance of a DCP metadata dataclass (on a class it
-  would set attributes of that class for the whole process);
+- only the callables of ``_CALLS`` are called, each with the argument types it takes (the
+  two functions torch pickles a layout and a memory format with are replaced by lookups in
+  fixed tables), and NEWOBJ only makes empty instances of the metadata classes;
+- BUILD only fills the fields of an instance of a DCP metadata dataclass, once (on a class
+  it would set attributes of that class for the whole process);
 - every other opcode that builds or calls is refused: DCP metadata never uses them.
 The pure-Python unpickler is used because the C one cannot be restricted per opcode (and
 resolves EXT codes already cached by copyreg without asking ``find_class``); it reads
-metadata about three times slower (64k tensor chunks: about 3 s instead of 1 s).
+metadata about four times slower than the C one. What it builds stays within the bounds of
+``pickle_bounds`` (depth, size, hash collisions).
+
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import pathlib
 import pickle
 import pickletools
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
-from .store import CheckpointError
+from .pickle_bounds import MAX_METADATA_BYTES, BoundedUnpickler, OpcodeTable, too_big
+from .store import CheckpointError, shown
 
-_DATACLASSES = (Metadata, dcp_metadata.MetadataIndex, StorageMeta, dcp_metadata.TensorStorageMetadata,
+_DATACLASSES = (Metadata, MetadataIndex, StorageMeta, dcp_metadata.TensorStorageMetadata,
                 dcp_metadata.BytesStorageMetadata, dcp_metadata.ChunkStorageMetadata, dcp_metadata.TensorProperties)
 _FIELDS = {cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in _DATACLASSES + (_StorageInfo,)}
 # torch pickles a layout as torch.serialization._get_layout("torch.strided") and
@@ -62,19 +60,33 @@ _GLOBALS = {
     # StorageMeta.checkpoint_id; Python 3.13 pickles paths as pathlib._local.<class>
     **{(module, cls.__name__): cls for cls in _PATHS for module in ("pathlib", "pathlib._local")},
 }
-# By identity: a set lookup of the object itself would call its __hash__.
-_CALLABLE_IDS = frozenset(id(v) for v in _GLOBALS.values() if callable(v))
-_CLASS_IDS = frozenset(id(v) for v in _GLOBALS.values() if isinstance(v, type))
+
+
+def _one(kind: type):
+    return lambda args: len(args) == 1 and type(args[0]) is kind
+
+
+# The callables REDUCE may call, by identity (a set lookup of the object itself would call
+# its __hash__), each with a test of its arguments: types whose hashing and size are known.
+_CALLS = {
+    id(torch.Size): lambda args: (len(args) == 1 and type(args[0]) in (tuple, list)
+                                  and all(type(v) is int for v in args[0])),
+    id(_LAYOUT_BY_NAME): _one(str),
+    id(_MEM_FORMAT_BY_VALUE): _one(int),
+    **{id(cls): lambda args: all(type(a) is str for a in args) for cls in _PATHS},
+}
+_NEWOBJ_CLASS_IDS = frozenset(id(cls) for cls in _FIELDS)
 _OPCODE_NAMES = {ord(op.code): op.name for op in pickletools.opcodes}
 # Opcodes that only push or store plain data, plus the global lookups (through find_class).
-# APPEND(S)/SETITEM(S)/ADDITEMS call the target's append/extend/__setitem__/add, which
-# nothing in _GLOBALS has besides real lists, dicts and sets.
+# Not here besides the calls: sets (DCP metadata has none, and their items are hashed),
+# BYTEARRAY8 (allocates its claimed length before reading) and the text memo opcodes of
+# protocol 0 (their indices are arbitrary integers, which collide in the memo dict).
 _PLAIN_OPCODES = frozenset("""
     PROTO FRAME STOP MARK POP POP_MARK DUP NONE NEWTRUE NEWFALSE INT BININT BININT1 BININT2 LONG
     LONG1 LONG4 FLOAT BINFLOAT STRING BINSTRING SHORT_BINSTRING UNICODE SHORT_BINUNICODE BINUNICODE
-    BINUNICODE8 BINBYTES SHORT_BINBYTES BINBYTES8 BYTEARRAY8 EMPTY_TUPLE TUPLE TUPLE1 TUPLE2 TUPLE3
-    EMPTY_LIST LIST APPEND APPENDS EMPTY_DICT DICT SETITEM SETITEMS EMPTY_SET ADDITEMS FROZENSET
-    GET BINGET LONG_BINGET PUT BINPUT LONG_BINPUT MEMOIZE GLOBAL STACK_GLOBAL""".split())
+    BINUNICODE8 BINBYTES SHORT_BINBYTES BINBYTES8 EMPTY_TUPLE TUPLE TUPLE1 TUPLE2 TUPLE3
+    EMPTY_LIST LIST APPEND APPENDS EMPTY_DICT DICT SETITEM SETITEMS
+    BINGET LONG_BINGET BINPUT LONG_BINPUT MEMOIZE GLOBAL STACK_GLOBAL""".split())
 
 
 class UnsafeCheckpointError(CheckpointError):
@@ -99,7 +111,19 @@ def _refused_opcode(name: str):
     return refuse
 
 
-class _MetadataUnpickler(pickle._Unpickler):
+class _MetadataUnpickler(BoundedUnpickler):
+    instance_types = frozenset(_FIELDS)
+
+    def check_key(self, key) -> None:
+        if type(key) is str:
+            return
+        if type(key) is not MetadataIndex or not vars(key):
+            raise _refuse(f"{_describe(key)} as a dictionary key")
+        if (type(key.fqn) is not str or type(key.offset) not in (torch.Size, type(None))
+                or type(key.index) not in (int, type(None))):
+            raise _refuse("a MetadataIndex key with fields of other types than (str, torch.Size, int)")
+
+    # -- globals, calls and instances ----------------------------------------------------------
     def find_class(self, module: str, name: str):
         found = _GLOBALS.get((module, name))
         if found is None:
@@ -109,16 +133,23 @@ class _MetadataUnpickler(pickle._Unpickler):
     def _reduce(self):
         args = self.stack.pop()
         func = self.stack[-1]
-        if id(func) not in _CALLABLE_IDS:
+        accepts = _CALLS.get(id(func))
+        if accepts is None:
             raise _refuse(f"a call of {_describe(func)}")
-        self.stack[-1] = func(*args)
+        if type(args) is not tuple or not accepts(args):
+            raise _refuse(f"a call of {_describe(func)} with arguments of other types than it takes")
+        self._spend(sum(len(a) if type(a) in (str, tuple, list) else 1 for a in args))
+        self.stack[-1] = self._fresh(func(*args))
 
     def _newobj(self):
         args = self.stack.pop()
         cls = self.stack.pop()
-        if id(cls) not in _CLASS_IDS:
+        if id(cls) not in _NEWOBJ_CLASS_IDS:
             raise _refuse(f"NEWOBJ of {_describe(cls)}")
-        self.append(cls.__new__(cls, *args))
+        if type(args) is not tuple or args:
+            raise _refuse(f"NEWOBJ of {cls.__qualname__} with arguments")
+        self._spend(1)
+        self.append(self._fresh(cls.__new__(cls)))
 
     def _build(self):
         state = self.stack.pop()
@@ -126,47 +157,50 @@ class _MetadataUnpickler(pickle._Unpickler):
         fields = _FIELDS.get(type(inst))
         if fields is None:
             raise _refuse(f"state set on {_describe(inst)}")
-        if "__setstate__" in vars(type(inst)):  # torch's own (TensorProperties: a tuple of fields)
-            inst.__setstate__(state)
+        if vars(inst) or id(inst) in self._sealed:
+            raise _refuse(f"state set twice on a {type(inst).__qualname__}, or set after it was put into another "
+                          "object")
+        if type(inst) is dcp_metadata.TensorProperties:
+            self._properties(inst, state)
             return
         if type(state) is not dict:
             raise _refuse(f"a {type(state).__qualname__} as the state of a {type(inst).__qualname__}")
         if not state.keys() <= fields:
-            extra = ", ".join(sorted(repr(k) for k in state if k not in fields))
+            extra = ", ".join(sorted(shown(k) for k in state if k not in fields))
             raise _refuse(f"{extra} in the state of a {type(inst).__qualname__}")
+        self._spend(len(state))
+        self._contain(inst, state.values())
         inst.__dict__.update(state)
 
-    dispatch = {code: handler if _OPCODE_NAMES[code] in _PLAIN_OPCODES else _refused_opcode(_OPCODE_NAMES[code])
-                for code, handler in pickle._Unpickler.dispatch.items()}
+    def _properties(self, inst, state) -> None:
+        """torch's own state of a TensorProperties: (dtype, layout, requires_grad, memory format, pin_memory)."""
+        kinds = (torch.dtype, torch.layout, bool, dcp_metadata._MEM_FORMAT_ENCODING, bool)
+        if type(state) is not tuple or len(state) != 5 or not all(type(v) is k for v, k in zip(state, kinds)):
+            raise _refuse("a TensorProperties state other than (dtype, layout, bool, memory format, bool)")
+        self._spend(len(state))
+        inst.__setstate__(state)
+
+    dispatch = OpcodeTable(
+        {code: handler if _OPCODE_NAMES[code] in _PLAIN_OPCODES else _refused_opcode(_OPCODE_NAMES[code])
+         for code, handler in BoundedUnpickler.dispatch.items()})
     dispatch.update({pickle.REDUCE[0]: _reduce, pickle.NEWOBJ[0]: _newobj, pickle.BUILD[0]: _build})
 
 
 def read_metadata_safely(stream) -> Metadata:
-    metadata = _MetadataUnpickler(stream).load()
+    """The Metadata pickled in ``stream`` (a binary file or BytesIO, read from its position), or
+    a CheckpointError saying why not."""
+    start = stream.tell()
+    size = stream.seek(0, 2) - start
+    stream.seek(start)
+    if size > MAX_METADATA_BYTES:
+        raise too_big(f"is {size} bytes, more than {MAX_METADATA_BYTES}")
+    try:
+        metadata = _MetadataUnpickler(stream, size).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # truncated or garbled: every way a pickle can fail to parse
+        raise CheckpointError(f"checkpoint metadata is not a readable pickle ({type(e).__name__}: {e}); the file "
+                              "is damaged or was not written by torch.distributed.checkpoint") from e
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"checkpoint metadata is a {type(metadata).__name__}, not a Metadata")
     return metadata
-
-
-class SafeReader(FileSystemReader):
-    """FileSystemReader whose metadata goes through the allow-listing unpickler."""
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = read_metadata_safely(f)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner that loads non-tensor entries with ``weights_only=True``."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj

@@ -17,6 +17,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .paths import inside
+
+INDEX = "model.safetensors.index.json"
 # A block of a tensor: one [start, stop) range per leading dim; the dims after them whole.
 Region = Sequence[Tuple[int, int]]
 
@@ -91,6 +94,22 @@ class SafetensorsFile:
         return self._file.get_slice(name)[tuple(slice(a, b) for a, b in region)]
 
 
+def _shard_names(index: str) -> List[str]:
+    """The shard files a Hugging Face index (model.safetensors.index.json) lists."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+    except (OSError, ValueError, AttributeError) as e:
+        what = str(e) if not isinstance(e, AttributeError) else "it is not a JSON object"
+        raise SafetensorsError(f"{index} cannot be read: {what}; write it again (save_pretrained writes it) or "
+                               "remove it to read every *.safetensors file of the directory") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise SafetensorsError(f"{index} has no \"weight_map\" object mapping tensor names to shard files; write it "
+                               "again (save_pretrained writes it) or remove it to read every *.safetensors file of "
+                               "the directory")
+    return sorted(set(weight_map.values()))
+
+
 class SafetensorsDir:
     """Every tensor of a file, or of a directory of files (an HF checkpoint: one
     model.safetensors, or shards listed by model.safetensors.index.json, or all *.safetensors)."""
@@ -99,13 +118,13 @@ class SafetensorsDir:
         if os.path.isfile(path):
             files = [path]
         elif os.path.isdir(path):
-            index = os.path.join(path, "model.safetensors.index.json")
-            if os.path.exists(index):
-                with open(index) as f:
-                    shard_names = sorted(set(json.load(f)["weight_map"].values()))
-                files = [os.path.join(path, n) for n in shard_names]
-            else:
-                files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+            index = os.path.join(path, INDEX)
+            names = _shard_names(index) if os.path.exists(index) else sorted(
+                n for n in os.listdir(path) if n.endswith(".safetensors"))
+            files = []
+            for name in names:  # each shard inside the directory, symlinks resolved
+                inside(path, name, INDEX if os.path.exists(index) else "the directory listing")
+                files.append(os.path.join(path, name))
             if not files:
                 raise SafetensorsError(f"{path} holds no .safetensors file")
         else:

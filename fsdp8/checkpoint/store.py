@@ -11,14 +11,13 @@ checkpoint counts only with its marker, so ``latest()`` never returns a half-wri
 
 from __future__ import annotations
 
-import base64
 import json
 import os
+import re
+import reprlib
 import shutil
 import time
-from typing import Any, Dict, List, Optional
-
-import torch
+from typing import Any, Dict, List, Optional, Tuple
 
 MARKER = "COMPLETE.json"
 METADATA = ".metadata"
@@ -27,6 +26,21 @@ FORMAT = "fsdp8-checkpoint-v1"
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, damaged or does not fit the model."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint's data files do not hold what its metadata and checksums say: found while
+    reading them (an older checkpoint may be intact)."""
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 200
+
+
+def shown(value) -> str:
+    """A value read from a checkpoint, for a message: its repr, cut short (a crafted name or
+    list may be megabytes long)."""
+    return _SHOWN.repr(value)
 
 
 def partial_path(path: str) -> str:
@@ -81,7 +95,9 @@ def prepare(path: str) -> None:
 def publish(path: str, info: Dict[str, Any]) -> None:
     """Rank 0, after every rank finished writing: marker, then the rename (see the Note)."""
     tmp = partial_path(path)
-    marker = dict(info, format=FORMAT, sequence=time.time_ns())
+    parent = os.path.dirname(path) or "."
+    published = max((key[2] for key, _ in _ordered(parent)), default=0)
+    marker = dict(info, format=FORMAT, published=published + 1)
     write_json_atomic(os.path.join(tmp, MARKER), marker)
     _fsync_dir(tmp)
     old = None
@@ -89,45 +105,73 @@ def publish(path: str, info: Dict[str, Any]) -> None:
         old = f"{path}.old-{time.time_ns()}"
         os.rename(path, old)
     os.rename(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+    _fsync_dir(parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def complete_checkpoints(directory: str) -> List[str]:
-    """Complete checkpoints directly inside ``directory``, oldest first."""
+# [Note: the order of checkpoints]
+# A checkpoint named <prefix><number> (step-000120, run-step3) is step <number> of the series
+# <prefix>. Checkpoints are ordered by that step, never by a clock (a clock set back would put
+# the newest first); ties, and names without a number, go by the order they were published
+# in, a counter in the marker (so all names without a number come before the numbered ones).
+_SERIES = re.compile(r"(.*?)(\d+)")
+_DEBRIS = re.compile(r".*(\.partial|\.old-\d+)")  # what an interrupted save or publish leaves
+
+
+def series_of(name: str) -> Optional[Tuple[str, int]]:
+    """(prefix, step) of a checkpoint named <prefix><number>, or None."""
+    match = _SERIES.fullmatch(name)
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+def _ordered(directory: str) -> List[Tuple[tuple, str]]:
+    """(order key, path) of the complete checkpoints in ``directory``, oldest first."""
     if not os.path.isdir(directory):
         return []
     found = []
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
-        if os.path.isdir(path) and is_complete(path):
-            try:
-                found.append((read_marker(path).get("sequence", 0), name, path))
-            except (OSError, ValueError):
-                continue
-    return [p for _, _, p in sorted(found)]
+        if _DEBRIS.fullmatch(name) or not (os.path.isdir(path) and is_complete(path)):
+            continue
+        try:
+            published = read_marker(path).get("published", 0)
+        except (OSError, ValueError, AttributeError):
+            continue
+        series = series_of(name)
+        found.append(((series is not None, series[1] if series else 0, published if type(published) is int else 0,
+                       name), path))
+    return sorted(found)
+
+
+def complete_checkpoints(directory: str) -> List[str]:
+    """Complete checkpoints directly inside ``directory``, oldest first (see the Note)."""
+    return [path for _, path in _ordered(directory)]
 
 
 def latest(directory: str) -> Optional[str]:
-    """The newest complete checkpoint in ``directory``, or None."""
+    """The newest complete checkpoint in ``directory`` (the highest step), or None."""
     found = complete_checkpoints(directory)
     return found[-1] if found else None
 
 
 def prune(directory: str, keep_last: int, protect: str) -> List[str]:
-    """Delete all but the newest ``keep_last`` complete checkpoints (never ``protect``)."""
-    found = complete_checkpoints(directory)
-    doomed = [p for p in found[: max(0, len(found) - keep_last)] if os.path.abspath(p) != os.path.abspath(protect)]
+    """Delete all but the newest ``keep_last`` complete checkpoints of ``protect``'s series
+    (same prefix, see the Note), never ``protect`` itself nor anything else."""
+    series = series_of(os.path.basename(protect))
+    if series is None:
+        return []
+    mine = [p for p in complete_checkpoints(directory) if (series_of(os.path.basename(p)) or ("",))[0] == series[0]]
+    doomed = [p for p in mine[: max(0, len(mine) - keep_last)] if os.path.abspath(p) != os.path.abspath(protect)]
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed
 
 
-def problems(path: str, storage_files: Optional[Dict[str, int]] = None, foreign_ok: bool = False) -> List[str]:
-    """What makes ``path`` unloadable, as sentences (empty when fine). ``storage_files`` maps
-    the data files the metadata names to the bytes each must at least hold. ``foreign_ok``
-    accepts a checkpoint without fsdp8's marker if fsdp8 did not write it (no extra files)."""
+def problems(path: str, foreign_ok: bool = False) -> List[str]:
+    """What makes the directory ``path`` not a checkpoint, as sentences (empty when fine).
+    ``foreign_ok`` accepts a checkpoint without fsdp8's marker if fsdp8 did not write it (no
+    extra files). verify.inspect checks the rest."""
     if not os.path.isdir(path):
         hint = " (a save was interrupted before it finished)" if os.path.isdir(partial_path(path)) else ""
         return [f"checkpoint {path} does not exist{hint}"]
@@ -137,42 +181,4 @@ def problems(path: str, storage_files: Optional[Dict[str, int]] = None, foreign_
         found.append(f"{path} has no {MARKER}: the save that wrote it did not finish")
     if not os.path.isfile(os.path.join(path, METADATA)):
         found.append(f"{path} has no {METADATA} file")
-    for name, size in sorted((storage_files or {}).items()):
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            found.append(f"data file {name} is missing")
-        elif os.path.getsize(file) < size:
-            found.append(f"data file {name} is truncated ({os.path.getsize(file)} of {size} bytes)")
     return found
-
-
-# -- extra (step, RNG states, data position): JSON, tensors base64-encoded, no pickle ------------
-def encode_extra(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().to("cpu").contiguous()
-        from .safetensors import _to_bytes
-
-        return {"__tensor__": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
-                "data": base64.b64encode(_to_bytes(t)).decode()}
-    if isinstance(obj, dict):
-        bad = [k for k in obj if not isinstance(k, str)]
-        if bad:
-            raise TypeError(f"extra keys must be strings, got {bad[:3]}")
-        return {k: encode_extra(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [encode_extra(v) for v in obj]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(f"extra holds a {type(obj).__name__}; use JSON values and tensors")
-
-
-def decode_extra(obj: Any) -> Any:
-    if isinstance(obj, dict) and "__tensor__" in obj:
-        raw = base64.b64decode(obj["data"])
-        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        return data.view(getattr(torch, obj["__tensor__"])).reshape(obj["shape"]).clone()
-    if isinstance(obj, dict):
-        return {k: decode_extra(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [decode_extra(v) for v in obj]
-    return obj

@@ -1,70 +1,18 @@
-"""Weights in and out of fsdp8: export a checkpoint as safetensors, fill a sharded model
-from safetensors files (e.g. a Hugging Face checkpoint directory), each rank reading only
-the rows it owns."""
+"""Weights into fsdp8: fill a sharded model from safetensors files (e.g. a Hugging Face
+checkpoint directory), each rank reading only the rows it owns."""
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from ..engine.state_dict import StateDictError, describe_mismatch
 from ..fp8.convert import Float8Conv1D
-from . import safetensors, store
-from .safe_io import SafeReader
-
-
-class _SafeEmptyPlanner(_EmptyStateDictLoadPlanner):
-    """Builds full tensors from a checkpoint's metadata; non-tensor entries with weights_only."""
-
-    def load_bytes(self, read_item, value) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
-def read_full_state(path: str, prefix: Optional[str] = None) -> Dict:
-    """A checkpoint's entries (those under ``prefix``, e.g. "model"), full tensors, read in
-    this process alone (no process group); nested as saved."""
-    problems = store.problems(path, foreign_ok=True)
-    if problems:
-        raise store.CheckpointError("cannot read checkpoint: " + "; ".join(problems))
-    reader = SafeReader(path)
-    metadata = reader.read_metadata()
-    keys = [k for k in metadata.state_dict_metadata if prefix is None or k.startswith(prefix + ".")]
-    state: Dict = {}
-    _load_state_dict(state, storage_reader=reader, planner=_SafeEmptyPlanner(keys=set(keys)), no_dist=True)
-    return state
-
-
-def read_full_model_state(path: str) -> Dict[str, torch.Tensor]:
-    """Every model tensor of a checkpoint, in full (an fsdp8 checkpoint, or a bare DCP model one)."""
-    reader = SafeReader(path) if store.problems(path, foreign_ok=True) == [] else None
-    nested = reader is not None and any(k.startswith("model.") for k in reader.read_metadata().state_dict_metadata)
-    state = read_full_state(path, "model" if nested else None)
-    flat = state.get("model", state) if nested else state
-    return {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
-
-
-def export(checkpoint: str, out: str, dtype: Optional[torch.dtype] = None) -> str:
-    """Write a checkpoint's model weights as ``<out>/model.safetensors`` (full tensors)."""
-    tensors = read_full_model_state(checkpoint)
-    if dtype is not None:
-        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    os.makedirs(out, exist_ok=True)
-    target = os.path.join(out, "model.safetensors")
-    safetensors.write(target, tensors, metadata={"format": "pt", "source": os.path.abspath(checkpoint)})
-    return target
+from . import safetensors
 
 
 KeyMap = Union[None, Mapping[str, str], Callable[[str], str]]

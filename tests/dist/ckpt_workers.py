@@ -178,6 +178,43 @@ def remove_file_then_load(path):
     return None
 
 
+def flip_then_load(path):
+    """One flipped byte in an item only rank 1 reads back (its own rows of a weight): the
+    checksum error on rank 1 reaches every rank as one CheckpointError, no hang."""
+    from fsdp8.checkpoint.safe_io import read_metadata_safely
+
+    model, opt = _build("optim_grads_params", None, "no_shard")
+    fsdp8.save(path, model, opt)
+    dist.barrier()
+    if common.rank() == 0:
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            metadata = read_metadata_safely(f)
+        item = next(v for k, v in metadata.storage_data.items()
+                    if k.fqn == "model.embed.weight" and v.relative_path.startswith("__1_"))
+        with open(os.path.join(path, item.relative_path), "r+b") as f:
+            f.seek(item.offset + item.length // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x40]))
+    dist.barrier()
+    try:
+        fsdp8.load(path, model, opt)
+    except fsdp8.checkpoint.CheckpointError as e:
+        return str(e)
+    return None
+
+
+def save_unstorable_extra(path):
+    """Rank 1's extra holds a set (not JSON): it raises TypeError and rank 0 says that another
+    rank failed, instead of waiting for it inside the save's collectives."""
+    model, opt = _build("optim", None, "no_shard")
+    try:
+        fsdp8.save(path, model, opt, extra={"ids": {1, 2}} if common.rank() == 1 else {})
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def load_wrong_model(path):
     model, opt = _build("optim_grads_params", None, "no_shard")
     fsdp8.save(path, model, opt)

@@ -67,6 +67,17 @@ def test_missing_file_named_on_every_rank(tmp_path):
     assert any(".distcp is missing" in m for m in messages)
 
 
+def test_a_damaged_item_fails_every_rank(tmp_path):
+    messages = run_on_ranks(2, cw.flip_then_load, str(tmp_path / "c"))
+    assert all(m is not None and "data file __1_0.distcp is damaged: bytes" in m for m in messages), messages
+
+
+def test_a_save_failing_on_one_rank_fails_on_all(tmp_path):
+    first, second = run_on_ranks(2, cw.save_unstorable_extra, str(tmp_path / "c"), timeout=60)
+    assert first == "CheckpointError: could not write the extra values: another rank failed (its error says why)"
+    assert second == "TypeError: extra holds a set; use JSON values and tensors"
+
+
 def test_wrong_model_lists_keys(tmp_path):
     message = run_on_ranks(2, cw.load_wrong_model, str(tmp_path / "c"))[0]
     assert message is not None

@@ -1,17 +1,24 @@
 """Checkpoint faults in one process: a killed save, a truncated or tampered checkpoint,
 extra encoding, fsdp8 export."""
 
+import io
+import json
 import os
+import pathlib
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
+import time
+import zipfile
 
 import pytest
 import torch
 
 import fsdp8
-from fsdp8.checkpoint import CheckpointError, safetensors, store
+from fsdp8.checkpoint import CheckpointError, checksums, extra as extra_values, safetensors, store
+from fsdp8.checkpoint.safe_io import read_metadata_safely
 
 SCRIPT = textwrap.dedent("""
     import sys, torch, fsdp8
@@ -106,10 +113,10 @@ def test_optimizer_requested_but_not_saved(tmp_path):
 
 def test_extra_encoding_roundtrip():
     extra = {"step": 3, "rng": torch.get_rng_state(), "nested": [1.5, {"a": torch.arange(3)}], "name": "x", "none": None}
-    back = store.decode_extra(store.encode_extra(extra))
+    back = extra_values.decode(extra_values.encode(extra))
     assert back["step"] == 3 and torch.equal(back["rng"], extra["rng"]) and torch.equal(back["nested"][1]["a"], torch.arange(3))
     with pytest.raises(TypeError, match="extra holds a set"):
-        store.encode_extra({"bad": {1, 2}})
+        extra_values.encode({"bad": {1, 2}})
 
 
 def test_export_cli_and_bad_keep_last(tmp_path):
@@ -123,3 +130,121 @@ def test_export_cli_and_bad_keep_last(tmp_path):
     model, _ = _model()
     with pytest.raises(ValueError, match="keep_last must be >= 1"):
         fsdp8.save(str(tmp_path / "d"), model, keep_last=0)
+
+
+def _saved(tmp_path, name="c", **kwargs):
+    model, opt = _model()
+    path = str(tmp_path / name)
+    fsdp8.save(path, model, opt, extra={"step": 1}, **kwargs)
+    return path, model, opt
+
+
+def _item_of(path, fqn):
+    """(data file, offset, length) of the stored item of ``fqn`` in a one-process checkpoint."""
+    with open(os.path.join(path, store.METADATA), "rb") as f:
+        metadata = read_metadata_safely(f)
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
+    return info.relative_path, info.offset, info.length
+
+
+def test_a_flipped_byte_in_a_data_file_is_named(tmp_path):
+    """The issue's reproduction: one byte of a weight's stored bytes changed (-0.0027 became
+    -9.3e35) and the checkpoint loaded without a word."""
+    path, model, opt = _saved(tmp_path)
+    name, offset, length = _item_of(path, "model.embed.weight")
+    with open(os.path.join(path, name), "r+b") as f:
+        archive = zipfile.ZipFile(io.BytesIO(f.read()[offset:offset + length]))
+        record = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
+        f.seek(offset + record.header_offset + 30 + len(record.filename) + len(record.extra) + 5)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    damaged = f"data file {name} is damaged: bytes {offset} to {offset + length} have crc32 "
+    with pytest.raises(CheckpointError, match=damaged):
+        fsdp8.load(path, model, opt)
+    assert fsdp8.checkpoint.verify(path) == []  # the quick check reads no data
+    problems = fsdp8.checkpoint.verify(path, data=True)
+    assert len(problems) == 1 and damaged in problems[0]
+
+
+def test_a_full_disk_says_so_with_the_file(tmp_path, monkeypatch):
+    """It read "[enforce fail at inline_container.cc:672] unexpected pos": torch.save's writer
+    drops the OSError. Here the data file is /dev/full, which fails writes with ENOSPC."""
+    first, model, opt = _saved(tmp_path, "step-1")
+    opened = pathlib.Path.open
+
+    def full_disk(self, mode="r", *args, **kwargs):
+        return opened(pathlib.Path("/dev/full") if self.suffix == ".distcp" and "w" in mode else self, mode,
+                      *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "open", full_disk)
+    second = str(tmp_path / "step-2")
+    with pytest.raises(CheckpointError, match=f"cannot write checkpoint file {re.escape(second)}.partial/__0_0.distcp: "
+                                              "No space left on device; free space there or save elsewhere"):
+        fsdp8.save(second, model, opt)
+    assert fsdp8.latest(str(tmp_path)) == first
+
+
+@pytest.mark.parametrize("damage,cause", [
+    ('{"step": 1, "rng": ', "Expecting value: line 1 column 20"),
+    ('{"rng": {"__tensor__": "uint8", "shape": [9], "data": "AAAA"}}',
+     r"extra\['rng'\] holds 3 bytes, not the 9 of a torch.uint8 tensor of shape \[9\]"),
+])
+def test_a_damaged_extra_file_fails_before_any_weight_loads(tmp_path, damage, cause):
+    """It raised JSONDecodeError or TypeError (naming no file) after the weights were loaded."""
+    path, _, _ = _saved(tmp_path)
+    with open(store.extra_path(path, 0), "w") as f:
+        f.write(damage)
+    model, opt = _model()
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    before = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=f"{re.escape(store.extra_path(path, 0))} cannot be read: {cause}"):
+        fsdp8.load(path, model, opt)
+    assert all(torch.equal(v.full_tensor(), before[k]) for k, v in model.state_dict().items())
+
+
+def test_keep_last_rotates_only_its_own_series(tmp_path):
+    """Saving d/run-step1..3 with keep_last=2 deleted d/other-final."""
+    model, opt = _model()
+    fsdp8.save(str(tmp_path / "other-final"), model, opt)
+    for step in (1, 2, 3):
+        fsdp8.save(str(tmp_path / f"run-step{step}"), model, opt, keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["other-final", "run-step2", "run-step3"]
+
+
+def test_checkpoints_are_ordered_by_step_never_by_the_clock(tmp_path, monkeypatch):
+    """With the clock set back an hour, rotation deleted the newest step and latest() returned
+    an older one."""
+    model, opt = _model()
+    for step, clock in ((9, 10**18), (10, 10**18 + 1), (11, 10**18 - 3600 * 10**9)):
+        monkeypatch.setattr(time, "time_ns", lambda clock=clock: clock)
+        fsdp8.save(str(tmp_path / f"step-{step:06d}"), model, opt, keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["step-000010", "step-000011"]
+    assert fsdp8.latest(str(tmp_path)) == str(tmp_path / "step-000011")
+    # Names without a step go by the order they were published in, before any numbered one.
+    other = tmp_path / "other"
+    for name in ("z-first", "a-second"):
+        fsdp8.save(str(other / name), model, opt)
+    assert fsdp8.latest(str(other)) == str(other / "a-second")
+    fsdp8.save(str(other / "step-000001"), model, opt)
+    fsdp8.save(str(other / "later"), model, opt)
+    assert fsdp8.latest(str(other)) == str(other / "step-000001")
+
+
+def test_checksums_computed_while_writing_are_those_of_the_files(tmp_path):
+    """The writer crc32s each item as DCP writes it (between two tell()s); read back, every
+    item has that checksum, and an item it did not see is read back for its checksum."""
+    path, _, _ = _saved(tmp_path)
+    with open(os.path.join(path, checksums.FILE)) as f:
+        written = json.load(f)
+    items = [(name, offset, length) for name, spans in written.items() for offset, length, _ in spans]
+    assert len(items) > 10
+    for name, spans in written.items():
+        with open(os.path.join(path, name), "rb") as f:
+            assert [[o, n, checksums.crc32_of(f, o, n)] for o, n, _ in spans] == spans
+    checksums.write_rank_file(path, 7, items, known={})
+    with open(os.path.join(path, "checksums.rank7.json")) as f:
+        assert json.load(f) == written

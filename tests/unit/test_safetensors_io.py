@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fsdp8.checkpoint import safetensors
+from fsdp8.checkpoint import CheckpointError, safetensors
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
           torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -107,3 +107,47 @@ def test_directory_with_index(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(safetensors.SafetensorsError, match="holds no .safetensors file"):
         safetensors.SafetensorsDir(str(tmp_path / "empty"))
+
+
+def _index(directory, weight_map) -> None:
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("where", ["dotdot", "absolute", "symlink"])
+def test_shards_outside_the_model_directory_are_refused(tmp_path, where):
+    """An index naming ../outside/model.safetensors made load_pretrained and fsdp8 train
+    --model hf:DIR train on another model."""
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "model").mkdir()
+    other = tmp_path / "outside" / "model.safetensors"
+    safetensors.write(str(other), {"a.weight": torch.ones(2, 3)})
+    name = {"dotdot": "../outside/model.safetensors", "absolute": str(other), "symlink": "shard.safetensors"}[where]
+    if where == "symlink":
+        os.symlink(other, tmp_path / "model" / name)
+    _index(tmp_path / "model", {"a.weight": name})
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json in .*model names the file .*, which is "
+                                              "not inside that directory"):
+        safetensors.SafetensorsDir(str(tmp_path / "model"))
+
+
+def test_a_hub_cache_snapshot_reads_its_blobs(tmp_path):
+    """The Hugging Face hub's cache: <repo>/snapshots/<rev>/x is a symlink to <repo>/blobs/<hash>."""
+    (tmp_path / "repo" / "blobs").mkdir(parents=True)
+    snapshot = tmp_path / "repo" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    safetensors.write(str(tmp_path / "repo" / "blobs" / "f00d"), {"a.weight": torch.ones(2, 3)})
+    os.symlink("../../blobs/f00d", snapshot / "model.safetensors")
+    assert list(safetensors.SafetensorsDir(str(snapshot)).names()) == ["a.weight"]
+
+
+@pytest.mark.parametrize("index,cause", [
+    ({"metadata": {}}, 'has no "weight_map" object mapping tensor names to shard files'),
+    ({"weight_map": {"a.weight": 3}}, 'has no "weight_map" object mapping tensor names to shard files'),
+    ([], "cannot be read: it is not a JSON object"),
+])
+def test_a_malformed_index_names_the_file_and_what_is_missing(tmp_path, index, cause):
+    """It raised a bare KeyError: 'weight_map'."""
+    safetensors.write(str(tmp_path / "model.safetensors"), {"a.weight": torch.ones(2, 3)})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(safetensors.SafetensorsError, match=f"model.safetensors.index.json {cause}; write it again"):
+        safetensors.SafetensorsDir(str(tmp_path))
