@@ -3,9 +3,10 @@
 from .config import ParallelConfig, Precision, Strategy, OuterStrategy
 from .engine.grads import NonFiniteGradError, check_finite, clip_grad_norm_, nonfinite_grads
 from .engine.model import MemoryReport, ShardedModel, fully_shard
-from .engine.check import DesyncError
+from .distributed.check import DesyncError
 from .engine.state_dict import StateDictError
-from .parallel.mesh import data_parallel_mesh, init_distributed, make_mesh, tp_mesh
+from .distributed.mesh import data_parallel_mesh, make_mesh, tp_mesh
+from .distributed.process_group import init_distributed
 from .parallel.tp import tensor_parallel
 from .parallel.cp import context_parallel, loss_divisor, shard_sequence
 from .parallel.manager import ParallelizedModel, parallelize

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 from .bench_host import measure_host
+from .distributed.comm import all_gather_single_fn
+from .distributed.process_group import current_device, init_distributed
 from .bench_run import run_steps, trainer
 from .hf_dir import import_transformers
 from .plan import Plan, make_setup, plan_setup
@@ -150,7 +152,7 @@ def measure_cpu(world: int) -> GPU:
     copy = _rate(lambda: y.copy_(x), 2 * x.nbytes)
     send = torch.zeros(2 ** 18)
     out = torch.empty(world * send.numel())
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather = all_gather_single_fn()
     link = _rate(lambda: gather(out, send), (world - 1) * send.nbytes) if world > 1 else copy
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, world)
     gbps = lambda r: r / 1e9  # noqa: E731
@@ -209,12 +211,10 @@ def bench(cfg: BenchConfig, network: bool = True) -> Optional[dict]:
     """Run on every rank (spawned by fsdp8.launch or under torchrun); rank 0 prints the result
     (a table, or JSON with ``cfg.json``) and returns it. ``network=False``: the collectives
     are known to cost nothing (a loopback world on one GPU), so the prediction leaves them out."""
-    from .parallel.mesh import init_distributed
-
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = current_device()
+    cuda = device.type == "cuda"
     if not cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     measured_cpu = None if cuda else measure_cpu(world)

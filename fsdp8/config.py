@@ -111,6 +111,12 @@ class Precision:
         return self.param_dtype is not None and self.param_dtype != self.main_dtype
 
 
+class FP8Recipe:
+    """What ``ParallelConfig.fp8`` holds: the base of fsdp8's FP8 recipes (``fsdp8.fp8.recipes``),
+    declared here so that the configuration can check the field without depending on the FP8
+    code, which builds on it."""
+
+
 AC_MODES = ("none", "full", "selective")
 
 
@@ -250,8 +256,6 @@ class ParallelConfig:
     def _check_types(self) -> None:
         from torch.distributed.tensor.parallel import ParallelStyle
 
-        from .fp8.recipes import Recipe
-
         if self.tp_plan is not None:
             if not isinstance(self.tp_plan, Mapping):
                 raise TypeError(f"ParallelConfig.tp_plan must be a dict of module pattern -> ParallelStyle or None, "
@@ -262,7 +266,7 @@ class ParallelConfig:
                         f"ParallelConfig.tp_plan[{key!r}] = {style!r}: keys are fnmatch patterns over module names, "
                         "values torch ParallelStyles (ColwiseParallel(), RowwiseParallel(), ...) or None"
                     )
-        if self.fp8 is not None and not isinstance(self.fp8, Recipe):
+        if self.fp8 is not None and not isinstance(self.fp8, FP8Recipe):
             raise TypeError(f"ParallelConfig.fp8 must be an fsdp8 FP8 recipe (e.g. fsdp8.Float8CurrentScaling()) "
                             f"or None, got {self.fp8!r}")
         if self.precision is not None and not isinstance(self.precision, Precision):

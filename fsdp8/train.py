@@ -19,10 +19,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from .checkpoint import wait_for_saves
 from .data import TokenCorpus
+from .distributed.process_group import current_device, init_distributed
 from .engine.grads import clip_grad_norm_
 from .stop import Stopped, stop_on_signals, stop_requested
 from .parallel.manager import cut_sequences, parallelize
-from .parallel.mesh import init_distributed
 from .run_log import RunLog, find_checkpoint, history_of, memory_mib
 from .train_config import TrainConfig, build_model, weight_files
 from .train_io import load_data, load_weights, resume_from, save_checkpoint, saving
@@ -110,10 +110,8 @@ def train(cfg: TrainConfig) -> Optional[dict]:
 def _train(cfg: TrainConfig) -> Optional[dict]:
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    if torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    device = current_device()
+    if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     parallel = cfg.parallel_config(cuda=device.type == "cuda")
     hf = bool(cfg.model)

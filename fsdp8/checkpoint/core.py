@@ -20,9 +20,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-from ..engine.check import check_same_everywhere
+from ..distributed.check import check_same_everywhere
+from ..distributed.process_group import current_device, init_distributed
 from ..engine.state_dict import StateDictError, describe_mismatch
-from ..parallel.mesh import init_distributed
 from . import checksums, extra as extra_values, store
 from .reader import SafeLoadPlanner, SafeReader, same_kind
 from .verify import Inspection, examine
@@ -30,12 +30,6 @@ from .writer import SafeWriter
 
 _PENDING: List[Future] = []
 _CKPT_GROUP = None
-
-
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _barrier(group=None) -> None:
@@ -125,7 +119,7 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     check_same_everywhere([f"path={path}", f"optimizer={optimizer is not None}", f"async={async_save}",
-                           f"keep_last={keep_last}"], "the checkpoint to save", dist.group.WORLD, _device())
+                           f"keep_last={keep_last}"], "the checkpoint to save", dist.group.WORLD, current_device())
     while async_save and len(_PENDING) >= max_in_flight:
         _PENDING.pop(0).result()
     if rank == 0:
@@ -193,7 +187,7 @@ def _agree(what: str, step, *args, group=None) -> None:
             step(*args)
         except Exception as e:
             error = e
-    failed = torch.tensor([0.0 if error is None else 1.0], device=_device() if group is None else "cpu")
+    failed = torch.tensor([0.0 if error is None else 1.0], device=current_device() if group is None else "cpu")
     if dist.get_world_size(group) > 1:
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
     if error is not None:
@@ -229,7 +223,7 @@ def _check_loadable(path: str) -> Inspection:
     all that is wrong."""
     found = examine(path, dist.get_rank())
     # Agree before anything collective: one rank's missing file must not hang the others.
-    flag = torch.tensor([1.0 if found.problems else 0.0], device=_device())
+    flag = torch.tensor([1.0 if found.problems else 0.0], device=current_device())
     if dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() > 0:
@@ -278,7 +272,7 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     init_distributed()
     path = os.path.abspath(path)
     check_same_everywhere([f"path={path}", f"optimizer={optimizer is not None}"], "the checkpoint to load",
-                          dist.group.WORLD, _device())
+                          dist.group.WORLD, current_device())
     found = _check_loadable(path)
     metadata = found.metadata
     state = _state(model, optimizer)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..fp8.formats import scale_to_inv
 from ..fp8.kernels import scales_for
 from ..fp8.recipes import W, DelayedState, update_states
-from . import comm
+from ..distributed import comm
 from .fp8_unit import Float8Unit, local_amaxes_of
 
 

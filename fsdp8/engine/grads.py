@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import comm
+from ..distributed import comm
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

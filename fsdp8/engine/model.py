@@ -14,13 +14,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..config import OuterStrategy, Precision, Strategy
-from ..parallel.mesh import default_device_type, init_distributed
-from . import comm
+from ..distributed import comm
+from ..distributed.check import check_same_everywhere
+from ..distributed.process_group import current_device, default_device_type, init_distributed
 from ..fp8.convert import convert_units_to_fp8, is_fp8_primary
 from ..fp8.tp import tp_aware_filter, warn_tp_kept
 from ..fp8.linear import Float8Linear
 from ..fp8.recipes import Recipe
-from .check import check_same_everywhere
 from .fp8_scales import ScaleAgreement, delayed_states_of
 from .fp8_unit import Float8Unit
 from .grads import check_finite as check_finite_grads
@@ -232,7 +232,7 @@ def fully_shard(
     device_type = mesh.device_type if isinstance(mesh, DeviceMesh) else default_device_type()
     inner_mesh = inner_mesh_of(module.named_parameters(), device_type)
     mesh = resolve_mesh(mesh, device_type, outer, inner_mesh)
-    device = torch.device(device) if device is not None else _default_device(device_type)
+    device = torch.device(device) if device is not None else current_device(device_type)
     if device.type != device_type:
         raise ValueError(f"device {device} does not match the mesh's device type {device_type!r}")
 
@@ -347,9 +347,3 @@ def _fp8_weight_owner(slot: ParamSlot) -> Optional[Float8Linear]:
         if isinstance(module, Float8Linear) and attr == "weight" and len(slot.layout.shape) == 2:
             return module
     return None
-
-
-def _default_device(device_type: str) -> torch.device:
-    if device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

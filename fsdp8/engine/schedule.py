@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 from torch.profiler import record_function
 
-from . import comm
+from ..distributed import comm
 from .unit import ShardedUnit
 from .unit_grads import PendingReduce
 

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from ..config import OuterStrategy, Strategy
+from .dtensor_params import concatenate
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,5 @@ def _flatten(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def _model_group(dp_mesh: DeviceMesh, inner_mesh: DeviceMesh) -> dist.ProcessGroup:
-    from .dtensor_params import concatenate
-
     both = concatenate([dp_mesh, inner_mesh])
     return both._flatten("_".join(both.mesh_dim_names)).get_group(0)

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..config import Precision
-from . import comm
+from ..distributed import comm
 from .dtensor_params import InnerSpec, combined_placement, contiguous_stride
 from .layout import ParamLayout, UnitLayout
 from .topology import Topology

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from . import comm
+from ..distributed import comm
 from .dtensor_params import partial_dims, to_placements
 from .pack import pack_rank_major
 

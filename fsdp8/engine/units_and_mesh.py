@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from ..config import OuterStrategy
+from ..distributed.mesh import data_parallel_mesh
 from .dtensor_params import InnerSpec
 from .unit import ParamSlot
 
@@ -127,8 +128,6 @@ def resolve_mesh(mesh: Optional[DeviceMesh], device_type: str, outer: OuterStrat
         raise TypeError(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}")
     names = tuple(mesh.mesh_dim_names or ())
     if any(n in MODEL_PARALLEL_DIMS for n in names):
-        from ..parallel.mesh import data_parallel_mesh
-
         if "tp" in names and mesh["tp"].size() > 1 and inner is None:
             raise ValueError(
                 f"the mesh has a tp dimension of size {mesh['tp'].size()} but no parameter of the model is a "

@@ -261,7 +261,7 @@ def _gathered_input(x: torch.Tensor, recipe: Recipe, state: Optional[DelayedStat
     all-gather the FP8 bytes along the sequence (half the bytes of a bf16 gather). The
     transpose for the weight-gradient GEMM is a transposed copy of the gathered bytes, exact
     for a per-tensor scale, so no high-precision copy of the whole input ever exists."""
-    from ..engine import comm
+    from ..distributed import comm
 
     x2d = x.detach().reshape(-1, x.shape[-1])
     if state is not None:
@@ -281,7 +281,7 @@ def _gathered_input(x: torch.Tensor, recipe: Recipe, state: Optional[DelayedStat
 
 def _reduce_scatter_sum(dx: torch.Tensor, dim: int, group) -> torch.Tensor:
     """The input gradient's partial sums over tp, summed and cut back to this rank's tokens."""
-    from ..engine import comm
+    from ..distributed import comm
 
     ranks = dist.get_world_size(group)
     shape = list(dx.shape)
@@ -290,7 +290,7 @@ def _reduce_scatter_sum(dx: torch.Tensor, dim: int, group) -> torch.Tensor:
     if ranks == 1:
         return pieces[0]
     out = torch.empty(pieces[0].numel(), dtype=dx.dtype, device=dx.device)
-    comm._reduce_scatter_fn()(out, pieces.view(-1), op=dist.ReduceOp.SUM, group=group)
+    comm.reduce_scatter_single_fn()(out, pieces.view(-1), op=dist.ReduceOp.SUM, group=group)
     return out.view(pieces.shape[1:])
 
 

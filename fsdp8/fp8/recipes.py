@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..config import FP8Recipe
 from .formats import E4M3, E5M2, SCALE_ALIGN, Granularity, amax_to_scale, scale_to_inv
 
 _FORMATS = ("hybrid", "e4m3")
@@ -29,7 +30,7 @@ def capability(device: torch.device) -> int:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
-class Recipe:
+class Recipe(FP8Recipe):
     """What every recipe answers: dtypes and scaling granularity of x, w and dy."""
 
     fp8_format: str = "hybrid"

@@ -39,7 +39,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 from torch.profiler import record_function
 
-from .mesh import mesh_device
+from ..distributed.comm import all_gather_single_fn, reduce_scatter_single_fn
+from ..distributed.process_group import mesh_device
 
 IGNORE_INDEX = -100  # the label value cross-entropy skips (torch's and Hugging Face's default)
 
@@ -200,15 +201,6 @@ def loss_divisor(labels: torch.Tensor, mesh: DeviceMesh, ignore_index: int = IGN
 
 
 # -- the attention --------------------------------------------------------------------------------
-def _all_gather():
-    # Newer torch names it all_gather_single and deprecates all_gather_into_tensor (as comm.py picks).
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _reduce_scatter():
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 class _GatherSequence(torch.autograd.Function):
     """All-gather over the cp group (rank-major, a new leading dim); the backward sums each
     rank's gradient of the gathered tensor and returns every rank its own piece's sum."""
@@ -218,14 +210,14 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group = group
         out = local.new_empty((size,) + tuple(local.shape))
         with record_function("fsdp8::all_gather[cp keys and values]"):
-            _all_gather()(out.view(-1), local.contiguous().view(-1), group=group)
+            all_gather_single_fn()(out.view(-1), local.contiguous().view(-1), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty(grad.shape[1:])
         with record_function("fsdp8::reduce_scatter[cp key and value gradients]"):
-            _reduce_scatter()(out.view(-1), grad.contiguous().view(-1), op=dist.ReduceOp.SUM, group=ctx.group)
+            reduce_scatter_single_fn()(out.view(-1), grad.contiguous().view(-1), op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None, None
 
 

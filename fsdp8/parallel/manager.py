@@ -32,12 +32,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..config import ParallelConfig, Precision, check_checkpointing_with_cp
+from ..distributed.mesh import make_mesh, mesh_dims, tp_mesh
+from ..distributed.process_group import init_distributed, mesh_device
 from ..engine.model import ShardedModel, fully_shard
 from ..models.llama import Llama
 from . import hf
 from .checkpointing import checkpoint_units
 from .cp import context_parallel, loss_divisor, shard_sequence
-from .mesh import init_distributed, make_mesh, mesh_device, mesh_dims, tp_mesh
 from .tp import family_plan, tensor_parallel
 
 

@@ -253,7 +253,7 @@ class CountGathers:
     the bytes every rank receives (the payload)."""
 
     def __enter__(self):
-        from fsdp8.engine import comm
+        from fsdp8.distributed import comm
 
         self.counts, self.bytes = {}, 0
         self._original = comm.all_gather
@@ -267,7 +267,7 @@ class CountGathers:
         return self
 
     def __exit__(self, *exc):
-        from fsdp8.engine import comm
+        from fsdp8.distributed import comm
 
         comm.all_gather = self._original
         return False

@@ -43,6 +43,6 @@ def collective_timeout():
         return None
     try:
         sharded(x, y)
-    except fsdp8.engine.comm.CollectiveError as e:
+    except fsdp8.distributed.comm.CollectiveError as e:
         return str(e)
     return "no error"

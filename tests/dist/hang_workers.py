@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import fsdp8
-from fsdp8.engine import watchdog
-from fsdp8.engine.comm import CollectiveError
+from fsdp8.distributed import watchdog
+from fsdp8.distributed.comm import CollectiveError
 
 from . import common
 

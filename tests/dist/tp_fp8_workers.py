@@ -107,7 +107,7 @@ def fp8_sequence_parallel_bytes(recipe_name: str = "fp8-current", vocab: int = 3
     """What travels over tp in one training step under sequence parallelism: every all-gather
     (fsdp8's and DTensor's) by dtype and bytes, and the FP8 layers' input gathers by label."""
     import torch.distributed._functional_collectives as funcol
-    from fsdp8.engine import comm
+    from fsdp8.distributed import comm
     name = "all_gather_single" if hasattr(funcol, "all_gather_single") else "all_gather_tensor"
     from fsdp8.fp8.recipes import recipe_from_name
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel
 
-from fsdp8.parallel.mesh import make_mesh, tp_mesh
+from fsdp8.distributed.mesh import make_mesh, tp_mesh
 from fsdp8.parallel.tp import tensor_parallel
 
 from . import common
@@ -249,7 +249,7 @@ def mesh_layouts():
     and ranks, the tp mesh's ranks, and the sizes the dp and tp groups report by all-reduce."""
     import torch.distributed as dist
 
-    from fsdp8.parallel.mesh import data_parallel_mesh
+    from fsdp8.distributed.mesh import data_parallel_mesh
 
     out = []
     for kwargs in MESH_CASES:

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from fsdp8.parallel.mesh import flattened_dims, mesh_dims
+from fsdp8.distributed.mesh import flattened_dims, mesh_dims
 
 
 @pytest.mark.parametrize(

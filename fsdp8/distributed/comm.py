@@ -102,12 +102,15 @@ class Streams:
             torch.cuda.current_stream().wait_event(event)
 
 
-def _all_gather_fn():
-    # torch >= 2.13 renames the tensor collectives; look them up per call so tests can patch either.
+def all_gather_single_fn():
+    """torch's one-tensor all-gather, ``dist.all_gather_single`` from torch 2.13 on (which deprecates
+    ``all_gather_into_tensor``). Looked up at each call, so tests can patch either name."""
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _reduce_scatter_fn():
+def reduce_scatter_single_fn():
+    """torch's one-tensor reduce-scatter, ``dist.reduce_scatter_single`` from torch 2.13 on (which
+    deprecates ``reduce_scatter_tensor``); looked up at each call, as ``all_gather_single_fn``."""
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -180,7 +183,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, label: str) -> None:
         out.copy_(inp.view(out.shape))
         return
     _run("all_gather", label, group, out.is_cuda,
-         lambda async_op: _all_gather_fn()(out, inp, group=group, async_op=async_op))
+         lambda async_op: all_gather_single_fn()(out, inp, group=group, async_op=async_op))
 
 
 def reduce_scatter_avg(out: torch.Tensor, inp: torch.Tensor, group, label: str) -> None:
@@ -192,7 +195,7 @@ def reduce_scatter_avg(out: torch.Tensor, inp: torch.Tensor, group, label: str) 
         return
     op = dist.ReduceOp.AVG if _supports_avg(out) else dist.ReduceOp.SUM
     _run("reduce_scatter", label, group, out.is_cuda,
-         lambda async_op: _reduce_scatter_fn()(out, inp, op=op, group=group, async_op=async_op))
+         lambda async_op: reduce_scatter_single_fn()(out, inp, op=op, group=group, async_op=async_op))
     if not _supports_avg(out):
         out.div_(n)
 
