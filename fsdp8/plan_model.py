@@ -14,7 +14,7 @@ from .hf_dir import config_file, read_config
 # attention, SwiGLU), and what they add to it.
 HF_TYPES = {"llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True}}
 
-# Scaling-block width along a split dimension, per FP8 recipe (fp8/tp.py tp_fp8_ok).
+# Scaling-block width along a split dimension, per FP8 recipe (fp8/tp_forward.py tp_fp8_ok).
 _BLOCK = {"current": 1, "delayed": 1, "block": 128, "mxfp8": 32}
 FP8_RECIPES = tuple(_BLOCK)
 
@@ -130,7 +130,7 @@ def local_shape(param: Param, tp: int, rank: int) -> Tuple[int, ...]:
 def converts_to_fp8(param: Param, recipe: Optional[str], tp: int, rank: int) -> bool:
     """Whether fully_shard(fp8=recipe) turns this layer into a Float8Linear: dimensions that are
     multiples of 16 (fp8.convert.fp8_friendly) and, under tensor parallelism, pieces whose dims are
-    multiples of 16 and whose split dimension cuts no scaling block (fp8.tp.tp_fp8_ok)."""
+    multiples of 16 and whose split dimension cuts no scaling block (fp8.tp_forward.tp_fp8_ok)."""
     if recipe is None or not param.linear or any(s % 16 for s in param.shape):
         return False
     if tp == 1:

@@ -20,7 +20,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from fsdp8.fp8.formats import E4M3, Granularity  # noqa: E402
 from fsdp8.fp8.kernels import quantize  # noqa: E402
-from fsdp8.fp8.linear import _outer_major, fp8_mm  # noqa: E402
+from fsdp8.fp8.gemm import _outer_major, fp8_mm  # noqa: E402
 from fsdp8.fp8.recipes import Float8BlockScaling, Float8CurrentScaling  # noqa: E402
 
 LINEARS = {"q/o": (2048, 2048), "k/v": (1024, 2048), "gate/up": (8192, 2048), "down": (2048, 8192)}

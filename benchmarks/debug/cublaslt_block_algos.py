@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fsdp8.fp8.formats import E4M3, Granularity  # noqa: E402
 from fsdp8.fp8.kernels import quantize  # noqa: E402
-from fsdp8.fp8.linear import _outer_major  # noqa: E402
+from fsdp8.fp8.gemm import _outer_major  # noqa: E402
 
 # cublasLt.h / cublas_api.h / library_types.h
 DESC_TRANSA, DESC_TRANSB = 3, 4
@@ -232,7 +232,7 @@ def main():
             "weight grad": (quantize(dy.t().contiguous(), E4M3, row), quantize(x.t().contiguous(), E4M3, row)),
         }
         for gemm, (a, b) in gemms.items():
-            # The scale tensors exactly as fsdp8.fp8.linear.fp8_mm hands them to torch._scaled_mm.
+            # The scale tensors exactly as fsdp8.fp8.gemm.fp8_mm hands them to torch._scaled_mm.
             a_scale = _outer_major(a.scale_inv)
             if b.granularity is grid:
                 b_scale, b_mode = _outer_major(b.scale_inv.t()), SCALE_BLK128x128_32F

@@ -24,7 +24,7 @@ from gluon_block_kernel import _block_scaled_mm_kernel, _block_scaled_mm_ws_kern
 
 from fsdp8.fp8.formats import Granularity  # noqa: E402
 from fsdp8.fp8.kernels import quantize  # noqa: E402
-from fsdp8.fp8.linear import fp8_mm  # noqa: E402
+from fsdp8.fp8.gemm import fp8_mm  # noqa: E402
 from fsdp8.fp8.recipes import Float8BlockScaling, Float8CurrentScaling  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn

@@ -35,7 +35,7 @@ import triton.testing
 
 from fsdp8.fp8.formats import Granularity
 from fsdp8.fp8.kernels import quantize
-from fsdp8.fp8.linear import fp8_mm
+from fsdp8.fp8.gemm import fp8_mm
 from fsdp8.fp8.recipes import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
 E4M3 = torch.float8_e4m3fn

@@ -80,7 +80,7 @@ class Float8Unit(ShardedUnit):
         A tensor-parallel piece is one part of a larger weight whose blocks the other tp ranks
         hold: its block amaxes sit in the whole weight's grid, so the max all-reduce over
         dp x tp reduces each block with its own rows only (the engine converts only pieces
-        that are whole blocks, fp8/tp.py)."""
+        that are whole blocks, fp8/tp_forward.py)."""
         rows, cols = slot.layout.shape
         if slot.inner is None or slot.inner.is_replicated:
             return (math.ceil(rows / 128), math.ceil(cols / 128)), (0, 0)

@@ -17,8 +17,7 @@ from ..config import OuterStrategy, Precision, Strategy
 from ..distributed import comm
 from ..distributed.check import check_same_everywhere
 from ..distributed.process_group import current_device, default_device_type, init_distributed
-from ..fp8.convert import convert_units_to_fp8, is_fp8_primary
-from ..fp8.tp import tp_aware_filter, warn_tp_kept
+from ..fp8.convert import convert_units_to_fp8, is_fp8_primary, tp_aware_filter, warn_tp_kept
 from ..fp8.linear import Float8Linear
 from ..fp8.recipes import Recipe
 from .fp8_scales import ScaleAgreement, delayed_states_of

@@ -1,4 +1,5 @@
-"""Putting FP8 into a model: swap nn.Linear (and Hugging Face's Conv1D) for Float8Linear."""
+"""Putting FP8 into a model: swap nn.Linear (and Hugging Face's Conv1D) for Float8Linear, and say
+which layers stay in high precision and why (tensor-parallel pieces that cannot run the recipe too)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .kernels import quantize
 from .linear import Float8Linear
 from .recipes import Recipe
 from .tensor import Float8Tensor
+from .tp_forward import tp_fp8_ok
 
 # filter(name, module) -> bool; the module is an nn.Linear or a transformers Conv1D.
 LinearFilter = Callable[[str, nn.Module], bool]
@@ -193,6 +196,30 @@ def warn_skipped(kept: List[KeptLayer], model: Optional[nn.Module] = None) -> No
         warnings.warn(f"fsdp8: FP8 was requested but no layer of {type(model).__name__} runs in FP8, so every "
                       "GEMM stays in high precision: no nn.Linear or transformers Conv1D was converted (there is "
                       "none, the filter rejected them, or the warning above names them)", stacklevel=3)
+
+
+def tp_aware_filter(user_filter, recipe: Recipe):
+    """The conversion filter for a model with tensor-parallel layers: a layer whose pieces
+    cannot run ``recipe`` as one process would (``tp_fp8_ok``) stays in high precision, and
+    the returned list collects it with the reason (``warn_tp_kept``); other layers go to
+    ``user_filter`` (default: dimensions that are multiples of 16)."""
+    kept = []
+
+    def accept(name: str, module: nn.Module) -> bool:
+        if isinstance(getattr(module, "weight", None), DTensor):
+            reason = tp_fp8_ok(module, recipe)
+            if reason is not None:
+                kept.append(f"{name}: {reason}")
+                return False
+        return (user_filter or fp8_friendly)(name, module)
+
+    return accept, kept
+
+
+def warn_tp_kept(kept) -> None:
+    if kept:
+        warnings.warn(f"fsdp8: kept {len(kept)} tensor-parallel layer(s) in high precision: {'; '.join(kept)}",
+                      HighPrecisionLayerWarning, stacklevel=3)
 
 
 _INIT_RECIPE: List[Recipe] = []

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from ..distributed import comm
 from .formats import Granularity, amax_to_scale, scale_to_inv
 from .kernels import amax, saturate_cast
 from .linear import Float8Linear
@@ -84,7 +85,7 @@ class Float8TrainingWeight(torch.Tensor):
         scale = self._scale
         if scale is None:  # not precomputed: agree on this tensor's scale now (one all-reduce)
             local_amax = amax(local).to(local.device)
-            dist.all_reduce(local_amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+            comm.all_reduce(local_amax, mesh.get_group(), dist.ReduceOp.MAX, "fp8 weight amax (FSDP2)")
             scale = amax_to_scale(local_amax, self._recipe.fwd_dtype)
         data = saturate_cast(local, scale, self._recipe.fwd_dtype).view(torch.uint8)
         padded_rows = -(-outer_size[0] // mesh.size())
@@ -135,8 +136,7 @@ def precompute_fp8_scales(model: nn.Module, param_dtype: torch.dtype = torch.bfl
     # Rounding is monotonic, so the amax of the rounded weight is the rounded amax.
     amaxes = torch.stack([amax(local._tensor).to(param_dtype).float() for _, local in weights])
     group = weights[0][0].device_mesh.get_group() if hasattr(weights[0][0], "device_mesh") else None
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+    comm.all_reduce(amaxes, group, dist.ReduceOp.MAX, "fp8 weight amaxes (FSDP2)")
     for (_, local), value in zip(weights, amaxes):
         local._scale = amax_to_scale(value, local._recipe.fwd_dtype)
 

@@ -180,10 +180,14 @@ def quantize(
     delayed scaling and cross-rank agreed scales do; otherwise scales come from this tensor."""
     if x.dim() != 2:
         raise ValueError(f"quantize expects a 2-D tensor, got shape {tuple(x.shape)}")
-    if use_triton(x):
+    if use_triton(x) and x.numel():
         from . import triton_kernels
 
-        return triton_kernels.quantize(x, fp8_dtype, granularity, scale)
+        if granularity is Granularity.TENSOR:
+            q, _, _, scale_inv = triton_kernels.cast_transpose(x, fp8_dtype, scale, amax(x) if scale is None else None)
+            return Quantized(q, scale_inv, granularity)
+        # Blocks take no precomputed scale (quantize_reference refuses one); the kernels ignore it.
+        return Quantized(*triton_kernels.quantize_blocks(x, fp8_dtype, granularity), granularity)
     return quantize_reference(x, fp8_dtype, granularity, scale)
 
 
@@ -217,7 +221,7 @@ def cast_transpose(x: torch.Tensor, fp8_dtype: torch.dtype, scale: Optional[torc
     if use_triton(x) and x.numel():
         from . import triton_kernels
 
-        return triton_kernels.cast_transpose(x, fp8_dtype, scale)
+        return triton_kernels.cast_transpose(x, fp8_dtype, scale, amax(x) if scale is None else None)
     x_amax = amax(x)
     if scale is None:
         scale = amax_to_scale(x_amax, fp8_dtype)
@@ -232,8 +236,10 @@ def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[Q
         from . import triton_kernels
 
         if torch.compiler.is_compiling():  # [Note: a Triton kernel inside compiled graphs]
-            return triton_kernels.quantize_1x128_both_ways_in_graph(x, fp8_dtype)
-        return triton_kernels.quantize_1x128_both_ways(x, fp8_dtype)
+            q, scale_inv, q_t, scale_inv_t = triton_kernels.quantize_1x128_both_ways_in_graph(x, fp8_dtype)
+        else:
+            q, scale_inv, q_t, scale_inv_t = triton_kernels.quantize_1x128_both_ways(x, fp8_dtype)
+        return Quantized(q, scale_inv, Granularity.ROW_1x128), Quantized(q_t, scale_inv_t, Granularity.ROW_1x128)
     return (quantize_reference(x, fp8_dtype, Granularity.ROW_1x128),
             quantize_reference(x.t(), fp8_dtype, Granularity.ROW_1x128))
 

@@ -13,29 +13,27 @@ move a value by one ulp of the dtype (fp8/swiglu.py). It is used where that hold
 Float8Linears without bias or hooks under a recipe whose activations and gradients are 1x128
 blocks, not tensor-parallel. Anything else runs the module's own forward.
 
-``fuse_swiglu_mlps`` marks the MLPs it knows by their forward: Hugging Face's ``LlamaMLP`` form
-(``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with SiLU: Llama, Mistral, Qwen2/3 and the
-other models whose MLP is a copy of it) and fsdp8's own ``FeedForward``.
+``fuse_swiglu_mlps`` marks the MLPs swiglu_forms.py knows: those a model registered (fsdp8's own
+``FeedForward``) and Hugging Face's ``LlamaMLP`` form.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from ..models.llama import FeedForward
 from .formats import Granularity
+from .gemm import fp8_mm, input_transposed, quantize_both_ways, quantized_input, weight_operands, weight_transposed
 from .kernels import Quantized, quantize
-from .linear import (
-    Float8Linear, _quantize_both_ways, _quantized_input, _weight_operands, _weight_transposed, fp8_mm, input_transposed,
-)
+from .linear import Float8Linear
 from .recipes import G, Recipe
 from .swiglu import swiglu_backward
+from .swiglu_forms import swiglu_names
 
 
 def fusable_recipe(recipe: Recipe) -> bool:
@@ -58,7 +56,7 @@ def fused_applies(gate: nn.Module, up: nn.Module, down: nn.Module) -> bool:
 
 class _Float8SwiGLUFn(torch.autograd.Function):
     """out = down(silu(x @ gate.T) * (x @ up.T)) with the three linears' FP8 GEMMs. As
-    _Float8LinearFn: eager saves the input's FP8 transpose; a compiled graph quantizes the
+    Float8LinearFn: eager saves the input's FP8 transpose; a compiled graph quantizes the
     input outside (``qx_data``), so the compiler fuses it into the norm before, and saves the
     input itself."""
 
@@ -66,13 +64,13 @@ class _Float8SwiGLUFn(torch.autograd.Function):
     def forward(ctx, x, w_gate, w_up, w_down, recipe: Recipe, qx_data=None, qx_scale_inv=None):
         dtype = x.dtype
         x2d = x.reshape(-1, x.shape[-1])
-        qw_gate, _ = _weight_operands(w_gate, recipe, None, dtype)
-        qw_up, _ = _weight_operands(w_up, recipe, None, dtype)
-        qw_down, _ = _weight_operands(w_down, recipe, None, dtype)
+        qw_gate, _ = weight_operands(w_gate, recipe, None, dtype)
+        qw_up, _ = weight_operands(w_up, recipe, None, dtype)
+        qw_down, _ = weight_operands(w_down, recipe, None, dtype)
         if qx_data is not None:
             qx, qx_t, saved_x = Quantized(qx_data, qx_scale_inv, recipe.x_granularity), None, x
         else:
-            (qx, qx_t), saved_x = _quantized_input(x, x2d, recipe, None), None
+            (qx, qx_t), saved_x = quantized_input(x, x2d, recipe, None), None
         g = fp8_mm(qx, qw_gate, dtype, recipe, fast_accum=True)
         u = fp8_mm(qx, qw_up, dtype, recipe, fast_accum=True)
         h = F.silu(g) * u
@@ -80,7 +78,7 @@ class _Float8SwiGLUFn(torch.autograd.Function):
         # The activations through save_for_backward, not ctx attributes: in a compiled block,
         # tensors kept as attributes lived until the whole backward was done (model B's g and
         # u, 224 MiB a layer: benchmarks/debug/swiglu_memory.py). The weights stay attributes,
-        # as in _Float8LinearFn: the engine refills their gathered buffers in place.
+        # as in Float8LinearFn: the engine refills their gathered buffers in place.
         ctx.save_for_backward(saved_x, g, u, *((qx_t.data, qx_t.scale_inv) if qx_t is not None else (None, None)))
         ctx.weights, ctx.qws = (w_gate, w_up, w_down), (qw_gate, qw_up, qw_down)
         ctx.recipe, ctx.x_shape = recipe, x.shape
@@ -92,14 +90,14 @@ class _Float8SwiGLUFn(torch.autograd.Function):
         x, g, u, qx_t_data, qx_t_scale = ctx.saved_tensors
         (w_gate, w_up, w_down), (qw_gate, qw_up, qw_down) = ctx.weights, ctx.qws
         dtype = g.dtype
-        qdy, qdy_t = _quantize_both_ways(dy.reshape(-1, dy.shape[-1]).to(dtype), recipe.g_granularity,
+        qdy, qdy_t = quantize_both_ways(dy.reshape(-1, dy.shape[-1]).to(dtype), recipe.g_granularity,
                                          recipe.bwd_dtype, None, G)
-        dh = fp8_mm(qdy, _weight_transposed(w_down, qw_down), dtype, recipe)
+        dh = fp8_mm(qdy, weight_transposed(w_down, qw_down), dtype, recipe)
         grads = swiglu_backward(dh, g, u, recipe.bwd_dtype, recipe.fwd_dtype)
         dw_down = fp8_mm(qdy_t, grads.h_t, dtype, recipe)
         # Autograd would add the two linears' input gradients in the dtype: the same sum.
-        dx = (fp8_mm(grads.dg, _weight_transposed(w_gate, qw_gate), dtype, recipe)
-              + fp8_mm(grads.du, _weight_transposed(w_up, qw_up), dtype, recipe))
+        dx = (fp8_mm(grads.dg, weight_transposed(w_gate, qw_gate), dtype, recipe)
+              + fp8_mm(grads.du, weight_transposed(w_up, qw_up), dtype, recipe))
         if qx_t_data is not None:
             qx_t = Quantized(qx_t_data, qx_t_scale, recipe.x_granularity)
         else:
@@ -134,29 +132,7 @@ class _FusedSwiGLU:
         return super().forward(x)
 
 
-def _hf_swiglu_forward(self, x):  # Hugging Face's LlamaMLP.forward, token for token
-    down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-    return down_proj
-
-
-def _hf_swiglu_forward_returned(self, x):  # the same, returned directly
-    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-_HF_FORWARDS = {(f.__code__.co_code, f.__code__.co_names) for f in (_hf_swiglu_forward, _hf_swiglu_forward_returned)}
 _FUSED_CLASSES: Dict[type, type] = {}
-
-
-def _swiglu_names(module: nn.Module) -> Optional[Tuple[str, str, str]]:
-    """The gate, up and down attribute names of a SwiGLU MLP fsdp8 knows, else None."""
-    if type(module) is FeedForward:
-        return ("w1", "w3", "w2")
-    code = getattr(type(module).forward, "__code__", None)
-    act = getattr(module, "act_fn", None)
-    if (code is not None and (code.co_code, code.co_names) in _HF_FORWARDS
-            and type(act).__name__ in ("SiLU", "SiLUActivation") and not (act._forward_hooks or act._forward_pre_hooks)):
-        return ("gate_proj", "up_proj", "down_proj")
-    return None
 
 
 def fuse_swiglu_mlps(model: nn.Module, recipe: Recipe) -> int:
@@ -169,7 +145,7 @@ def fuse_swiglu_mlps(model: nn.Module, recipe: Recipe) -> int:
     for module in model.modules():
         if isinstance(module, _FusedSwiGLU):
             continue
-        names = _swiglu_names(module)
+        names = swiglu_names(module)
         if names is None:
             continue
         base = type(module)

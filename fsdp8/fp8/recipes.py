@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import FP8Recipe
+from ..distributed import comm
 from .formats import E4M3, E5M2, SCALE_ALIGN, Granularity, amax_to_scale, scale_to_inv
 
 _FORMATS = ("hybrid", "e4m3")
@@ -240,8 +241,7 @@ def update_delayed_states(states: Sequence[DelayedState], group=None) -> None:
     if not states:
         return
     stacked = torch.stack([s.pending for s in states])
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=group)
+    comm.all_reduce(stacked, group, dist.ReduceOp.MAX, "fp8 delayed amaxes")
     update_states(states, stacked)
 
 

@@ -13,7 +13,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .formats import Granularity
-from .kernels import Quantized
+from .kernels import Quantized, quantize
 
 _ALIAS_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 _SAME_SHAPE_VIEWS = {torch.ops.aten.as_strided.default, torch.ops.aten.view.default}
@@ -32,8 +32,6 @@ def transpose_of(q: Quantized) -> Quantized:
     """``q``'s transpose quantized along its rows: a transposed copy of the bytes where the
     blocks read the same either way (whole tensor, 128x128); MX blocks are quantized again."""
     if q.granularity is Granularity.MX_1x32:
-        from .kernels import quantize
-
         return quantize(q.dequantize(torch.float32).t().contiguous(), q.fp8_dtype, Granularity.MX_1x32)
     return q.t().contiguous()
 

@@ -1,6 +1,7 @@
 """Triton versions of the FP8 kernels in kernels.py, bit for bit the same results on CUDA:
 the activation and gradient kernels (quantize, cast + transpose, both-ways 1x128,
 dequantize) and the cast and scale helpers; triton_weights.py has the engine's weight kernels.
+They return plain tensors: kernels.py chooses them and wraps the results.
 
 Exactness rules: fp32 products, IEEE divisions (``div_rn``), clamps that keep NaN, and
 round-to-nearest-even conversion; block amaxes are maxima (order-free). A NaN anywhere in a
@@ -212,12 +213,12 @@ def _tl_dtype(dtype: torch.dtype):
     return {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}[dtype]
 
 
-def cast_transpose(x: torch.Tensor, fp8_dtype: torch.dtype, scale: Optional[torch.Tensor] = None):
-    """(q, q.t() contiguous, amax of x, scale_inv). Current scaling: torch's amax reduction,
-    then one kernel that derives the scale on the device and casts; delayed: one kernel that
-    casts with the given scale and leaves per-tile amaxes for a small final reduction."""
-    from .kernels import amax as torch_amax
-
+def cast_transpose(x: torch.Tensor, fp8_dtype: torch.dtype, scale: Optional[torch.Tensor] = None,
+                   x_amax: Optional[torch.Tensor] = None):
+    """(q, q.t() contiguous, amax of x, scale_inv). Current scaling (no ``scale``): ``x_amax``,
+    the caller's amax of ``x`` (torch's reduction, kernels.amax), then one kernel that derives the
+    scale on the device and casts; delayed: one kernel that casts with the given scale and
+    leaves per-tile amaxes for a small final reduction."""
     m, k = x.shape
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
     qt = torch.empty((k, m), dtype=fp8_dtype, device=x.device)
@@ -225,7 +226,6 @@ def cast_transpose(x: torch.Tensor, fp8_dtype: torch.dtype, scale: Optional[torc
     bm, bk = 64, 64
     grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
     if scale is None:
-        x_amax = torch_amax(x)
         partial = scale_arg = x_amax  # unused by the kernel in this mode
     else:
         x_amax = None
@@ -239,16 +239,9 @@ def cast_transpose(x: torch.Tensor, fp8_dtype: torch.dtype, scale: Optional[torc
     return q, qt, x_amax, scale_inv
 
 
-def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity, scale: Optional[torch.Tensor] = None):
-    from .kernels import Quantized, quantize_reference
-
-    if granularity is Granularity.TENSOR:
-        if x.numel() == 0:
-            return quantize_reference(x, fp8_dtype, granularity, scale)
-        q, _, _, scale_inv = cast_transpose(x, fp8_dtype, scale)
-        return Quantized(q, scale_inv, granularity)
-    if x.numel() == 0:
-        return quantize_reference(x, fp8_dtype, granularity, scale)
+def quantize_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity):
+    """(data, scale_inv) of a non-empty 2-D ``x`` in ``granularity``'s blocks (128x128, 1x128 or
+    1x32 MX); whole-tensor scaling is ``cast_transpose``."""
     m, k = x.shape
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
     fmax, out = FP8_MAX[fp8_dtype], _tl_dtype(fp8_dtype)
@@ -256,7 +249,7 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity, 
         mb, kb = triton.cdiv(m, 128), triton.cdiv(k, 128)
         sinv = torch.empty((mb, kb), dtype=torch.float32, device=x.device)
         _tile_blocks_kernel[(mb, kb)](x, q, sinv, m, k, x.stride(0), x.stride(1), kb, FMAX=fmax, OUT=out, B=128)
-        return Quantized(q, sinv, granularity)
+        return q, sinv
     bk = granularity.block[1]
     kb = triton.cdiv(k, bk)
     sinv = torch.empty((m, kb), dtype=torch.float32, device=x.device)
@@ -265,7 +258,7 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity, 
         x, q, sinv, m, k, x.stride(0), x.stride(1), kb, FMAX=fmax, EMAX=FP8_EMAX[fp8_dtype],
         MX=granularity is Granularity.MX_1x32, OUT=out, TM=tm, BK=bk,
     )
-    return Quantized(q, sinv, granularity)
+    return q, sinv
 
 
 def dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
@@ -298,8 +291,7 @@ def scale_blocks_outer_major(rows: int, blocks: int, device) -> torch.Tensor:
 
 
 def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype):
-    from .kernels import Quantized
-
+    """(data, scale_inv, data of x.t(), its scale_inv) in 1x128 blocks, in one pass."""
     m, k = x.shape
     mb, kb = triton.cdiv(m, 128), triton.cdiv(k, 128)
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
@@ -308,7 +300,7 @@ def quantize_1x128_both_ways(x: torch.Tensor, fp8_dtype: torch.dtype):
     _rows_and_cols_kernel[(mb, kb)](x, q, qt, sinv, sinv_t, m, k, x.stride(0), x.stride(1), kb, mb,
                                     FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype),
                                     RELOAD_T=x.dtype == torch.float32, B=128, SATURATE=saturating_cast(x.device))
-    return Quantized(q, sinv, Granularity.ROW_1x128), Quantized(qt, sinv_t, Granularity.ROW_1x128)
+    return q, sinv, qt, sinv_t
 
 
 if triton is not None:
@@ -354,7 +346,4 @@ if triton is not None:
 def quantize_1x128_both_ways_in_graph(x: torch.Tensor, fp8_dtype: torch.dtype):
     """quantize_1x128_both_ways as one op of a compiled graph ([Note: a Triton kernel inside
     compiled graphs])."""
-    from .kernels import Quantized
-
-    q, sinv, qt, sinv_t = torch.ops.fsdp8.quantize_1x128_both_ways(x, fp8_dtype == torch.float8_e5m2)
-    return Quantized(q, sinv, Granularity.ROW_1x128), Quantized(qt, sinv_t, Granularity.ROW_1x128)
+    return torch.ops.fsdp8.quantize_1x128_both_ways(x, fp8_dtype == torch.float8_e5m2)

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from ..fp8.swiglu_forms import register_swiglu
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -237,6 +239,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+# Under block-scaled FP8 the three projections run as one function (fsdp8/fp8/mlp.py).
+register_swiglu(FeedForward, gate="w1", up="w3", down="w2")
 
 
 class Block(nn.Module):

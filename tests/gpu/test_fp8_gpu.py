@@ -205,7 +205,7 @@ def test_triton_rows_through_compute_dtype_into_buffer(granularity, fp8, shape, 
 def test_native_gemm_close_to_emulated(recipe_name):
     """_scaled_mm and the emulated GEMM see identical FP8 operands; they differ only in
     accumulation order, far below FP8 rounding (bound 1e-2 relative)."""
-    from fsdp8.fp8 import linear as fp8_linear
+    from fsdp8.fp8 import gemm
     from fsdp8.fp8.convert import convert_to_fp8
     from fsdp8.fp8.recipes import recipe_from_name
 
@@ -216,9 +216,9 @@ def test_native_gemm_close_to_emulated(recipe_name):
     x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
     outs = []
-    original = fp8_linear._native_ok
+    original = gemm.native_ok
     for native in (True, False):
-        fp8_linear._native_ok = original if native else (lambda a, b, r, out_dtype: False)
+        gemm.native_ok = original if native else (lambda a, b, r, out_dtype: False)
         try:
             lin.zero_grad(set_to_none=True)
             x.grad = None
@@ -228,9 +228,9 @@ def test_native_gemm_close_to_emulated(recipe_name):
             y.backward(dy)
             outs.append((y.float(), x.grad.float(), lin.weight.grad.float()))
         finally:
-            fp8_linear._native_ok = original
-    native_used = original(fp8_linear.quantize(x.detach(), recipe.fwd_dtype, recipe.x_granularity),
-                           fp8_linear.quantize(lin.weight.detach(), recipe.fwd_dtype, recipe.w_granularity), recipe,
+            gemm.native_ok = original
+    native_used = original(gemm.quantize(x.detach(), recipe.fwd_dtype, recipe.x_granularity),
+                           gemm.quantize(lin.weight.detach(), recipe.fwd_dtype, recipe.w_granularity), recipe,
                            torch.bfloat16)
     for a, b in zip(*outs):
         assert ((a - b).norm() / b.norm()).item() < 1e-2

@@ -306,7 +306,7 @@ def _delayed_linear_after_a_step(seed):
 @pytest.mark.parametrize("load", ["load_state_dict", "fsdp8.load"])
 def test_a_loaded_delayed_state_reaches_the_compiled_linear(tmp_path, load):
     """A compiled linear dequantizes with the inverses its delayed state keeps beside the
-    scales (linear._kept_inverse). Loads write the scales in place, so the inverses must follow
+    scales (gemm.kept_inverse). Loads write the scales in place, so the inverses must follow
     them, or the first compiled step after a resume would quantize with the loaded scales and
     dequantize with the old ones (it did, before Float8Linear._load_from_state_dict)."""
     import fsdp8
@@ -393,7 +393,7 @@ def test_batched_delayed_update_with_several_recipes():
 def test_outer_major_scale_grids_reach_the_gemm_without_a_copy():
     """fp8_mm hands cuBLAS 1x128 scales outer-dimension-major; a grid made so (as the Triton
     quantizations write theirs) passes through as it is, a row-major one is copied."""
-    from fsdp8.fp8.linear import _outer_major
+    from fsdp8.fp8.gemm import _outer_major
     from fsdp8.fp8.triton_kernels import scale_blocks_outer_major
 
     grid = scale_blocks_outer_major(256, 3, torch.device("cpu"))

@@ -1,0 +1,114 @@
+"""FP8 linears under tensor parallelism: local FP8 GEMMs on DTensor pieces (Float8Linear's forward
+when its weight is a DTensor).
+
+[Note: FP8 under TP]
+torch's ParallelStyles hand a linear DTensors: the weight split by rows (colwise) or by
+columns (rowwise), the input replicated, sequence-sharded or split by columns. A
+Float8Linear computes on the local pieces and says what its output is (colwise: its
+columns, ``Shard(-1)``; rowwise: a partial sum, ``Partial()``), so the styles' own
+redistributions around it stay as they are. What FP8 adds is scale agreement: a
+per-tensor scale must be the scale of the *whole* tensor, so the amax of every operand
+that is a shard (the weight; the input of a rowwise layer; the output gradient of a
+colwise one) is max-reduced over tp before quantizing, and a TP run equals one process
+running the same recipe. Block scales need no agreement when no block straddles two
+ranks, which ``tp_fp8_ok`` checks before a layer is converted.
+
+With sequence parallelism a colwise layer gets its input sequence-sharded; for
+per-tensor recipes it quantizes its tokens with the agreed scale and all-gathers the FP8
+bytes (``TensorParallelGemm.gather_dim``), as torchao's Float8ColwiseParallel does, instead
+of letting the style gather the input in high precision.
+
+A rowwise layer's bias is added on tp rank 0 only (its output is a partial sum), so the
+bias gradient is a partial sum too, which the engine sums over tp with the norms'.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from .formats import Granularity
+from .gemm import TensorParallelGemm
+from .linear_fn import Float8LinearFn
+from .recipes import Recipe, update_delayed_states
+
+
+def _kind(weight: DTensor) -> str:
+    placement = weight.placements[0]
+    if isinstance(placement, Shard):
+        return "colwise" if placement.dim == 0 else "rowwise"
+    return "replicated"
+
+
+def tp_fp8_ok(linear: nn.Linear, recipe: Recipe) -> Optional[str]:
+    """Why ``linear``'s tensor-parallel pieces cannot run ``recipe`` as one process would
+    (None if they can): FP8 GEMM dims must be multiples of 16, and a split dimension must
+    not cut a scaling block (128 for block scaling, 32 for MX)."""
+    weight = linear.weight
+    if not isinstance(weight, DTensor):
+        return None
+    if weight.device_mesh.ndim != 1:
+        return f"placed on a {weight.device_mesh.ndim}-D mesh (FP8 supports 1-D tensor parallelism)"
+    local = weight._local_tensor.shape
+    if local[0] % 16 or local[1] % 16:
+        return f"its tensor-parallel piece {tuple(local)} has a dimension that is not a multiple of 16"
+    kind = _kind(weight)
+    block = {Granularity.BLOCK_128x128: 128, Granularity.ROW_1x128: 128, Granularity.MX_1x32: 32}
+    size = max(block.get(g, 1) for g in (recipe.x_granularity, recipe.w_granularity, recipe.g_granularity))
+    split = {"colwise": local[0], "rowwise": local[1]}.get(kind)
+    if split is not None and split % size:
+        return (f"its {kind} piece splits a {size}-wide scaling block ({split} is not a multiple of {size}); "
+                "use a tensor-parallel degree that keeps the pieces whole blocks, or per-tensor scaling")
+    return None
+
+
+def tensor_parallel_forward(module: nn.Module, x) -> DTensor:
+    """A Float8Linear ``module``'s forward when its weight is a tensor-parallel DTensor (see the note)."""
+    weight = module.weight
+    mesh = weight.device_mesh
+    reason = tp_fp8_ok(module, module.recipe)
+    if reason is not None:
+        raise ValueError(f"this Float8Linear cannot run under tensor parallelism: {reason}; keep it in high "
+                         "precision (fsdp8 does so automatically when it converts a model after TP)")
+    group = mesh.get_group(0)
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    state = module.delayed_state(x.device)
+    if state is not None and not module.external_delayed_update and state.dirty:
+        # Standalone use: fold last step's amaxes in, agreed over tp (the engine does it per step).
+        update_delayed_states([state], module.amax_reduction_group or group)
+    bias = module.bias
+    kind = _kind(weight)
+    w_local = weight.to_local()
+    tensorwise = module.recipe.x_granularity is Granularity.TENSOR
+    if kind == "colwise":
+        placement = x.placements[0]
+        seq_sharded = isinstance(placement, Shard) and placement.dim % x.ndim != x.ndim - 1
+        if seq_sharded and tensorwise and x.shape[placement.dim] % mesh.size() == 0:
+            tp = TensorParallelGemm(group, dy_sharded=True, gather_dim=placement.dim % x.ndim)
+            x_local = x.to_local()
+        else:
+            x = x.redistribute(mesh, [Replicate()])
+            tp = TensorParallelGemm(group, dy_sharded=True)
+            x_local = x.to_local(grad_placements=[Partial()])  # each rank's input gradient is a partial sum
+        b_local = bias.to_local() if isinstance(bias, DTensor) else bias
+        out = Float8LinearFn.apply(x_local, w_local, b_local, module.recipe, state, None, None, tp)
+        return DTensor.from_local(out, mesh, [Shard(out.ndim - 1)], run_check=False)
+    if kind == "rowwise":
+        if x.placements[0] != Shard(x.ndim - 1):
+            x = x.redistribute(mesh, [Shard(x.ndim - 1)])
+        b_local = None
+        if bias is not None:
+            b_local = bias.to_local(grad_placements=[Partial()]) if isinstance(bias, DTensor) else bias
+            if mesh.get_local_rank() != 0:
+                b_local = b_local * 0  # added once to the partial sums; a zero gradient here
+        tp = TensorParallelGemm(group, x_sharded=True)
+        out = Float8LinearFn.apply(x.to_local(), w_local, b_local, module.recipe, state, None, None, tp)
+        return DTensor.from_local(out, mesh, [Partial()], run_check=False)
+    x = x.redistribute(mesh, [Replicate()])
+    b_local = bias.to_local() if isinstance(bias, DTensor) else bias
+    tp = TensorParallelGemm(group, w_sharded=False)
+    out = Float8LinearFn.apply(x.to_local(), w_local, b_local, module.recipe, state, None, None, tp)
+    return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
