@@ -2,7 +2,8 @@
 
 from .config import ParallelConfig, Precision, Strategy, OuterStrategy
 from .engine.grads import NonFiniteGradError, check_finite, clip_grad_norm_, nonfinite_grads
-from .engine.model import MemoryReport, ShardedModel, fully_shard
+from .engine.model import fully_shard
+from .engine.sharded import MemoryReport, ShardedModel
 from .distributed.check import DesyncError
 from .engine.state_dict import StateDictError
 from .distributed.mesh import data_parallel_mesh, make_mesh, tp_mesh

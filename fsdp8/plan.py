@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Union
 
 from .config import AC_MODES, OuterStrategy, Strategy, check_checkpointing_with_cp
-from .engine.model import MemoryReport
+from .engine.sharded import MemoryReport
 from .plan_hw import GIB, GPU, Cluster, Efficiency, describe_gpu, gpu_named
 from .plan_memory import Peak, activations, memory_report, optimizer_bytes, peaks, unit_plans
 from .plan_model import FP8_RECIPES, ModelSpec, check_tp, converts_to_fp8, model_spec

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Dict, List, Tuple
 
 from .config import OuterStrategy, Strategy
 from .engine.layout import UnitLayout, plan_unit
-from .engine.model import MemoryReport
+from .engine.sharded import MemoryReport
 from .engine.topology import ChunkPlan
 from .plan_model import ModelSpec, Param, converts_to_fp8, local_shape
 

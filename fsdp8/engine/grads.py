@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..distributed import comm
+from .sharded import ShardedModel
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -29,8 +30,6 @@ def clip_grad_norm_(
     For a sharded model the norm covers every shard on every rank with one all-reduce
     (sum of ``|g|^p``, or max for ``inf``) over the ranks that hold distinct chunks; no host
     synchronization unless ``error_if_nonfinite``. Other modules fall back to torch's."""
-    from .model import ShardedModel
-
     if not isinstance(model, ShardedModel):
         params = model.parameters() if isinstance(model, nn.Module) else model
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)

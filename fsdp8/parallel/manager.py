@@ -34,7 +34,8 @@ from torch.distributed.tensor import DTensor
 from ..config import ParallelConfig, Precision, check_checkpointing_with_cp
 from ..distributed.mesh import make_mesh, mesh_dims, tp_mesh
 from ..distributed.process_group import init_distributed, mesh_device
-from ..engine.model import ShardedModel, fully_shard
+from ..engine.model import fully_shard
+from ..engine.sharded import ShardedModel
 from ..models.llama import Llama
 from . import hf
 from .checkpointing import checkpoint_units
