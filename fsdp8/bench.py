@@ -17,7 +17,7 @@ from .bench_host import measure_host
 from .distributed.comm import all_gather_single_fn
 from .distributed.process_group import current_device, init_distributed
 from .bench_run import run_steps, trainer
-from .hf_dir import import_transformers
+from .models.hf_dir import import_transformers
 from .plan import Plan, make_setup, plan_setup
 from .plan_hw import GIB, GPU, GPUS, Cluster, Efficiency, gpu_named
 from .plan_model import ModelSpec, model_spec

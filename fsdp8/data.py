@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .hf_dir import import_transformers
+from .models.hf_dir import import_transformers
 
 VOCAB_SIZE = 256  # of byte data
 VAL_FRACTION = 0.05

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import List, Optional, Tuple
 
-from .hf_dir import config_file, read_config
+from .models.hf_dir import config_file, read_config
 
 # Hugging Face model types whose decoder layer is the Llama block (RMSNorm, rotary GQA
 # attention, SwiGLU), and what they add to it.

@@ -16,7 +16,7 @@ from .config import AC_MODES, ParallelConfig, Precision
 from .data import (VOCAB_SIZE, check_text_file, check_token_count, encode_data, has_tokenizer,
                    load_tokenizer, read_data)
 from .fp8.recipes import recipe_from_name
-from .hf_dir import config_file, import_transformers, read_config
+from .models.hf_dir import config_file, import_transformers, read_config
 from .models.llama import Llama, preset
 from .parallel.cp import local_multiple
 

@@ -162,7 +162,7 @@ def test_hf_model_without_transformers_names_the_extra(tmp_path, monkeypatch, ca
 
 def test_the_extra_the_errors_name_brings_transformers_and_the_tests_install_it():
     tomllib = pytest.importorskip("tomllib")
-    from fsdp8.hf_dir import INSTALL_HF
+    from fsdp8.models.hf_dir import INSTALL_HF
 
     extra = re.search(r"\.\[(\w+)\]", INSTALL_HF).group(1)
     extras = tomllib.loads(open(os.path.join(REPO, "pyproject.toml")).read())["project"]["optional-dependencies"]
