@@ -19,7 +19,7 @@ from .fp8.fsdp2 import precompute_fp8_scales, prepare_fp8_modules_for_fsdp, use_
 from .fp8.tp import Float8ColwiseParallel
 from . import checkpoint, data, fp8
 from .checkpoint import latest, load, load_pretrained, save, wait_for_saves
-from .plan import plan
+from .planner import plan
 
 __all__ = [
     "latest",

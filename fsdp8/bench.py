@@ -18,9 +18,10 @@ from .distributed.comm import all_gather_single_fn
 from .distributed.process_group import current_device, init_distributed
 from .bench_run import run_steps, trainer
 from .models.hf_dir import import_transformers
-from .plan import Plan, make_setup, plan_setup
-from .plan_hw import GIB, GPU, GPUS, Cluster, Efficiency, gpu_named
-from .plan_model import ModelSpec, model_spec
+from .planner.hardware import GIB, GPU, Cluster, Efficiency, detect_gpu, gpu_named
+from .planner.model import ModelSpec, model_spec
+from .planner.predict import Plan, plan_setup
+from .planner.setup import make_setup
 
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -103,19 +104,6 @@ class BenchConfig:
                           precision=self.compute_precision(), fp8=self.fp8,
                           activation_checkpointing=self.activation_checkpointing, offload=self.offload,
                           efficiency=efficiency)
-
-
-def detect_gpu(name: Optional[str]) -> GPU:
-    """The table's entry for this machine's GPU (or ``name``'s), with the memory torch sees here."""
-    found = name
-    if found is None:
-        device = torch.cuda.get_device_name().lower()
-        found = next((key for key in GPUS if key in device), None)
-        if found is None:
-            raise ValueError(f"the planner has no figures for {torch.cuda.get_device_name()!r}; pass --gpu "
-                             f"({', '.join(GPUS)}) with the figures that differ (--bf16-tflops, --hbm-gbps, ...)")
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return gpu_named(found, memory_gib=total / GIB)
 
 
 def _cluster_here(world: int, gpu: Optional[str], measured: Optional[GPU]) -> Cluster:

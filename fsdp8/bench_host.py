@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from .bench_run import StepTimes, run_steps, trainer
-from .plan_hw import HostCost
-from .plan_model import ModelSpec
+from .planner.hardware import HostCost
+from .planner.model import ModelSpec
 
 if TYPE_CHECKING:
     from .bench import BenchConfig

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 import torch
 
 from .engine.grads import clip_grad_norm_
-from .plan_model import ModelSpec
+from .planner.model import ModelSpec
 
 if TYPE_CHECKING:
     from .bench import BenchConfig

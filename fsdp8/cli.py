@@ -24,8 +24,10 @@ from .config import AC_MODES, STRATEGY_NAMES
 from .fp8.convert import HighPrecisionLayerWarning
 from .launch import launch, resolve_nproc, under_torchrun
 from .models.llama import PRESETS
-from .plan import plan
-from .plan_hw import GPUS
+from .planner import plan, search
+from .planner.candidates import fixes
+from .planner.hardware import GPUS, gpu_named
+from .planner.predict import plan_setup
 from .failures import Reporting
 from .run_dir import ERROR_LOG, OUTPUTS, plan_run
 from .run_log import find_checkpoint
@@ -338,9 +340,6 @@ def _none(value: str) -> Optional[str]:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from .plan import fixes, plan_setup, search
-    from .plan_hw import gpu_named
-
     try:
         gpu = gpu_named(args.gpu, memory_gib=args.gpu_memory, bf16_tflops=args.bf16_tflops, fp8_tflops=args.fp8_tflops,
                         hbm_gbps=args.hbm_gbps, nvlink_gbps=args.nvlink_gbps, network_gbps=args.network_gbps)

@@ -38,6 +38,7 @@ from ..engine.model import fully_shard
 from ..engine.sharded import ShardedModel
 from ..models.llama import Llama
 from . import hf
+from .auto import auto_choice, describe_choice
 from .checkpointing import checkpoint_units
 from .cp import context_parallel, loss_divisor, shard_sequence
 from .tp import family_plan, tensor_parallel
@@ -157,13 +158,11 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
     ``base_model_tp_plan`` the TP plan. The result is a ShardedModel that is also a
     ``ParallelizedModel``: feed it ``model.shard_batch(global_batch)``, and use
     ``model.dp_rank`` / ``model.dp_size`` for samplers. Any torch optimizer works on
-    ``model.parameters()``. ``config="auto"`` takes the layout fsdp8.plan.search predicts
+    ``model.parameters()``. ``config="auto"`` takes the layout fsdp8.planner.search predicts
     fastest on this job's GPUs (one 2048-token sequence per GPU); ``model.parallel_config``
     says which."""
     config = ParallelConfig() if config is None else config
     if isinstance(config, str) and config == "auto":
-        from .auto import auto_choice, describe_choice
-
         init_distributed()
         best = auto_choice(model)
         if dist.get_rank() == 0:  # every rank chose the same

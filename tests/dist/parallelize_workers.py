@@ -300,7 +300,7 @@ def compiled(family: str, options: dict) -> dict:
 
 
 def auto_layout(family: str = "builtin") -> dict:
-    """parallelize(model, "auto"): the layout fsdp8.plan.search ranks first here, the same on
+    """parallelize(model, "auto"): the layout fsdp8.planner.search ranks first here, the same on
     every rank; its losses against the same layout given explicitly (equal) and against one
     process (meaningful where the layout computes in fp32, as on CPUs)."""
     from fsdp8.parallel.auto import auto_choice

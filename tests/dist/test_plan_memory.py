@@ -1,5 +1,5 @@
 """The planner's persistent memory equals memory_report() byte for byte: every strategy and mesh,
-fp32 / bf16 / each FP8 recipe, tensor parallelism, offload (fsdp8/plan_memory.py [Note: exact
+fp32 / bf16 / each FP8 recipe, tensor parallelism, offload (fsdp8/planner/memory.py [Note: exact
 and estimated memory]).
 
 The model's sizes make every layout rule count: a vocabulary (37) and widths that no world
@@ -13,10 +13,10 @@ import dataclasses
 
 import pytest
 
-from fsdp8.plan import make_setup
-from fsdp8.plan_hw import Cluster, gpu_named
-from fsdp8.plan_memory import memory_report
-from fsdp8.plan_model import ModelSpec
+from fsdp8.planner.hardware import Cluster, gpu_named
+from fsdp8.planner.memory import memory_report
+from fsdp8.planner.model import ModelSpec
+from fsdp8.planner.setup import make_setup
 from tests.dist import plan_workers as workers
 from tests.harness import run_on_ranks
 

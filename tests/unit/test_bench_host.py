@@ -9,9 +9,9 @@ import pytest
 from fsdp8.bench import BenchConfig
 from fsdp8.bench_host import fit_host_cost, probe_config, probe_depths, probe_spec
 from fsdp8.cli import bench_config, build_parser
-from fsdp8.plan import plan
-from fsdp8.plan_hw import Efficiency, HostCost
-from fsdp8.plan_model import FP8_RECIPES, converts_to_fp8, model_spec
+from fsdp8.planner import plan
+from fsdp8.planner.hardware import Efficiency, HostCost
+from fsdp8.planner.model import FP8_RECIPES, converts_to_fp8, model_spec
 
 MODEL_A = dict(layers=16, hidden=2048, ffn=8192, heads=16, kv_heads=8, vocab=32000)
 

@@ -131,7 +131,7 @@ def test_hf_gradient_checkpointing_and_ours_together_are_refused():
 
 def test_auto_says_once_which_layout_it_chose_and_why(capsys):
     from fsdp8.models.llama import Llama, preset
-    from fsdp8.plan_search import search
+    from fsdp8.planner import search
 
     torch.manual_seed(0)
     model = fsdp8.parallelize(Llama(preset("tiny")), "auto")

@@ -13,12 +13,14 @@ import torch
 
 import fsdp8
 from fsdp8.models.llama import Llama, LlamaConfig, preset
-from fsdp8.plan import make_setup, plan, plan_setup, search
-from fsdp8.plan_hw import GIB, Cluster, Efficiency, gpu_named
-from fsdp8.plan_memory import activations
-from fsdp8.plan_model import converts_to_fp8, hf_spec, model_spec, tp_piece
-from fsdp8.plan_search import fixes
-from fsdp8.plan_time import collective_seconds, group, groups
+from fsdp8.planner import plan, search
+from fsdp8.planner.candidates import fixes
+from fsdp8.planner.hardware import GIB, Cluster, Efficiency, gpu_named
+from fsdp8.planner.memory import activations
+from fsdp8.planner.model import converts_to_fp8, hf_spec, model_spec, tp_piece
+from fsdp8.planner.predict import plan_setup
+from fsdp8.planner.setup import make_setup
+from fsdp8.planner.time import collective_seconds, group, groups
 
 H100 = gpu_named("h100")
 
@@ -228,7 +230,7 @@ def test_search_ranks_what_fits_fastest_first():
     assert fastest["none"] > max(fastest["selective"], fastest["full"])
     config = best.parallel_config()
     assert (config.dp_shard, config.tp, config.activation_checkpointing) == (best.dp_shard, 1, "none")
-    assert fsdp8.plan.search is search and len(search("1b", global_batch=16, top=3)) == 3
+    assert fsdp8.planner.search is search and len(search("1b", global_batch=16, top=3)) == 3
 
 
 def test_search_shows_one_of_configurations_that_differ_only_in_data_parallel_sharding():
@@ -358,7 +360,7 @@ def test_backward_holds_the_heads_gradient_and_the_embeddings_only_at_the_end(ti
     norm's (the loss's backward made them), not an untied embedding's, which autograd makes
     only when backward reaches the input (measured: model B at world 1 and a loopback world
     of 2 on an H200 peaked 0.24 GiB, one embedding gradient, below the count with it)."""
-    from fsdp8.plan_memory import activations, memory_report, peaks, unit_plans
+    from fsdp8.planner.memory import activations, memory_report, peaks, unit_plans
 
     spec = model_spec("1b", tied=tied)
     setup = _setup(spec, world=2, gpus_per_node=2, seq_len=2048)
@@ -382,7 +384,7 @@ def test_mx_scale_inv_lives_with_the_unsharded_parameters_under_zero3(strategy, 
     """Float8Unit frees MX's scale_inv with the unsharded weights (ZeRO-3): the plan counts it
     in the unit buffers in flight, not among the persistent FP8 scales; under ZeRO-2 the unsharded
     weights, and it, stay."""
-    from fsdp8.plan_memory import memory_report, peaks, unit_plans
+    from fsdp8.planner.memory import memory_report, peaks, unit_plans
 
     spec = model_spec("1b")
     setup = _setup(spec, precision="bf16", fp8="mxfp8", strategy=strategy)

@@ -17,15 +17,13 @@ waits for. Tensor- and context-parallel collectives run on the compute stream: a
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
-from .config import OuterStrategy, Strategy
-from .plan_hw import HostCost, host_model
-from .plan_memory import MAIN_BYTES, REDUCE_BYTES, UnitPlan, chunk_plan, expands_kv
-from .plan_model import ModelSpec, converts_to_fp8, local_shape
-
-if TYPE_CHECKING:
-    from .plan import Setup
+from ..config import OuterStrategy, Strategy
+from .hardware import HostCost, host_model
+from .memory import MAIN_BYTES, REDUCE_BYTES, UnitPlan, chunk_plan, expands_kv
+from .model import ModelSpec, converts_to_fp8, local_shape
+from .setup import Setup
 
 ADAMW_BYTES = 28  # fused AdamW per fp32 element: reads weight, gradient and 2 moments, writes 3
 
@@ -65,7 +63,7 @@ class Collective:
     overlapped: bool  # on a side stream (may hide behind compute) or on the compute stream
 
 
-def collective_seconds(op: str, nbytes: float, g: Group, setup: "Setup") -> float:
+def collective_seconds(op: str, nbytes: float, g: Group, setup: Setup) -> float:
     """One collective: latency plus bytes over the slowest of its links. Inside a node a ring
     moves (n-1)/n of the buffer through each GPU's NVLink; across nodes each node moves
     (k-1)/k of it through its NICs (one per member GPU), which can run side by side."""
@@ -89,7 +87,7 @@ class Groups:
     dp: Group  # replicate x shard, flattened
 
 
-def groups(setup: "Setup") -> Groups:
+def groups(setup: Setup) -> Groups:
     gpn, tp, cp, s, r = setup.cluster.gpus_per_node, setup.tp, setup.cp, setup.dp_shard, setup.dp_replicate
     return Groups(tp=group("tp", tp, 1, gpn), cp=group("cp", cp, tp, gpn), shard=group("dp_shard", s * cp, tp, gpn),
                   replicate=group("dp_replicate", r, s * cp * tp, gpn), dp=group("dp", r * s * cp, tp, gpn))
@@ -110,7 +108,7 @@ class Compute:
     host: HostCost  # the host's time to issue each pass
 
 
-def _elementwise_bytes(spec: ModelSpec, setup: "Setup") -> float:
+def _elementwise_bytes(spec: ModelSpec, setup: Setup) -> float:
     """Bytes one layer's forward moves through HBM per token outside GEMMs and attention (eager
     ops: norms in fp32, rotary, the repeat of K and V, residual adds, SwiGLU); backward moves
     twice that."""
@@ -126,7 +124,7 @@ def _elementwise_bytes(spec: ModelSpec, setup: "Setup") -> float:
 _SELECTIVE_RECOMPUTED = ("wk", "wo", "w3")
 
 
-def compute(spec: ModelSpec, setup: "Setup") -> Compute:
+def compute(spec: ModelSpec, setup: Setup) -> Compute:
     gpu, eff = setup.cluster.gpu, setup.efficiency
     e, tp, ac = setup.compute_bytes, setup.tp, setup.activation_checkpointing
     t = setup.micro_batch * setup.seq_len / setup.cp  # tokens of this rank's micro-batch
@@ -188,14 +186,14 @@ class Transfer:
         return replace(self, calls=self.calls * calls)
 
 
-def _seconds(x: Transfer, setup: "Setup") -> float:
+def _seconds(x: Transfer, setup: Setup) -> float:
     """All ``x.calls`` of it."""
     if x.op == "copy":
         return x.calls * x.nbytes / (setup.cluster.gpu.pcie_gbps * 1e9 * setup.efficiency.link)
     return x.calls * collective_seconds(x.op, x.nbytes, x.group, setup)
 
 
-def _busy(transfers: List[Transfer], setup: "Setup") -> float:
+def _busy(transfers: List[Transfer], setup: Setup) -> float:
     """Time ``transfers`` take when issued together: each stream runs its own in order, and
     collectives on one link share it."""
     streams: Dict[str, float] = {}
@@ -208,7 +206,7 @@ def _busy(transfers: List[Transfer], setup: "Setup") -> float:
     return max(list(streams.values()) + list(links.values()), default=0.0)
 
 
-def _gathers(u: UnitPlan, setup: "Setup", g: Groups, refresh_outer: bool) -> List[Transfer]:
+def _gathers(u: UnitPlan, setup: Setup, g: Groups, refresh_outer: bool) -> List[Transfer]:
     """ShardedUnit.gather: what one gather of ``u`` moves (nothing when one chunk holds it all)."""
     chunks = chunk_plan(setup).num_chunks
     if chunks == 1 or u.aliased:
@@ -228,7 +226,7 @@ def _gathers(u: UnitPlan, setup: "Setup", g: Groups, refresh_outer: bool) -> Lis
     return out
 
 
-def _reductions(u: UnitPlan, setup: "Setup", g: Groups, sync: bool) -> List[Transfer]:
+def _reductions(u: UnitPlan, setup: Setup, g: Groups, sync: bool) -> List[Transfer]:
     """Topology.grad_reduce_steps for one unit's gradients (ZeRO-0/1 reduce only when ``sync``)."""
     if setup.strategy in (Strategy.NO_SHARD, Strategy.OPTIM) and not sync:
         return []
@@ -252,7 +250,7 @@ def _reductions(u: UnitPlan, setup: "Setup", g: Groups, sync: bool) -> List[Tran
     return out
 
 
-def _model_parallel(spec: ModelSpec, setup: "Setup", g: Groups) -> List[Transfer]:
+def _model_parallel(spec: ModelSpec, setup: Setup, g: Groups) -> List[Transfer]:
     """Tensor- and context-parallel collectives of one micro-batch (torch's TP styles and CP's
     K/V gathers; recomputation repeats those checkpointing does not keep)."""
     e, t, ac, layers = setup.compute_bytes, setup.micro_batch * setup.seq_len / setup.cp, \
@@ -313,7 +311,7 @@ class StepTime:
         return self.issue_bound + self.model_parallel + self.exposed + self.optimizer
 
 
-def step_time(spec: ModelSpec, setup: "Setup", units: List[UnitPlan]) -> StepTime:
+def step_time(spec: ModelSpec, setup: Setup, units: List[UnitPlan]) -> StepTime:
     """The step under [Note: the overlap model]."""
     g = groups(setup)
     root, layer = units
@@ -378,7 +376,7 @@ def step_time(spec: ModelSpec, setup: "Setup", units: List[UnitPlan]) -> StepTim
                     c.flops * acc, tuple(_summarize(issued, setup)))
 
 
-def _summarize(issued: List[Transfer], setup: "Setup") -> List[Collective]:
+def _summarize(issued: List[Transfer], setup: Setup) -> List[Collective]:
     """One row per kind of collective (what, op, group, size), its calls added up."""
     rows: Dict[Tuple[str, str, str, float], Transfer] = {}
     for x in issued:

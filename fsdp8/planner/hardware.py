@@ -1,10 +1,13 @@
-"""The planner's hardware: a small table of GPUs, the cluster they form, and the efficiencies it assumes."""
+"""The planner's hardware: a small table of GPUs (and which of them this machine has), the cluster they
+form, and the efficiencies it assumes."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
+
+import torch
 
 GIB = 2**30
 
@@ -67,6 +70,19 @@ def gpu_named(name: str, **overrides) -> GPU:
     if unknown:
         raise ValueError(f"unknown GPU figures {sorted(unknown)}")
     return dataclasses.replace(GPUS[key], **given)
+
+
+def detect_gpu(name: Optional[str]) -> GPU:
+    """The table's entry for this machine's GPU (or ``name``'s), with the memory torch sees here."""
+    found = name
+    if found is None:
+        device = torch.cuda.get_device_name().lower()
+        found = next((key for key in GPUS if key in device), None)
+        if found is None:
+            raise ValueError(f"the planner has no figures for {torch.cuda.get_device_name()!r}; pass --gpu "
+                             f"({', '.join(GPUS)}) with the figures that differ (--bf16-tflops, --hbm-gbps, ...)")
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return gpu_named(found, memory_gib=total / GIB)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""search(): every configuration of a model on a cluster that fits, fastest first; and what would
+"""fsdp8.planner.search(): every configuration of a model on a cluster that fits, fastest first; and what would
 make a configuration that does not fit fit."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Union
 
-from .config import AC_MODES, STRATEGY_NAMES
-from .plan import Plan, Setup, make_setup, plan_setup
-from .plan_hw import GPU, Cluster, Efficiency, gpu_named
-from .plan_model import ModelSpec, check_tp, model_spec
+from ..config import AC_MODES, STRATEGY_NAMES, ParallelConfig
+from .hardware import GPU, Cluster, Efficiency, gpu_named
+from .model import ModelSpec, check_tp, model_spec
+from .predict import Plan, plan_setup
+from .setup import Setup, make_setup
 
 MAX_NODES = 4096
 
@@ -38,11 +39,9 @@ class Candidate:
     def tokens_per_s_per_gpu(self) -> float:
         return self.plan.tokens_per_s_per_gpu
 
-    def parallel_config(self, **overrides):
+    def parallel_config(self, **overrides) -> ParallelConfig:
         """This configuration as a ``fsdp8.ParallelConfig`` (``overrides``: its other fields,
         e.g. ``fp8=fsdp8.Float8CurrentScaling(), compile=True``)."""
-        from .config import ParallelConfig
-
         fields = dict(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp,
                       sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel, strategy=self.strategy,
                       outer_strategy=self.outer_strategy, activation_checkpointing=self.activation_checkpointing,

@@ -1,5 +1,5 @@
-"""The planner's model: a Llama-family decoder's sizes, from a preset, a Hugging Face config.json or flags,
-and the parameters each unit holds on one rank (tensor-parallel pieces, FP8 or not)."""
+"""The planner's model: a Llama-family decoder's sizes, from a preset, a Hugging Face config.json, flags
+or a model itself, and the parameters each unit holds on one rank (tensor-parallel pieces, FP8 or not)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import os
 from dataclasses import dataclass, replace
 from typing import List, Optional, Tuple
 
-from .models.hf_dir import config_file, read_config
+import torch.nn as nn
+
+from ..models.hf_dir import config_file, read_config
+from ..models.llama import PRESETS, Llama
 
 # Hugging Face model types whose decoder layer is the Llama block (RMSNorm, rotary GQA
 # attention, SwiGLU), and what they add to it.
@@ -195,13 +198,24 @@ def hf_spec_of(config: dict, name: str = "", where: str = "the model's config") 
 
 def preset_spec(name: str) -> ModelSpec:
     """A built-in Llama preset (fsdp8.models.llama.PRESETS)."""
-    from .models.llama import PRESETS
-
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}: give a preset ({', '.join(PRESETS)}), hf:DIR, or the sizes "
                          "(--layers --hidden --ffn --heads --vocab)")
     c = PRESETS[name]
     return ModelSpec(name, c.n_layers, c.dim, c.ffn_dim, c.n_heads, c.n_kv_heads, c.vocab_size, tied=c.tie_embeddings)
+
+
+def model_spec_of(model: nn.Module) -> ModelSpec:
+    """The ModelSpec of a built-in Llama or a Hugging Face Llama-family model (an instance)."""
+    if isinstance(model, Llama):
+        c = model.config
+        return ModelSpec("model", c.n_layers, c.dim, c.ffn_dim, c.n_heads, c.n_kv_heads, c.vocab_size,
+                         tied=c.tie_embeddings)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        return hf_spec_of(config.to_dict(), type(model).__name__, f"{type(model).__name__}'s config")
+    raise ValueError(f"parallelize(model, 'auto') plans fsdp8's Llama and Hugging Face Llama-family models, not "
+                     f"{type(model).__name__}; pass a fsdp8.ParallelConfig")
 
 
 def model_spec(model, **sizes) -> ModelSpec:

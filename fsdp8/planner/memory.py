@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
-from .config import OuterStrategy, Strategy
-from .engine.layout import UnitLayout, plan_unit
-from .engine.sharded import MemoryReport
-from .engine.topology import ChunkPlan
-from .plan_model import ModelSpec, Param, converts_to_fp8, local_shape
-
-if TYPE_CHECKING:
-    from .plan import Setup
+from ..config import OuterStrategy, Strategy
+from ..engine.layout import UnitLayout, plan_unit
+from ..engine.sharded import MemoryReport
+from ..engine.topology import ChunkPlan
+from .model import ModelSpec, Param, converts_to_fp8, local_shape
+from .setup import Setup
 
 MAIN_BYTES = 4  # fp32 main weights, gradients and AdamW moments
 REDUCE_BYTES = 4  # gradients are reduced in fp32 (fsdp8 train's precisions)
@@ -53,7 +51,7 @@ class UnitPlan:
         return self.wire.unsharded_numel * self.wire_bytes
 
 
-def chunk_plan(setup: "Setup") -> ChunkPlan:
+def chunk_plan(setup: Setup) -> ChunkPlan:
     return ChunkPlan(replicate_size=setup.dp_replicate, shard_size=setup.dp_shard * setup.cp, replicate_rank=0,
                      shard_rank=0, inner_sharded=setup.strategy.shards_main,
                      outer_sharded=setup.outer_strategy is OuterStrategy.OPTIM)
@@ -74,7 +72,7 @@ def _scale_bytes(shapes: List[Tuple[int, int]], recipe: str) -> int:
     return buffers * 4 * floats + (3 * 4 * DELAYED_HISTORY * len(shapes) if recipe == "delayed" else 0)
 
 
-def _unit(name: str, count: int, params: List[Param], setup: "Setup", tp_rank: int, in_unit: bool) -> UnitPlan:
+def _unit(name: str, count: int, params: List[Param], setup: Setup, tp_rank: int, in_unit: bool) -> UnitPlan:
     chunks = chunk_plan(setup).num_chunks
     shapes = [local_shape(p, setup.tp, tp_rank) for p in params]
     layout = plan_unit(shapes, len(shapes), chunks)
@@ -100,13 +98,13 @@ def _unit(name: str, count: int, params: List[Param], setup: "Setup", tp_rank: i
                     gathered_scale_bytes=gathered)
 
 
-def unit_plans(spec: ModelSpec, setup: "Setup", tp_rank: int = 0) -> List[UnitPlan]:
+def unit_plans(spec: ModelSpec, setup: Setup, tp_rank: int = 0) -> List[UnitPlan]:
     """The root unit (embedding, final norm, head) and the decoder layers (one plan, ``layers`` units)."""
     return [_unit("root", 1, spec.root_params(), setup, tp_rank, in_unit=False),
             _unit("layer", spec.layers, spec.block_params(), setup, tp_rank, in_unit=True)]
 
 
-def _persistent_compute(unit: UnitPlan, setup: "Setup") -> int:
+def _persistent_compute(unit: UnitPlan, setup: Setup) -> int:
     """ShardedUnit.persistent_compute_bytes."""
     if unit.aliased:
         return 0
@@ -117,7 +115,7 @@ def _persistent_compute(unit: UnitPlan, setup: "Setup") -> int:
     return 0
 
 
-def memory_report(spec: ModelSpec, setup: "Setup", tp_rank: int = 0) -> MemoryReport:
+def memory_report(spec: ModelSpec, setup: Setup, tp_rank: int = 0) -> MemoryReport:
     """What ``model.memory_report()`` returns on a rank of tensor-parallel rank ``tp_rank``
     (data-parallel ranks all hold chunks of one size)."""
     units = unit_plans(spec, setup, tp_rank)
@@ -156,7 +154,7 @@ class Activations:
     loss_backward: float  # beyond ``root`` at the cross-entropy's backward
 
 
-def activations(spec: ModelSpec, setup: "Setup", fp8: Dict[str, bool]) -> Activations:
+def activations(spec: ModelSpec, setup: Setup, fp8: Dict[str, bool]) -> Activations:
     """Per-token activation bytes of the Llama block under ``setup`` (docs/PLANNING.md derives
     each term from the tensors autograd saves). ``fp8``: which linears are Float8Linear."""
     e, tp = setup.compute_bytes, setup.tp
@@ -218,7 +216,7 @@ class Peak:
         return sum(self.parts.values())
 
 
-def peaks(spec: ModelSpec, setup: "Setup", report: MemoryReport, units: List[UnitPlan], acts: Activations) -> List[Peak]:
+def peaks(spec: ModelSpec, setup: Setup, report: MemoryReport, units: List[UnitPlan], acts: Activations) -> List[Peak]:
     """The moments of a steady-state step at which memory can peak: optimizer state exists,
     gradients were freed by zero_grad(set_to_none=True) before the step's first forward (and
     ZeRO-2/3 carry them between micro-batches), ZeRO-3 gathers as schedule.py does (the root
