@@ -41,6 +41,9 @@ from torch.profiler import record_function
 
 from ..distributed.comm import all_gather_single_fn, reduce_scatter_single_fn
 from ..distributed.process_group import mesh_device
+from ..models.llama import Attention, Llama, causal_attention
+from .cp_hf import context_parallel_hf
+from .hf import is_hf_model
 
 IGNORE_INDEX = -100  # the label value cross-entropy skips (torch's and Hugging Face's default)
 
@@ -317,8 +320,6 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool
     after ``tensor_parallel`` and before ``fully_shard``. Raises on every rank, before
     anything is communicated, for a model whose attention it cannot reach (a model of one's
     own calls a ``ContextAttention`` from its attention)."""
-    from ..models.llama import Attention, Llama, causal_attention
-
     context = ContextAttention(mesh, sequence_parallel)
     if isinstance(model, Llama):
         layers = [m for m in model.modules() if isinstance(m, Attention)]
@@ -329,9 +330,6 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool
         model.register_forward_pre_hook(_llama_pre_forward(context, model.config.max_seq_len), prepend=True,
                                         with_kwargs=True)
         return model
-    from .cp_hf import context_parallel_hf
-    from .hf import is_hf_model
-
     if is_hf_model(model):
         return context_parallel_hf(model, context)
     raise ValueError(

@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..fp8.tp import Float8ColwiseParallel
+from .tp_plans import FamilyPlan, ReplicateParallel
 
 # Projections whose output features are attention heads, and the config field counting them.
 _HEAD_PROJECTIONS = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}
@@ -70,8 +71,6 @@ def hf_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool):
     SequenceParallel and each column-parallel projection gathers the sequence itself (one
     all-gather per projection: HF modules are called with positional or keyword hidden
     states depending on the family, so no per-module input hook is assumed)."""
-    from .tp import FamilyPlan
-
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "get_input_embeddings"):
         return None
@@ -125,8 +124,6 @@ def _residual_norms(model: nn.Module, names, styles: Dict[str, ParallelStyle],
     them: ``*RMSNorm``, ``*LayerNorm``) outside the modules that own a sharded projection (a
     q/k norm inside attention sees heads, not sequence shards). SequenceParallel under
     sequence parallelism, else ReplicateParallel (whole on every rank, parameters DTensors)."""
-    from .tp import ReplicateParallel
-
     # Owners of split projections (attention, MLP); an embedding the plan names (transformers
     # >= 5.1x's "embedding_rowwise") would make the whole base model an owner.
     modules = dict(model.named_modules())

@@ -105,7 +105,7 @@ class ModelSpec:
 class Param:
     """A parameter's global shape and how tensor parallelism places it: ``col`` splits dim 0
     (colwise linears, the vocabulary-sharded embedding), ``row`` dim 1 (rowwise linears),
-    ``rep`` none (fsdp8/parallel/tp.py llama_plan). ``linear``: the weight of a
+    ``rep`` none (fsdp8/parallel/tp_plans.py llama_plan). ``linear``: the weight of a
     linear layer inside a unit, which FP8 may convert."""
 
     name: str
