@@ -1,11 +1,11 @@
-"""`fsdp8 bench` at a world of N on one device, with loopback collectives (benchmarks/loopback.py).
+"""`fsdp8 bench` at a world of N on one device, with loopback collectives (fsdp8/app/bench/loopback.py).
 
     python benchmarks/bench_loopback.py --world 2 [fsdp8 bench flags]
 
 One process plays rank 0 of N: shards, gathers, packs and the optimizer are those of N
 ranks, and every collective is a local copy. So the step measured is the N-GPU step minus
 communication, and the planner's prediction beside it is made with free communication
-(fsdp8.bench.without_network). Never a judge of numerics (see loopback.py)."""
+(fsdp8.app.bench.bench.without_network). Never a judge of numerics (see loopback.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from loopback import init_loopback  # noqa: E402
-
-from fsdp8.bench import bench  # noqa: E402
-from fsdp8.cli import bench_config, build_parser  # noqa: E402
+from fsdp8.app.bench.bench import bench  # noqa: E402
+from fsdp8.app.bench.command import bench_config  # noqa: E402
+from fsdp8.app.bench.loopback import init_loopback  # noqa: E402
+from fsdp8.app.cli import build_parser  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -14,7 +14,7 @@ record_env >/dev/null 2>&1; grep -v Traceback "$OUT/env.txt" | head -3; nvidia-s
 A="--layers 16 --hidden 2048 --ffn 8192 --heads 16 --kv-heads 8 --vocab 32000"
 bench() {  # bench NAME FLAGS...
   local name=$1; shift
-  timeout -k 20 200 python3 -m fsdp8.cli bench --nproc 2 --json --steps 6 --warmup 2 "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
+  timeout -k 20 200 python3 -m fsdp8 bench --nproc 2 --json --steps 6 --warmup 2 "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
   python3 - "$OUT/$name.json" "$name" <<'PY' || echo "$name failed: $(grep -E 'Error|error' "$OUT/$name.log" | tail -n 1 | cut -c1-200)"
 import json, sys
 t = open(sys.argv[1]).read(); d = json.loads(t[t.index("{"):]); m, p, r = d["measured"], d["predicted"], d["ratio"]

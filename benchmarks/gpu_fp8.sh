@@ -10,7 +10,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     2>&1 | tee "$OUT/tests.log" | tail -n 12
 fi
 timeout 120 python3 benchmarks/fp8_gemm.py --out "$OUT/gemm.json" 2>&1 | tail -n 24
-timeout 120 python3 -m fsdp8.cli train --precision fp8-current --preset small --steps 60 --batch-size 16 --seq-len 1024 --out "$OUT/train" 2>&1 | tail -n 4
+timeout 120 python3 -m fsdp8 train --precision fp8-current --preset small --steps 60 --batch-size 16 --seq-len 1024 --out "$OUT/train" 2>&1 | tail -n 4
 timeout "${BENCH_TIMEOUT:-300}" torchrun --nproc_per_node 2 benchmarks/peers.py --models "${MODELS:-B}" \
   --stacks "${STACKS:-fsdp8-fp8-current,fsdp8-fp8-block,fsdp8-fp8-current-compile,fsdp8-fp8-block-compile,fsdp8-compile,torchao-compile}" \
   --out "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log" | grep -E "^\||^\[peers\]|FAILED|Error" | tail -n 30

@@ -20,7 +20,7 @@ peers b B fsdp8,fsdp8-offload 150
 B="--hidden 4096 --ffn 14336 --heads 32 --kv-heads 8 --vocab 32000 --seq-len 2048 --micro-batch 2 --steps 2 --warmup 1"
 for run in "16 none" "20 none" "20 optim" "28 optim"; do
   set -- $run
-  timeout -k 20 150 python3 -m fsdp8.cli bench --layers "$1" --offload "$2" $B --json >"$OUT/bench-$1-$2.json" 2>"$OUT/bench-$1-$2.log"
+  timeout -k 20 150 python3 -m fsdp8 bench --layers "$1" --offload "$2" $B --json >"$OUT/bench-$1-$2.json" 2>"$OUT/bench-$1-$2.log"
   echo "(bench layers $1 offload $2 exit $?)"
   python3 - "$OUT/bench-$1-$2.json" <<'PY' || tail -n 3 "$OUT/bench-$1-$2.log" | cut -c1-200
 import json, sys

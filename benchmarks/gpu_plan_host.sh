@@ -16,7 +16,7 @@ mkdir -p "$OUT/runs"
 for run in $RUNS; do
   IFS=- read -r model world ac fp8 <<<"$run"
   flags="${!model} --ac $ac --steps 10 --warmup 2 --json ${fp8:+--fp8 $fp8}"
-  if [ "$world" = 1 ]; then cmd="python3 -m fsdp8.cli bench $flags"; else cmd="python3 benchmarks/bench_loopback.py --world $world $flags"; fi
+  if [ "$world" = 1 ]; then cmd="python3 -m fsdp8 bench $flags"; else cmd="python3 benchmarks/bench_loopback.py --world $world $flags"; fi
   timeout -k 20 150 $cmd >"$OUT/runs/$run.json" 2>"$OUT/runs/$run.log"; rc=$?
   python3 - "$OUT/runs/$run.json" "$run" <<'PY' || echo "$run failed (exit $rc): $(grep -E 'Error' "$OUT/runs/$run.log" | tail -n 1 | cut -c1-160)"
 import json, sys

@@ -27,6 +27,6 @@ for model in A B; do
       >"$OUT/$name.json" 2>"$OUT/$name.log"; echo "($name exit $?)"; summary "$OUT/$name.json" "$name"
   done
   name="$model-world1-none"
-  timeout -k 20 150 python3 -m fsdp8.cli bench ${!model} --steps 5 --warmup 2 --json >"$OUT/$name.json" 2>"$OUT/$name.log"
+  timeout -k 20 150 python3 -m fsdp8 bench ${!model} --steps 5 --warmup 2 --json >"$OUT/$name.json" 2>"$OUT/$name.log"
   echo "($name exit $?)"; summary "$OUT/$name.json" "$name"
 done

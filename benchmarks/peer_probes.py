@@ -36,8 +36,8 @@ def host_profile(step: Callable[[], object], out_dir: str, stem: str, label: str
 
 
 def profile_one_step(step: Callable[[], object], out_dir: str, stem: str, label: str, ctx) -> None:
-    """One profiled step: compute / exposed communication / idle (step_profile.py)."""
-    from step_profile import format_summary, profile_step, summarize
+    """One profiled step: compute / exposed communication / idle (fsdp8/app/bench/step_profile.py)."""
+    from fsdp8.app.bench.step_profile import format_summary, profile_step, summarize
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -50,8 +50,8 @@ def profile_one_step(step: Callable[[], object], out_dir: str, stem: str, label:
 
 
 def memory_peak_of_step(step: Callable[[], object], out_dir: str, stem: str, label: str, ctx) -> None:
-    """One step with the allocator's history recorded: what is alive at its peak (memory_peak.py)."""
-    from memory_peak import format_peak, live_at_peak, record_step
+    """One step with the allocator's history recorded: what is alive at its peak (fsdp8/app/bench/memory_peak.py)."""
+    from fsdp8.app.bench.memory_peak import format_peak, live_at_peak, record_step
 
     events, baseline = record_step(step)
     peak, live = live_at_peak(events, baseline)

@@ -188,7 +188,7 @@ def init_process_group(args) -> Context:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     timeout = timedelta(seconds=args.timeout_s)
     if args.loopback_world:  # the group exists before the branches below, which then only pick the device
-        import loopback
+        from fsdp8.app.bench import loopback
 
         rank, world = 0, args.loopback_world
         loopback.init_loopback(world)

@@ -18,14 +18,12 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import sys
 import tempfile
 import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Dict, List
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND = os.environ.get("FSDP8_TEST_BACKEND", "gloo")
 # Seconds a test may take on its ranks before it counts as hung (a test may ask for more or less).
 TIMEOUT_S = float(os.environ.get("FSDP8_TEST_TIMEOUT", "240"))
@@ -36,7 +34,6 @@ class RankFailure(AssertionError):
 
 
 def _worker(rank: int, world: int, port: int, tasks, results, stacks_path: str) -> None:
-    sys.path.insert(0, REPO)
     # SIGUSR1 writes every thread's Python stack here: what a hung rank waits on (see RankPool.run).
     stacks = open(stacks_path, "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)

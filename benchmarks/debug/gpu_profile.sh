@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (2x H200): the compiled stacks on model B (MODEL=A for A) with one extra profiled step each
-# (benchmarks/step_profile.py): where the step's GPU time goes (compute, exposed communication,
+# (fsdp8/app/bench/step_profile.py): where the step's GPU time goes (compute, exposed communication,
 # idle) and the costliest kernels. Results in $OUT; the tables go to stdout.
 #   OUT=$OUT bash benchmarks/debug/gpu_profile.sh          (.whl with torchao carried)
 set -uo pipefail

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from .safetensors import _to_bytes
 from .store import CheckpointError, extra_path
 
 _TENSOR_KEYS = {"__tensor__", "shape", "data"}
@@ -22,8 +23,6 @@ def encode(obj: Any) -> Any:
     """``obj`` (JSON values and tensors) as JSON values."""
     if isinstance(obj, torch.Tensor):
         t = obj.detach().to("cpu").contiguous()
-        from .safetensors import _to_bytes
-
         return {"__tensor__": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
                 "data": base64.b64encode(_to_bytes(t)).decode()}
     if isinstance(obj, dict):

@@ -112,7 +112,7 @@ class HostCost:
     """Seconds this machine's host takes to issue one micro-batch's work, by pass: one layer's
     forward, its backward (recomputation included), the root's forward (embedding, final norm,
     head, loss) and its backward with the step's per-step work (clipping, the optimizer's
-    launches) spread over the micro-batches. Measured by ``fsdp8 bench`` (fsdp8/bench_host.py);
+    launches) spread over the micro-batches. Measured by ``fsdp8 bench`` (fsdp8/app/bench/host.py);
     when given, it replaces the per-op host model of :class:`Efficiency`."""
 
     layer_fwd: float

@@ -1,4 +1,4 @@
-"""The host probe of `fsdp8 bench` (fsdp8/bench_host.py) and how the planner uses a measured host:
+"""The host probe of `fsdp8 bench` (fsdp8/app/bench/host.py) and how the planner uses a measured host:
 the probe's tiny model keeps the architecture and which linears are FP8, the fit recovers a
 layer's and the root's cost, and a measured host sets the step when it is the slower side."""
 
@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp8.bench import BenchConfig
-from fsdp8.bench_host import fit_host_cost, probe_config, probe_depths, probe_spec
-from fsdp8.cli import bench_config, build_parser
+from fsdp8.app.bench.command import bench_config
+from fsdp8.app.bench.config import BenchConfig
+from fsdp8.app.bench.host import fit_host_cost, probe_config, probe_depths, probe_spec
+from fsdp8.app.cli import build_parser
 from fsdp8.planner import plan
 from fsdp8.planner.hardware import Efficiency, HostCost
 from fsdp8.planner.model import FP8_RECIPES, converts_to_fp8, model_spec

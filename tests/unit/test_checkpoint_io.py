@@ -122,7 +122,7 @@ def test_extra_encoding_roundtrip():
 def test_export_cli_and_bad_keep_last(tmp_path):
     path = str(tmp_path / "c")
     assert _run(path, 1).returncode == 0
-    out = subprocess.run([sys.executable, "-m", "fsdp8.cli", "export", path, str(tmp_path / "hf"), "--dtype", "bfloat16"],
+    out = subprocess.run([sys.executable, "-m", "fsdp8", "export", path, str(tmp_path / "hf"), "--dtype", "bfloat16"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     f = safetensors.SafetensorsFile(str(tmp_path / "hf" / "model.safetensors"))

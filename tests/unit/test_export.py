@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fsdp8
-from fsdp8 import cli
+from fsdp8.app import cli
 from fsdp8.checkpoint import export
 from fsdp8.models.llama import Llama, LlamaConfig, preset
 

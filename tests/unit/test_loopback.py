@@ -1,4 +1,4 @@
-"""The loopback world (benchmarks/loopback.py) that times a world-N step on one device.
+"""The loopback world (fsdp8/app/bench/loopback.py) that times a world-N step on one device.
 
 Its collectives must behave as N ranks holding this rank's tensors would, or the timings it
 gives would be of some other program. Each check runs in a fresh interpreter: the loopback
@@ -7,14 +7,10 @@ replaces torch.distributed's collectives for the life of the process."""
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(body: str) -> str:
-    script = "import sys\nsys.path.insert(0, %r)\nsys.path.insert(0, %r)\n" % (str(REPO / "benchmarks"), str(REPO))
-    script += textwrap.dedent(body)
+    script = textwrap.dedent(body)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -24,7 +20,7 @@ def test_collectives_act_as_equal_ranks():
     out = _run(
         """
         import torch, torch.distributed as dist
-        import loopback
+        from fsdp8.app.bench import loopback
         loopback.init_loopback(4)
         assert dist.get_world_size() == 4 and dist.get_rank() == 0
         x = torch.arange(6.0)
@@ -65,7 +61,7 @@ def test_engine_at_loopback_world_two_matches_the_model_it_stands_for():
     out = _run(
         """
         import copy, torch, torch.distributed as dist
-        import loopback
+        from fsdp8.app.bench import loopback
         import fsdp8
         loopback.init_loopback(2)
         torch.manual_seed(0)
@@ -101,7 +97,7 @@ def test_units_free_their_parameters_before_their_gradients_are_reduced():
     out = _run(
         """
         import torch
-        import loopback
+        from fsdp8.app.bench import loopback
         loopback.init_loopback(2)
         import fsdp8
         from fsdp8.engine.unit import ShardedUnit

@@ -1,11 +1,6 @@
-"""benchmarks/memory_peak.py's replay of an allocator trace, on hand-made events."""
+"""fsdp8/app/bench/memory_peak.py's replay of an allocator trace, on hand-made events."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from memory_peak import format_peak, live_at_peak  # noqa: E402
+from fsdp8.app.bench.memory_peak import format_peak, live_at_peak
 
 
 def _alloc(addr, size, name):

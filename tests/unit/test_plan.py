@@ -79,7 +79,7 @@ LLAMA_CONFIG = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64
     (json.dumps(dict(LLAMA_CONFIG, num_key_value_heads=0)), ": num_key_value_heads is 0, not a positive integer"),
 ])
 def test_a_malformed_config_json_is_named_with_its_problem(tmp_path, capsys, text, problem):
-    from fsdp8 import cli
+    from fsdp8.app import cli
 
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(SystemExit):
@@ -297,7 +297,7 @@ def test_efficiency_is_the_stated_fraction():
 
 # -- the command line --------------------------------------------------------------------------
 def test_plan_cli_table_json_and_search(capsys):
-    from fsdp8 import cli
+    from fsdp8.app import cli
 
     assert cli.main(["plan", "--model", "8b", "--nodes", "2", "--tp", "2", "--seq-len", "4096", "--ac", "selective"]) == 0
     out = capsys.readouterr().out
@@ -318,7 +318,7 @@ def test_plan_cli_table_json_and_search(capsys):
 
 
 def test_plan_cli_does_not_fit_and_errors(capsys):
-    from fsdp8 import cli
+    from fsdp8.app import cli
 
     assert cli.main(["plan", "--model", "8b", "--seq-len", "8192", "--micro-batch", "4", "--strategy", "optim"]) == 0
     out = capsys.readouterr().out
@@ -339,9 +339,9 @@ def test_memory_numbers_are_bytes():
 
 
 def test_a_loopback_world_is_predicted_without_communication():
-    """fsdp8.bench.without_network: what a loopback world of 2 on one GPU is predicted to take
+    """fsdp8.app.bench.bench.without_network: what a loopback world of 2 on one GPU is predicted to take
     is the same work with every collective free (and nothing else changed)."""
-    from fsdp8.bench import without_network
+    from fsdp8.app.bench.bench import without_network
 
     spec = model_spec("1b")
     cluster = Cluster(H100, 1, 2)

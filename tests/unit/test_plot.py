@@ -7,7 +7,7 @@ import pytest
 from matplotlib.colors import to_rgb
 from PIL import Image
 
-from fsdp8.plot import PALETTE, save_line_plot
+from fsdp8.app.train.plot import PALETTE, save_line_plot
 
 
 def _pixels(path):

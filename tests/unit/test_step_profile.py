@@ -1,12 +1,8 @@
-"""The step-profile arithmetic (benchmarks/step_profile.py) on hand-made kernel timelines."""
-
-import sys
-from pathlib import Path
+"""The step-profile arithmetic (fsdp8/app/bench/step_profile.py) on hand-made kernel timelines."""
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from step_profile import Kernel, category, kernels_from_chrome_trace, merge_intervals, summarize  # noqa: E402
+from fsdp8.app.bench.step_profile import Kernel, category, kernels_from_chrome_trace, merge_intervals, summarize
 
 
 def test_merge_intervals_joins_overlaps_and_touching_ends():

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 @pytest.mark.parametrize("layout,mesh", [([], "dp_shard 2 x cp 1"), (["--cp", "2"], "dp_shard 1 x cp 2")])
 def test_bench_tiny_on_two_cpu_workers(tmp_path, layout, mesh):
@@ -49,9 +51,10 @@ def test_bench_tiny_on_two_cpu_workers(tmp_path, layout, mesh):
     (["--cp", "2", "--ac", "selective"], "selective"),
 ])
 def test_bench_bad_flags_fail_in_one_line(capsys, monkeypatch, argv, message):
-    from fsdp8 import cli
+    from fsdp8.app import cli
+    from fsdp8.app.bench import command as bench_command
 
-    monkeypatch.setattr(cli, "launch", lambda *a, **k: pytest.fail("a worker was started"))
+    monkeypatch.setattr(bench_command, "launch", lambda *a, **k: pytest.fail("a worker was started"))
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit):
         cli.main(["bench", *argv])
@@ -60,9 +63,10 @@ def test_bench_bad_flags_fail_in_one_line(capsys, monkeypatch, argv, message):
 
 
 def test_bench_of_an_hf_model_without_transformers_names_the_extra(capsys, monkeypatch):
-    from fsdp8 import cli
+    from fsdp8.app import cli
+    from fsdp8.app.bench import command as bench_command
 
-    monkeypatch.setattr(cli, "launch", lambda *a, **k: pytest.fail("a worker was started"))
+    monkeypatch.setattr(bench_command, "launch", lambda *a, **k: pytest.fail("a worker was started"))
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
     with pytest.raises(SystemExit):
         cli.main(["bench", "--model", "hf:somewhere"])
@@ -78,7 +82,7 @@ def test_bench_at_a_loopback_world_of_two(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_loopback.py")
+    script = os.path.join(REPO, "benchmarks", "bench_loopback.py")
     proc = subprocess.run([sys.executable, script, "--world", "2", "--model", "tiny", "--steps", "2", "--warmup", "1",
                            "--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

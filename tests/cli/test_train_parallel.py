@@ -17,7 +17,8 @@ import sys
 import pytest
 import torch
 
-from fsdp8 import cli
+from fsdp8.app import cli
+from fsdp8.app.train import command as train_command
 
 STEPS = 8
 COMMON = ["--steps", str(STEPS), "--seq-len", "32", "--batch-size", "4", "--micro-batches", "2", "--log-every", "1",
@@ -26,7 +27,7 @@ COMMON = ["--steps", str(STEPS), "--seq-len", "32", "--batch-size", "4", "--micr
 
 def _train(out, *args):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, "-m", "fsdp8.cli", "train", "--out", str(out), *args],
+    proc = subprocess.run([sys.executable, "-m", "fsdp8", "train", "--out", str(out), *args],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
@@ -88,7 +89,7 @@ def test_tp_sp_lp_trains_as_data_parallel_and_resumes_at_another_layout(tp_run, 
 
 def test_a_resume_remembers_the_layout(tp_run, monkeypatch):
     launched = []
-    monkeypatch.setattr(cli, "launch", lambda fn, args, **kwargs: launched.append(args[0]) or 0)
+    monkeypatch.setattr(train_command, "launch", lambda fn, args, **kwargs: launched.append(args[0]) or 0)
     checkpoint = tp_run / "checkpoints" / "step-000004"
     assert cli.main(["train", "--resume", str(checkpoint), "--out", str(tp_run.parent / "again"), "--nproc", "4"]) == 0
     cfg = launched[0]

@@ -8,9 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp8 import cli
-from fsdp8.run_log import RunLog
-from fsdp8.train import TrainConfig, train
+from fsdp8.app import cli
+from fsdp8.app.train import command as train_command
+from fsdp8.app.train.config import TrainConfig
+from fsdp8.app.train.loop import train
+from fsdp8.app.train.run_log import RunLog
 
 pytest.importorskip("tensorboard")
 
@@ -76,7 +78,7 @@ def test_events_cover_the_whole_run_after_a_resume(tmp_path):
 
 def test_missing_tensorboard_is_one_line_before_any_worker(tmp_path, monkeypatch, capsys):
     launched = []
-    monkeypatch.setattr(cli, "launch", lambda fn, args, **kwargs: launched.append(args[0]) or 0)
+    monkeypatch.setattr(train_command, "launch", lambda fn, args, **kwargs: launched.append(args[0]) or 0)
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(SystemExit) as exit_info:
@@ -89,6 +91,6 @@ def test_missing_tensorboard_is_one_line_before_any_worker(tmp_path, monkeypatch
 
 def test_the_flag_reaches_the_workers_config(tmp_path, monkeypatch):
     launched = []
-    monkeypatch.setattr(cli, "launch", lambda fn, args, **kwargs: launched.append(args[0]) or 0)
+    monkeypatch.setattr(train_command, "launch", lambda fn, args, **kwargs: launched.append(args[0]) or 0)
     assert cli.main(["train", "--out", str(tmp_path / "run"), "--tensorboard", str(tmp_path / "tb")]) == 0
     assert launched[0].tensorboard == str(tmp_path / "tb")

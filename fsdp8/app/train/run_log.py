@@ -9,16 +9,14 @@ import os
 import resource
 import signal
 import sys
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
-from .checkpoint import latest
-from .checkpoint.store import METADATA
+from ...checkpoint import latest
+from ...checkpoint.store import METADATA
+from .config import TrainConfig
 from .plot import save_line_plot
-
-if TYPE_CHECKING:
-    from .train import TrainConfig
 
 METRICS = "metrics.jsonl"
 
@@ -142,7 +140,7 @@ class RunLog:
     metrics.jsonl is only ever appended to, a line per record, except at the start, where it
     is replaced at once (``write_atomic``) by ``history``: no kill loses the records it held."""
 
-    def __init__(self, cfg: "TrainConfig", history: List[dict]):
+    def __init__(self, cfg: TrainConfig, history: List[dict]):
         self.cfg = cfg
         os.makedirs(cfg.out, exist_ok=True)
         path = os.path.join(cfg.out, METRICS)

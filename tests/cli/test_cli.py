@@ -1,6 +1,6 @@
 """The main job end to end: `fsdp8 train` launches its own gloo workers, and runs under torchrun.
 (Its outputs - summary, metrics, plot, progress lines - are checked on the bf16 run of
-tests/test_convergence.py, which CI makes anyway.)"""
+tests/cli/test_convergence.py, which CI makes anyway.)"""
 
 import json
 import os
@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(args, tmp_path, timeout=300):
@@ -19,7 +21,7 @@ def _run(args, tmp_path, timeout=300):
 
 def test_fsdp8_train_under_torchrun(tmp_path):
     out = tmp_path / "run"
-    proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "fsdp8.cli", "train",
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "fsdp8", "train",
                  "--steps", "4", "--log-every", "2", "--eval-every", "4", "--strategy", "optim", "--out", str(out)],
                 tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -33,7 +35,7 @@ def test_fsdp8_train_under_torchrun(tmp_path):
 ])
 def test_fsdp8_train_bad_flags(capsys, args, message):
     # Rejected while parsing, before any worker starts, so in this process.
-    from fsdp8 import cli
+    from fsdp8.app import cli
 
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", *args])
@@ -41,7 +43,7 @@ def test_fsdp8_train_bad_flags(capsys, args, message):
 
 
 def test_readme_quickstart_runs(tmp_path):
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "quickstart.py")
+    script = os.path.join(REPO, "examples", "quickstart.py")
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tensors, e.g. embed.weight" in proc.stdout and "memory per rank" in proc.stdout
@@ -59,7 +61,7 @@ def test_python_m_fsdp8_is_the_command(monkeypatch, capsys):
 def test_parallelize_example_without_transformers_says_what_to_install(monkeypatch):
     import runpy
 
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "parallelize.py")
+    script = os.path.join(REPO, "examples", "parallelize.py")
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_path(script, run_name="__main__")
@@ -68,7 +70,7 @@ def test_parallelize_example_without_transformers_says_what_to_install(monkeypat
 
 
 def test_readme_parallelize_example_runs(tmp_path):
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "parallelize.py")
+    script = os.path.join(REPO, "examples", "parallelize.py")
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step ")]

@@ -12,11 +12,11 @@ import shutil
 from dataclasses import dataclass, field, replace
 from typing import Collection, List, Optional
 
-from .checkpoint.store import complete_checkpoints
+from ...checkpoint.store import complete_checkpoints
+from .config import TrainConfig
 from .run_lock import RunLock
 from .run_log import METRICS, read_metrics, run_dir_of
 from .run_resume import choose_checkpoint, resumed_config, run_dir_named
-from .train_config import TrainConfig
 
 ERROR_LOG = "error.log"
 # What a run writes into --out; an earlier run's are never overwritten unasked.

@@ -8,8 +8,8 @@ from typing import List, Optional
 
 import torch.nn as nn
 
-from .fp8.convert import projection_layers
-from .train_config import TrainConfig, weight_files
+from ...fp8.convert import projection_layers
+from .config import TrainConfig, weight_files
 
 _NAMES_SHOWN = 4
 

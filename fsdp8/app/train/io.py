@@ -12,13 +12,13 @@ from typing import Iterator, Tuple
 
 import torch
 
-from .checkpoint import CheckpointError, load, load_pretrained, save
-from .checkpoint.safetensors import SafetensorsError
-from .data import check_token_count, encode_data, fingerprint, has_tokenizer, load_tokenizer, read_data
-from .engine.state_dict import StateDictError
-from .failures import RunError
-from .stop import checkpoint_finished, checkpoint_started
-from .train_config import TrainConfig
+from ...checkpoint import CheckpointError, load, load_pretrained, save
+from ...checkpoint.safetensors import SafetensorsError
+from ...data import check_token_count, encode_data, fingerprint, has_tokenizer, load_tokenizer, read_data
+from ...engine.state_dict import StateDictError
+from ..failures import RunError
+from ..stop import checkpoint_finished, checkpoint_started
+from .config import TrainConfig
 
 
 def load_weights(model, cfg: TrainConfig) -> None:
@@ -86,7 +86,7 @@ class _HeldWhileEncoded(dict):
 
 
 def save_checkpoint(path: str, model, opt, extra: dict, cfg: TrainConfig) -> None:
-    """Save a checkpoint, telling the stop logic while it is being written (stop.py's Note)."""
+    """Save a checkpoint, telling the stop logic while it is being written (app/stop.py's Note)."""
     if os.environ.get("FSDP8_FAULT", "").startswith("hold_save:"):
         extra = _HeldWhileEncoded(extra)
     checkpoint_started(path)

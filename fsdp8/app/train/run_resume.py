@@ -10,11 +10,11 @@ import re
 from dataclasses import dataclass, fields, replace
 from typing import Collection, List, Optional, Tuple
 
-from .checkpoint.store import METADATA, MARKER, complete_checkpoints, extra_path
-from .checkpoint.verify import verify
-from .data import file_fingerprint
+from ...checkpoint.store import METADATA, MARKER, complete_checkpoints, extra_path
+from ...checkpoint.verify import verify
+from ...data import file_fingerprint
+from .config import TrainConfig
 from .run_log import run_dir_of
-from .train_config import TrainConfig
 
 # Settings a resumed run takes from its checkpoint unless they are given again; never these.
 PER_INVOCATION = {"out", "resume", "overwrite", "stop_at", "data"}

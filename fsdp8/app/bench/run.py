@@ -1,25 +1,26 @@
 """One benchmarked configuration's model and its training step, as ``fsdp8 bench`` times it (and
-its host probe, fsdp8/bench_host.py, runs it small)."""
+its host probe, host.py, runs it small)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from .engine.grads import clip_grad_norm_
-from .planner.model import ModelSpec
-
-if TYPE_CHECKING:
-    from .bench import BenchConfig
+from ...engine.grads import clip_grad_norm_
+from ...models.llama import Llama, LlamaConfig
+from ...parallel.manager import parallelize
+from ...planner.model import ModelSpec
+from ..train.loop import micro_batches, model_loss
+from .config import BenchConfig
 
 # One step's host-side times: (seconds of every micro-batch's forward, seconds of the whole step).
 StepTimes = Tuple[float, float]
 
 
-def build(cfg: "BenchConfig", spec: ModelSpec):
+def build(cfg: BenchConfig, spec: ModelSpec):
     """The model of ``spec``'s sizes on the meta device, and whether it is a Hugging Face model.
     For ``hf:DIR`` the directory's config is read and ``spec``'s sizes written over it, so a
     resized spec (the host probe's) builds the same architecture smaller."""
@@ -36,8 +37,6 @@ def build(cfg: "BenchConfig", spec: ModelSpec):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         return model, True
-    from .models.llama import Llama, LlamaConfig
-
     config = LlamaConfig(vocab_size=spec.vocab, dim=spec.hidden, n_layers=spec.layers, n_heads=spec.heads,
                          n_kv_heads=spec.kv_heads, ffn_dim=spec.ffn, max_seq_len=cfg.seq_len, tie_embeddings=spec.tied)
     with torch.device("meta"):
@@ -45,14 +44,11 @@ def build(cfg: "BenchConfig", spec: ModelSpec):
     return model, False
 
 
-def trainer(cfg: "BenchConfig", spec: ModelSpec, device: torch.device) -> Callable[[int], StepTimes]:
+def trainer(cfg: BenchConfig, spec: ModelSpec, device: torch.device) -> Callable[[int], StepTimes]:
     """``spec``'s model under ``cfg``'s parallel layout with AdamW, as one function: ``step(i)``
     trains on the i-th random batch (every rank draws the same, then takes its share), waits for
     the device, and returns the host's times."""
     from torch.distributed.tensor.parallel import loss_parallel
-
-    from .parallel.manager import parallelize
-    from .train import micro_batches, model_loss
 
     cuda = device.type == "cuda"
     torch.manual_seed(cfg.seed)

@@ -12,13 +12,18 @@ from typing import List
 
 import torch
 
-from .config import AC_MODES, ParallelConfig, Precision
-from .data import (VOCAB_SIZE, check_text_file, check_token_count, encode_data, has_tokenizer,
-                   load_tokenizer, read_data)
-from .fp8.recipes import recipe_from_name
-from .models.hf_dir import config_file, import_transformers, read_config
-from .models.llama import Llama, preset
-from .parallel.cp import local_multiple
+from ...checkpoint.safetensors import SafetensorsError
+from ...checkpoint.transfer import check_pretrained
+from ...checkpoint.verify import inspect
+from ...config import AC_MODES, ParallelConfig, Precision
+from ...data import (VOCAB_SIZE, check_text_file, check_token_count, encode_data, has_tokenizer,
+                     load_tokenizer, read_data)
+from ...engine.state_dict import StateDictError, describe_mismatch
+from ...fp8.recipes import recipe_from_name
+from ...models.hf_dir import config_file, import_transformers, read_config
+from ...models.llama import Llama, preset
+from ...parallel.cp import local_multiple
+from ...parallel.tp import check_shapes, family_plan, resolve_plan
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp8-delayed", "fp8-current", "fp8-block", "fp8-mxfp8")
 OFFLOAD_MODES = ("none", "optim")
@@ -221,9 +226,6 @@ def check_run(cfg: TrainConfig, world: int) -> None:
 def _check_checkpoint_shapes(cfg: TrainConfig) -> None:
     """The model tensors of the checkpoint to resume against the model's shapes (what ``load``
     checks on every rank, here in one line)."""
-    from .checkpoint.verify import inspect
-    from .engine.state_dict import describe_mismatch
-
     metadata = inspect(cfg.resume)[1]
     if metadata is None:  # unreadable: run_dir refused it already, unless it broke since
         return
@@ -239,10 +241,6 @@ def _check_checkpoint_shapes(cfg: TrainConfig) -> None:
 def _check_weights(cfg: TrainConfig) -> None:
     """The weight files of ``--model hf:DIR`` against the model its config.json makes: readable
     headers, sizes that hold the data they list, every weight there in its shape."""
-    from .checkpoint.safetensors import SafetensorsError
-    from .checkpoint.transfer import check_pretrained
-    from .engine.state_dict import StateDictError
-
     try:
         check_pretrained(build_model(cfg), cfg.hf_dir)
     except (SafetensorsError, StateDictError) as e:
@@ -281,8 +279,6 @@ def _check_hf_dir(cfg: TrainConfig):
 def _check_tensor_parallel(cfg: TrainConfig) -> None:
     """The model's tensor-parallel plan against --tp, on a meta-device copy (what parallelize checks
     in every worker, here in one line before they start)."""
-    from .parallel.tp import check_shapes, family_plan, resolve_plan
-
     model = build_model(cfg)
     try:
         family = family_plan(model, cfg.sequence_parallel, cfg.loss_parallel)

@@ -11,7 +11,7 @@ import sys
 import time
 
 from fsdp8.checkpoint import verify
-from tests.test_train_launch import _alive, _all_gone
+from tests.cli.test_train_launch import _alive, _all_gone
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
 
@@ -30,7 +30,7 @@ def _children(pid):
 
 def test_sigint_to_the_launcher_stops_the_run_cleanly(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "fsdp8.cli", "train", "--steps", "100000", "--batch-size", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp8", "train", "--steps", "100000", "--batch-size", "2",
                              "--seq-len", "16", "--log-every", "1", "--save-every", "1000", "--out", str(out)],
                             env=ENV, stderr=subprocess.PIPE, text=True)
     workers = []
@@ -67,7 +67,7 @@ def test_a_second_sigint_while_the_checkpoint_is_written_lets_it_finish(tmp_path
     """It killed the workers mid-save: step-N.partial was left, and nothing to resume from."""
     out, release = tmp_path / "run", tmp_path / "release"
     # The test seam holds each save, once its .partial directory exists, until `release` does.
-    proc = subprocess.Popen([sys.executable, "-m", "fsdp8.cli", "train", "--steps", "100000", "--batch-size", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp8", "train", "--steps", "100000", "--batch-size", "2",
                              "--seq-len", "16", "--log-every", "1", "--save-every", "1000", "--out", str(out)],
                             env=dict(ENV, FSDP8_FAULT=f"hold_save:{release}"), stderr=subprocess.PIPE, text=True)
     workers, said = [], []

@@ -17,7 +17,7 @@ STEPS = ["--steps", "200", "--seq-len", "64", "--log-every", "25", "--eval-every
 def _train(tmp_path_factory, precision):
     out = tmp_path_factory.mktemp(precision)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, "-m", "fsdp8.cli", "train", "--precision", precision, "--out", str(out), *STEPS],
+    proc = subprocess.run([sys.executable, "-m", "fsdp8", "train", "--precision", precision, "--out", str(out), *STEPS],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc.stderr

@@ -17,16 +17,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from .checkpoint import wait_for_saves
-from .data import TokenCorpus
-from .distributed.process_group import current_device, init_distributed
-from .engine.grads import clip_grad_norm_
-from .stop import Stopped, stop_on_signals, stop_requested
-from .parallel.manager import cut_sequences, parallelize
+from ...checkpoint import wait_for_saves
+from ...data import TokenCorpus
+from ...distributed.process_group import current_device, init_distributed
+from ...engine.grads import clip_grad_norm_
+from ...parallel.manager import cut_sequences, parallelize
+from ..stop import Stopped, stop_on_signals, stop_requested
+from .config import TrainConfig, build_model, weight_files
+from .io import load_data, load_weights, resume_from, save_checkpoint, saving
 from .run_log import RunLog, find_checkpoint, history_of, memory_mib
-from .train_config import TrainConfig, build_model, weight_files
-from .train_io import load_data, load_weights, resume_from, save_checkpoint, saving
-from .train_startup import startup_lines
+from .startup import startup_lines
 
 # What the launcher says when a worker ran out of memory.
 TRAIN_MEMORY_ADVICE = ("use less memory per process: a smaller --batch-size (or more --micro-batches), --ac full, or "
@@ -102,7 +102,7 @@ def train(cfg: TrainConfig) -> Optional[dict]:
 
     SIGINT or SIGTERM stops the run after the step all ranks agree on (one small all-reduce
     per step): a checkpoint when ``save_every`` is set, then the outputs for the steps done,
-    then ``Stopped`` (see [Note: stopping on a signal] in stop.py)."""
+    then ``Stopped`` (see [Note: stopping on a signal] in app/stop.py)."""
     with stop_on_signals():
         return _train(cfg)
 

@@ -14,15 +14,16 @@ from dataclasses import asdict
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from fsdp8 import cli
+from fsdp8.app import cli
+from fsdp8.app.train import command as train_command
 from fsdp8.checkpoint.store import FORMAT, MARKER
 from fsdp8.data import file_fingerprint
 from fsdp8.models.llama import Llama, preset
-from fsdp8.run_lock import LOCK_FILE
-from fsdp8.run_log import RunLog
-from fsdp8.train_config import TrainConfig
+from fsdp8.app.train.config import TrainConfig
+from fsdp8.app.train.run_lock import LOCK_FILE
+from fsdp8.app.train.run_log import RunLog
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The checkpoints here are written by DCP in this one process, which it warns about.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def launched(monkeypatch):
     """The configs `fsdp8 train` would have started workers with."""
     calls = []
-    monkeypatch.setattr(cli, "launch", lambda fn, args, **kwargs: calls.append(args[0]) or 0)
+    monkeypatch.setattr(train_command, "launch", lambda fn, args, **kwargs: calls.append(args[0]) or 0)
     return calls
 
 
@@ -185,8 +186,8 @@ def test_a_second_run_on_the_same_out_refuses_naming_the_first(tmp_path, capsys,
     refuses at once. The first holds the lock in another process (run_lock.py alone)."""
     out = tmp_path / "run"
     out.mkdir()
-    first = subprocess.Popen([sys.executable, "-c", _HOLDER, os.path.join(REPO, "fsdp8", "run_lock.py"), str(out)],
-                             stdout=subprocess.PIPE, text=True)
+    run_lock = os.path.join(REPO, "fsdp8", "app", "train", "run_lock.py")
+    first = subprocess.Popen([sys.executable, "-c", _HOLDER, run_lock, str(out)], stdout=subprocess.PIPE, text=True)
     try:
         assert first.stdout.readline() == "locked\n"
         with pytest.raises(SystemExit):
@@ -231,7 +232,7 @@ def _history_after_kill(cfg, history, before: str, kill_at: int):
     pid = os.fork()
     if pid == 0:
         signal.alarm(20)  # a forked child of a threaded process could deadlock: never hang the test
-        from fsdp8 import run_log
+        from fsdp8.app.train import run_log
 
         count = [0]
 

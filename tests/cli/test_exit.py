@@ -15,7 +15,7 @@ which holds the GIL, instead of blocking in ``wait()``: its main thread then rea
 shutdown before the worker has released the work in most processes (9 and 11 of 12 in
 two runs without the exit guard on a loaded host, where the plain pairs aborted 0 of 12).
 
-Run by hand: ``python -m tests.test_exit PAIRS``.
+Run by hand: ``python -m tests.cli.test_exit PAIRS``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAIRS = 12  # 24 processes: a 30% per-run abort rate passes unseen with probability 0.7**12 < 1.5%
 AT_ONCE = 4  # pairs running together: 8 small processes on 2 cores
 _KEPT = []  # a forked rank's model and optimizer, alive until shutdown like a script's globals
@@ -103,7 +103,7 @@ def _drive(pairs: int) -> int:
 
 def test_user_script_with_own_all_reduce_and_destroy_exits_cleanly():
     start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "tests.test_exit", str(PAIRS)], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "tests.cli.test_exit", str(PAIRS)], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     output = proc.stdout + proc.stderr
     exits = [line for line in proc.stdout.splitlines() if line.startswith("pair ")]

@@ -11,17 +11,18 @@ import sys
 import pytest
 import torch
 
-from fsdp8 import cli
-from fsdp8.run_log import Progress
+from fsdp8.app import cli
+from fsdp8.app.train import command as train_command
+from fsdp8.app.train.run_log import Progress
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
 def launched(monkeypatch):
     """The configs `fsdp8 train` would have started workers with."""
     calls = []
-    monkeypatch.setattr(cli, "launch", lambda fn, args, **kwargs: calls.append(args[0]) or 0)
+    monkeypatch.setattr(train_command, "launch", lambda fn, args, **kwargs: calls.append(args[0]) or 0)
     return calls
 
 
@@ -262,9 +263,9 @@ def test_data_too_short_for_the_tokenizer_is_one_line_before_anything_starts(tmp
 
 def test_workers_check_the_data_length_too(tmp_path, hf_dir):
     """A file too long to tokenize in the launcher is checked where it is tokenized anyway."""
-    from fsdp8.failures import RunError
-    from fsdp8.train_config import TrainConfig
-    from fsdp8.train_io import load_data
+    from fsdp8.app.failures import RunError
+    from fsdp8.app.train.config import TrainConfig
+    from fsdp8.app.train.io import load_data
 
     _word_tokenizer(hf_dir)
     data = tmp_path / "text.txt"
@@ -303,8 +304,8 @@ def test_startup_says_where_weights_and_data_come_from_and_what_runs_in_fp8(tmp_
 
 
 def test_startup_lines_of_an_hf_directory_without_weights_and_of_a_resumed_run(hf_dir):
-    from fsdp8.train_config import TrainConfig
-    from fsdp8.train_startup import startup_lines
+    from fsdp8.app.train.config import TrainConfig
+    from fsdp8.app.train.startup import startup_lines
 
     def weights(cfg, resumed_from=None):
         text = startup_lines(cfg, None, params=1, world=1, device="cpu", layout="dp_shard 1", compute="fp32",
@@ -337,8 +338,8 @@ def test_the_workers_make_no_process_shared_tqdm_lock(monkeypatch):
         with inductors_tqdm(total=1, desc="Inductor Compilation", disable=True, delay=0):
             pass
 
-    monkeypatch.setattr(cli, "train", compiles)
-    cli.train_worker(cli.TrainConfig())
+    monkeypatch.setattr(train_command, "train", compiles)
+    train_command.train_worker(train_command.TrainConfig())
     assert made == []
 
 

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from fsdp8 import launch as launch_module, stop
+from fsdp8.app import launch as launch_module, stop
 from fsdp8.checkpoint.store import write_json_atomic
-from fsdp8.failures import Reporting, RunError, describe_death
-from fsdp8.launch import launch
+from fsdp8.app.failures import Reporting, RunError, describe_death
+from fsdp8.app.launch import launch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _announce(pid_dir) -> None:
@@ -34,7 +34,7 @@ def fail_on_rank_1(pid_dir) -> None:
 
 
 def run_until_stopped(pid_dir) -> None:
-    from fsdp8.stop import Stopped, stop_requested
+    from fsdp8.app.stop import Stopped, stop_requested
 
     _announce(pid_dir)
     while stop_requested() is None:
@@ -81,7 +81,7 @@ def _all_gone(pids, timeout=10) -> bool:
 
 
 def _launcher(tmp_path, fn_name):
-    code = (f"import sys; from tests.test_train_launch import {fn_name} as fn; from fsdp8.launch import launch; "
+    code = (f"import sys; from tests.cli.test_train_launch import {fn_name} as fn; from fsdp8.app.launch import launch; "
             f"sys.exit(launch(fn, ({str(tmp_path)!r},), nproc=2))")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)

@@ -17,17 +17,15 @@ import gc
 import math
 import statistics
 from dataclasses import replace
-from typing import TYPE_CHECKING, List, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .bench_run import StepTimes, run_steps, trainer
-from .planner.hardware import HostCost
-from .planner.model import ModelSpec
-
-if TYPE_CHECKING:
-    from .bench import BenchConfig
+from ...planner.hardware import HostCost
+from ...planner.model import ModelSpec
+from .config import BenchConfig
+from .run import StepTimes, run_steps, trainer
 
 PROBE_BLOCK = 128  # every tensor-parallel piece a whole scaling block of every FP8 recipe
 
@@ -58,7 +56,7 @@ def probe_spec(spec: ModelSpec, layers: int, tp: int) -> ModelSpec:
                    head_dim=head_dim if spec.family == "hf" else 0)
 
 
-def probe_config(cfg: "BenchConfig") -> "BenchConfig":
+def probe_config(cfg: BenchConfig) -> BenchConfig:
     """``cfg`` on one sequence per micro-batch, as short as its layout allows."""
     return replace(cfg, micro_batch=1, seq_len=32 * cfg.cp * cfg.tp)
 
@@ -89,7 +87,7 @@ def _passes(times: List[StepTimes]) -> Tuple[float, float]:
     return forward, statistics.median(total for _, total in times) - forward
 
 
-def measure_host(cfg: "BenchConfig", spec: ModelSpec, device: torch.device,
+def measure_host(cfg: BenchConfig, spec: ModelSpec, device: torch.device,
                  steps: int = 10) -> Tuple[HostCost, List[List[StepTimes]]]:
     """This machine's HostCost for ``cfg`` (collective: every rank probes; the slowest host's
     figures are everyone's, as the slowest rank sets a step's pace), and this rank's step

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from fsdp8 import cli
+from fsdp8.app import cli
 from fsdp8.checkpoint import store
 from fsdp8.checkpoint.exporter import read_full_state
 from fsdp8.checkpoint.safe_io import read_metadata_safely
@@ -22,7 +22,7 @@ def _train(tmp_path, out, *args, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env.update(env_extra or {})
     where = ["--out", str(tmp_path / out)] if out else []
-    proc = subprocess.run([sys.executable, "-m", "fsdp8.cli", "train", *where, *COMMON, *args],
+    proc = subprocess.run([sys.executable, "-m", "fsdp8", "train", *where, *COMMON, *args],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
