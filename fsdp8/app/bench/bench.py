@@ -20,6 +20,7 @@ from ...planner.predict import Plan, plan_setup
 from .config import BenchConfig, cluster_here
 from .host import measure_host
 from .run import run_steps, trainer
+from .step_profile import category, union_length
 
 
 # -- the CPU as the planner's hardware ------------------------------------------------------------
@@ -56,29 +57,6 @@ def measure_cpu(world: int) -> GPU:
 _DP_COLLECTIVES = ("fsdp8::all_gather", "fsdp8::reduce_scatter", "fsdp8::all_reduce")
 
 
-def _union(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
-    merged: List[List[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
-
-
-def _overlap(a: List[Tuple[float, float]], b: List[Tuple[float, float]]) -> float:
-    """Length of the intersection of two sorted, disjoint interval lists."""
-    total, j = 0.0, 0
-    for start, end in a:
-        while j < len(b) and b[j][1] <= start:
-            j += 1
-        k = j
-        while k < len(b) and b[k][0] < end:
-            total += min(end, b[k][1]) - max(start, b[k][0])
-            k += 1
-    return total
-
-
 def exposed_seconds(events, cuda: bool) -> float:
     """Communication with no computation beside it, in a profiled step. On GPUs: time in which
     an NCCL kernel runs and no other kernel does. On CPUs (gloo waits synchronously): the time
@@ -86,9 +64,9 @@ def exposed_seconds(events, cuda: bool) -> float:
     if not cuda:
         return sum(e.time_range.elapsed_us() for e in events if e.name.startswith(_DP_COLLECTIVES)) / 1e6
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    comm = _union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()])
-    work = _union([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()])
-    return (sum(end - start for start, end in comm) - _overlap(comm, work)) / 1e6
+    busy = union_length((e.time_range.start, e.time_range.end) for e in kernels)
+    work = union_length((e.time_range.start, e.time_range.end) for e in kernels if category(e.name) != "comm")
+    return (busy - work) / 1e6  # the time only NCCL kernels run, as step_profile.summarize counts it
 
 
 def without_network(cluster: Cluster, efficiency: Efficiency) -> Tuple[Cluster, Efficiency]:
