@@ -146,7 +146,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-packed-check", action="store_true",
                    help="for every stack, replace transformers' per-forward packed-sequence check (a device-to-host "
                         "sync at the start of each forward: py-spy found the host waiting there most of a step) by "
-                        "its answer for these unpacked batches (fsdp8.parallel.hf.skip_packed_sequence_check)")
+                        "its answer for these unpacked batches (fsdp8.models.hf_adapter.skip_packed_sequence_check)")
     p.add_argument("--host-profile", default="",
                    help="directory: after timing, run 3 more steps under cProfile and write where the host's time "
                         "went (Python functions by own time; the step is host-bound when the GPU idles)")
@@ -387,7 +387,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     ctx = init_process_group(args)
     if args.skip_packed_check:  # every stack alike: the batches here are never packed
-        from fsdp8.parallel.hf import skip_packed_sequence_check
+        from fsdp8.models.hf_adapter import skip_packed_sequence_check
 
         skip_packed_sequence_check()
     if args.inductor:

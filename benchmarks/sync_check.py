@@ -3,7 +3,7 @@ host wait for the GPU? Run each step under ``torch.cuda.set_sync_debug_mode("err
 
     python benchmarks/sync_check.py [--json FILE]          # CUDA only
 
-transformers reads position ids on the host in two places (fsdp8/parallel/hf.py,
+transformers reads position ids on the host in two places (fsdp8/models/hf_adapter.py,
 ``skip_packed_sequence_check``): once per forward in its mask code, and in every layer of its
 flash-attention path at batch size 1. Each row runs in its own process (the option replaces
 the functions process-wide): attention "sdpa" or "flash_attention_2" (through

@@ -13,8 +13,8 @@ move a value by one ulp of the dtype (fp8/swiglu.py). It is used where that hold
 Float8Linears without bias or hooks under a recipe whose activations and gradients are 1x128
 blocks, not tensor-parallel. Anything else runs the module's own forward.
 
-``fuse_swiglu_mlps`` marks the MLPs swiglu_forms.py knows: those a model registered (fsdp8's own
-``FeedForward``) and Hugging Face's ``LlamaMLP`` form.
+``fuse_swiglu_mlps`` marks the MLPs swiglu_forms.py knows: those the model adapters recognise
+(models/adapter.py ``swiglu_names``: fsdp8's own ``FeedForward``, Hugging Face's ``LlamaMLP`` form).
 """
 
 from __future__ import annotations

@@ -12,8 +12,6 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from ..fp8.swiglu_forms import register_swiglu
-
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -212,8 +210,8 @@ class Attention(nn.Module):
         self.wk = Linear(config.dim, kv_dim, std)
         self.wv = Linear(config.dim, kv_dim, std)
         self.wo = Linear(config.dim, config.dim, out_std)
-        # (q, k, v) -> output; fsdp8.parallel.cp.context_parallel swaps in its attention over
-        # the cp group's whole sequences.
+        # (q, k, v) -> output; context parallelism swaps in its attention over the cp group's
+        # whole sequences (llama_adapter.py).
         self.attend = causal_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -239,10 +237,6 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-# Under block-scaled FP8 the three projections run as one function (fsdp8/fp8/mlp.py).
-register_swiglu(FeedForward, gate="w1", up="w3", down="w2")
 
 
 class Block(nn.Module):

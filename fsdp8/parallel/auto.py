@@ -8,21 +8,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..models.adapter import adapter_for
 from ..planner.candidates import Candidate, search
 from ..planner.hardware import detect_gpu, gpu_named
-from ..planner.model import model_spec_of
 
 
 def auto_choice(model: nn.Module, seq_len: int = 2048, global_batch: int = 0) -> Candidate:
-    """The fastest configuration that fits (fsdp8.planner.search's Candidate) for ``model`` on this
-    job's GPUs (one sequence of ``seq_len`` per GPU unless ``global_batch`` says otherwise).
-    Every rank computes the same answer from the same inputs, so no collective is needed. On
-    CPUs the planner's H100 figures stand in for the hardware (only the ranking matters there)."""
+    """The fastest configuration that fits (fsdp8.planner.search's Candidate) for ``model`` (its sizes
+    from its adapter's ``planner_spec``) on this job's GPUs (one sequence of ``seq_len`` per GPU
+    unless ``global_batch`` says otherwise). Every rank computes the same answer from the same
+    inputs, so no collective is needed. On CPUs the planner's H100 figures stand in for the
+    hardware (only the ranking matters there)."""
     world = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     gpu = detect_gpu(None) if torch.cuda.is_available() else gpu_named("h100")
-    return search(model_spec_of(model), gpu=gpu, nodes=max(1, world // local), gpus_per_node=local,
-                  seq_len=seq_len, global_batch=global_batch or world, top=1)[0]
+    spec = adapter_for(model).planner_spec(model)
+    return search(spec, gpu=gpu, nodes=max(1, world // local), gpus_per_node=local, seq_len=seq_len,
+                  global_batch=global_batch or world, top=1)[0]
 
 
 def describe_choice(best: Candidate, on_gpus: bool) -> str:

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, Optional
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-# Given a unit's forward, the function that adapts each checkpointed call's (args, kwargs).
-CallFilter = Callable[[Callable], Callable[[tuple, dict], Tuple[tuple, dict]]]
+from ..models.adapter import CallFilter
 
 _aten = torch.ops.aten
 
@@ -98,8 +97,8 @@ def checkpoint_units(modules: Iterable[nn.Module], mode: str, filter_call: Optio
     """Recompute each module's activations in backward: ``mode`` ``"full"`` or ``"selective"``.
 
     ``filter_call(forward)`` gives the function that adapts the arguments of each checkpointed
-    call (Hugging Face layers drop their KV cache: a recomputation would append to it a second
-    time)."""
+    call (the model adapter's ``checkpoint_filter``: Hugging Face layers drop their KV cache, as
+    a recomputation would append to it a second time)."""
     if mode not in ("full", "selective"):
         raise ValueError(f"activation checkpointing mode {mode!r}: use 'full' or 'selective'")
     context_fn = selective_contexts if mode == "selective" else None

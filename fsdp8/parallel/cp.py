@@ -41,9 +41,7 @@ from torch.profiler import record_function
 
 from ..distributed.comm import all_gather_single_fn, reduce_scatter_single_fn
 from ..distributed.process_group import mesh_device
-from ..models.llama import Attention, Llama, causal_attention
-from .cp_hf import context_parallel_hf
-from .hf import is_hf_model
+from ..models.adapter import adapter_for
 
 IGNORE_INDEX = -100  # the label value cross-entropy skips (torch's and Hugging Face's default)
 
@@ -282,7 +280,8 @@ class ContextAttention:
     """Context-parallel attention over the cp dim of ``mesh``: ``(q, k, v, scale=None,
     dropout_p=0.0) -> out`` as ``attention``, with the checks a model's pre-forward hook runs.
 
-    What context_parallel puts into a model; a model of one's own calls it from its attention."""
+    What context_parallel hands the model's adapter to put into the model (the adapter's
+    ``CPAttention``); a model of one's own calls it from its attention."""
 
     def __init__(self, mesh: DeviceMesh, sequence_parallel: bool = False):
         cp_mesh, self.tp = _cp_and_tp(mesh, sequence_parallel)
@@ -314,45 +313,11 @@ def context_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool
     ``mesh``: the world mesh from ``fsdp8.make_mesh(cp=N, ...)`` (or its 1-D ``mesh['cp']``);
     ``sequence_parallel``: whether tensor parallelism also splits the sequence (so tp must
     divide each rank's part). After this the model takes this rank's part of each sequence
-    (``shard_sequence``): the built-in Llama computes its tokens' global positions itself,
-    a Hugging Face causal LM takes them as ``position_ids`` (filled in when absent) and its
-    attention goes through transformers' attention-function registry. Apply it before or
-    after ``tensor_parallel`` and before ``fully_shard``. Raises on every rank, before
-    anything is communicated, for a model whose attention it cannot reach (a model of one's
-    own calls a ``ContextAttention`` from its attention)."""
-    context = ContextAttention(mesh, sequence_parallel)
-    if isinstance(model, Llama):
-        layers = [m for m in model.modules() if isinstance(m, Attention)]
-        if any(layer.attend is not causal_attention for layer in layers):
-            raise ValueError("the model's attention is already replaced (context_parallel applied twice?); apply it once")
-        for layer in layers:
-            layer.attend = context
-        model.register_forward_pre_hook(_llama_pre_forward(context, model.config.max_seq_len), prepend=True,
-                                        with_kwargs=True)
-        return model
-    if is_hf_model(model):
-        return context_parallel_hf(model, context)
-    raise ValueError(
-        f"context_parallel knows fsdp8's Llama and Hugging Face models, not {type(model).__name__}; in your own "
-        "model's attention call attend = fsdp8.parallel.cp.ContextAttention(mesh) as attend(q, k, v) on this "
-        "rank's tokens (cut with shard_sequence), rotated at their global positions (attend.positions)"
-    )
-
-
-def _llama_pre_forward(context: ContextAttention, max_seq_len: int):
-    def hook(module, args, kwargs):
-        tokens = args[0] if args else kwargs.get("tokens")
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
-            return None  # Llama.forward itself names the bad input
-        local = tokens.shape[1]
-        context.check_local_length(local)
-        if local * context.cp > max_seq_len:
-            raise ValueError(
-                f"this rank's {local} tokens per sequence are part of sequences of {local * context.cp} tokens over "
-                f"cp={context.cp}, more than max_seq_len={max_seq_len}; build the model with a larger max_seq_len"
-            )
-        if kwargs.get("positions") is None:
-            kwargs = {**kwargs, "positions": context.positions(local, tokens.device)}
-        return args, kwargs
-
-    return hook
+    (``shard_sequence``). How the attention is reached is the model's adapter's
+    (fsdp8.models.adapter_for): the built-in Llama's attention is swapped and it computes its
+    tokens' global positions itself; a Hugging Face causal LM takes them as ``position_ids``
+    (filled in when absent) and its attention goes through transformers' attention-function
+    registry. Apply it before or after ``tensor_parallel`` and before ``fully_shard``. Raises
+    on every rank, before anything is communicated, for a model whose attention it cannot
+    reach (a model of one's own calls a ``ContextAttention`` from its attention)."""
+    return adapter_for(model).context_parallel(model, ContextAttention(mesh, sequence_parallel))

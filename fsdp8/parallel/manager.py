@@ -36,12 +36,11 @@ from ..distributed.mesh import make_mesh, mesh_dims, tp_mesh
 from ..distributed.process_group import init_distributed, mesh_device
 from ..engine.model import fully_shard
 from ..engine.sharded import ShardedModel
-from ..models.llama import Llama
-from . import hf
+from ..models.adapter import ModelAdapter, adapter_for
 from .auto import auto_choice, describe_choice
 from .checkpointing import checkpoint_units
 from .cp import context_parallel, loss_divisor, shard_sequence
-from .tp import family_plan, tensor_parallel
+from .tp import tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -153,8 +152,10 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
 
     Builds the world mesh, applies tensor (and sequence) and context parallelism, shards
     parameters, gradients and optimizer state over the data-parallel ranks (FP8 conversion inside),
-    and checkpoints and compiles each unit; see [Note: the order of parallelize]. Hugging
-    Face causal LMs need nothing else: their decoder layers are the units and their
+    and checkpoints and compiles each unit; see [Note: the order of parallelize]. What it
+    needs to know of the model (units, TP plan, attention) comes from the model's adapter
+    (``fsdp8.models.adapter_for``; models/adapter.py [Note: model adapters]): Hugging Face
+    causal LMs need nothing else, their decoder layers are the units and their
     ``base_model_tp_plan`` the TP plan. The result is a ShardedModel that is also a
     ``ParallelizedModel``: feed it ``model.shard_batch(global_batch)``, and use
     ``model.dp_rank`` / ``model.dp_size`` for samplers. Any torch optimizer works on
@@ -170,14 +171,16 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
         config = best.parallel_config()
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"parallelize takes a fsdp8.ParallelConfig or 'auto', got {config!r}")
-    is_hf = hf.is_hf_model(model)
-    _check_model(model, config, is_hf)
+    _check_model(model, config)
+    adapter = adapter_for(model)
+    # Asked now, so that a model without the checks raises before anything is communicated.
+    skip_packed = adapter.skip_packed_sequence_check(model) if config.skip_packed_sequence_check else None
     init_distributed()
     sizes = mesh_dims(dist.get_world_size(), config.dp_replicate, config.dp_shard, config.cp, config.tp)
     tp, cp = sizes.get("tp", 1), sizes.get("cp", 1)
-    _check_tensor_parallel(model, config, tp, is_hf)
+    _check_tensor_parallel(model, config, tp, adapter)
     check_checkpointing_with_cp(config.activation_checkpointing, cp)  # cp=-1 resolved
-    if cp > 1 and not (is_hf or isinstance(model, Llama)):
+    if cp > 1 and not adapter.supports_context_parallel(model):
         raise ValueError(
             f"context parallelism (cp={cp}) replaces the attention of fsdp8's Llama and of Hugging Face models, not "
             f"of {type(model).__name__}; use cp=1, or build the world mesh yourself and call "
@@ -191,26 +194,26 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
     if cp > 1:
         context_parallel(model, mesh, config.sequence_parallel)
     precision = config.precision or _automatic_precision(mesh)
-    units = config.units if config.units is not None else (hf.decoder_layers(model) if is_hf else None)
+    units = config.units if config.units is not None else adapter.units(model)
     sharded = fully_shard(model, mesh=mesh, units=units, strategy=config.strategy,
                           outer_strategy=config.outer_strategy, precision=precision,
                           reshard_after_forward=config.reshard_after_forward, fp8=config.fp8, **offload)
     unit_modules = [unit.module for unit in sharded._fsdp8.units]
     if config.activation_checkpointing != "none":
-        checkpoint_units(unit_modules, config.activation_checkpointing, hf.without_cache if is_hf else None)
+        checkpoint_units(unit_modules, config.activation_checkpointing, adapter.checkpoint_filter(model))
     if config.compile is not False:  # True, or a dict of torch.compile options ({} too)
         options = {} if config.compile is True else dict(config.compile)
         for module in unit_modules:
             module.forward = torch.compile(module.forward, **options)
-    if config.skip_packed_sequence_check:
-        hf.skip_packed_sequence_check()
+    if skip_packed is not None:
+        skip_packed()
     dp_rank, dp_size = _data_parallel_place(mesh)
     sharded._fsdp8_parallel = _Layout(mesh, config, dp_rank, dp_size, cp)
     sharded.__class__ = _parallelized_class(type(sharded))
     return sharded
 
 
-def _check_model(model: nn.Module, config: ParallelConfig, is_hf: bool) -> None:
+def _check_model(model: nn.Module, config: ParallelConfig) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
     if isinstance(model, ShardedModel):
@@ -220,11 +223,6 @@ def _check_model(model: nn.Module, config: ParallelConfig, is_hf: bool) -> None:
         raise ValueError(
             f"{type(model).__name__} already has DTensor parameters ({', '.join(distributed[:3])}); parallelize "
             "applies tensor parallelism itself (ParallelConfig(tp=N, tp_plan=...)): pass the plain model"
-        )
-    if config.skip_packed_sequence_check and not is_hf:
-        raise ValueError(
-            f"skip_packed_sequence_check replaces a check of Hugging Face attention, but {type(model).__name__} is "
-            "not a transformers model; drop the option"
         )
     # transformers 5.2x renamed the property (the old name warns).
     hf_checkpointing = next((name for name in ("is_activation_checkpointing", "is_gradient_checkpointing")
@@ -237,18 +235,16 @@ def _check_model(model: nn.Module, config: ParallelConfig, is_hf: bool) -> None:
         )
 
 
-def _check_tensor_parallel(model: nn.Module, config: ParallelConfig, tp: int, is_hf: bool) -> None:
+def _check_tensor_parallel(model: nn.Module, config: ParallelConfig, tp: int, adapter: ModelAdapter) -> None:
     if tp == 1:
         wanting = [name for name in ("sequence_parallel", "loss_parallel", "tp_plan") if getattr(config, name)]
         if wanting:
             raise ValueError(f"{' and '.join(wanting)} need tensor parallelism, but tp came out as 1 on "
                              f"{dist.get_world_size()} ranks; give tp a size > 1 or drop {' and '.join(wanting)}")
         return
-    if config.tp_plan is None and family_plan(model, config.sequence_parallel, config.loss_parallel) is None:
-        hint = ("its config has no base_model_tp_plan naming its modules" if is_hf
-                else "fsdp8 knows the plans of its own Llama and of Hugging Face models")
+    if config.tp_plan is None and adapter.tp_plan(model, config.sequence_parallel, config.loss_parallel) is None:
         raise ValueError(
-            f"no automatic tensor-parallel plan for {type(model).__name__} ({hint}); pass "
+            f"no automatic tensor-parallel plan for {type(model).__name__} ({adapter.no_tp_plan_hint}); pass "
             "ParallelConfig(tp_plan={'module pattern': ParallelStyle, ...}) with torch's ColwiseParallel / "
             "RowwiseParallel styles, or use tp=1"
         )

@@ -1,9 +1,10 @@
 """Tensor parallelism: pick torch ParallelStyles for a model's modules and apply them with parallelize_module.
 
-The layers themselves are torch's (``torch.distributed.tensor.parallel``); this file only
-decides which style goes where (the built-in Llama's plan in ``tp_plans.py``, Hugging Face
-plans in ``tp_hf.py``), checks every shape against the TP degree before anything is communicated,
-and keeps tied weights tied.
+The layers themselves are torch's (``torch.distributed.tensor.parallel``); this file takes a
+model's automatic plan from its adapter (``adapter_for(model).tp_plan``: the built-in Llama's in
+models/llama_adapter.py, Hugging Face models' from their ``base_model_tp_plan`` in models/hf_tp.py),
+merges the caller's plan into it, checks every shape against the TP degree before anything is
+communicated, and keeps tied weights tied.
 
 [Note: errors before collectives]
 ``parallelize_module`` scatters each weight from TP rank 0 as it goes, so a shape that
@@ -32,17 +33,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ..models.llama import Llama
-from .tp_hf import hf_plan
-from .tp_plans import FamilyPlan, Plan, llama_plan
-from .tp_plans import ReplicateParallel  # noqa: F401  (public as fsdp8.parallel.tp.ReplicateParallel: README's API)
-
-
-def family_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> Optional[FamilyPlan]:
-    """The automatic plan of ``model``'s family: the built-in Llama's, or a Hugging Face model's."""
-    if isinstance(model, Llama):
-        return llama_plan(model.config, sequence_parallel, loss_parallel)
-    return hf_plan(model, sequence_parallel, loss_parallel)
+from ..models.adapter import adapter_for
+from ..models.tp_plan import FamilyPlan, Plan
+from ..models.tp_plan import ReplicateParallel  # noqa: F401  (README's fsdp8.parallel.tp.ReplicateParallel)
 
 
 def resolve_plan(names: List[str], automatic: Plan, user: Optional[Mapping[str, Optional[ParallelStyle]]]) -> Plan:
@@ -235,8 +228,9 @@ def tensor_parallel(
 ) -> nn.Module:
     """Split ``model``'s layers over the 1-D ``tp_mesh`` with torch's ParallelStyles; returns ``model``.
 
-    The plan is automatic for the built-in Llama and for Hugging Face models with a
-    ``config.base_model_tp_plan`` (plus their embedding and head); ``plan``
+    The plan is automatic where the model's adapter has one (fsdp8.models.adapter_for): the
+    built-in Llama, Hugging Face models with a ``config.base_model_tp_plan`` (plus their
+    embedding and head), a family a user registered; ``plan``
     (``{"module pattern": ParallelStyle or None}``, fnmatch over module names) overrides
     and extends it, or is the whole plan for other models. ``sequence_parallel``: the
     Megatron sequence-parallel layout (norms on sequence shards; sequence lengths must be
@@ -258,7 +252,7 @@ def tensor_parallel(
             f"{type(model).__name__} already has DTensor parameters ({', '.join(distributed[:3])}, ...); apply "
             "tensor_parallel once, to the plain model, before fully_shard"
         )
-    family = family_plan(model, sequence_parallel, loss_parallel)
+    family = adapter_for(model).tp_plan(model, sequence_parallel, loss_parallel)
     if family is None and plan is None:
         raise ValueError(
             f"no automatic tensor-parallel plan for {type(model).__name__} (there is one for fsdp8's Llama and for "

@@ -321,7 +321,7 @@ def test_checkpointed_layers_recompute_without_the_kv_cache(kind, mode):
     # the changed op sequence (full recomputation happens to slice the extra keys off again).
     # Gradients must equal the run without checkpointing.
     from fsdp8.parallel.checkpointing import checkpoint_units
-    from fsdp8.parallel.hf import decoder_layers, without_cache
+    from fsdp8.models.hf_adapter import decoder_layers, without_cache
 
     reference, model = hf_model(kind), hf_model(kind)
     is_layer = decoder_layers(model)
@@ -335,7 +335,7 @@ def test_checkpointed_layers_recompute_without_the_kv_cache(kind, mode):
 
 @pytest.mark.parametrize("name", ["cache", "past_key_values", "past_key_value", "layer_past"])
 def test_without_cache_drops_every_transformers_name_of_the_cache(name):
-    from fsdp8.parallel.hf import without_cache
+    from fsdp8.models.hf_adapter import without_cache
 
     cache = object()
     scope = {}

@@ -5,7 +5,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from fsdp8.fp8.tp import Float8ColwiseParallel
-from fsdp8.parallel.tp_hf import _style
+from fsdp8.models.hf_tp import _style
 
 
 @pytest.mark.parametrize("sp", [False, True])
@@ -28,7 +28,7 @@ def test_embedding_in_the_plan_keeps_sequence_parallel_norms():
     # transformers 5.17 adds "embed_tokens": "embedding_rowwise" to a tied model's plan; that
     # must not make the base model an "owner" of split projections and strip its norms.
     transformers = pytest.importorskip("transformers")
-    from fsdp8.parallel.tp import family_plan
+    from fsdp8.models import adapter_for
 
     config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
@@ -37,6 +37,6 @@ def test_embedding_in_the_plan_keeps_sequence_parallel_norms():
     plan = dict(config.base_model_tp_plan)
     plan["embed_tokens"] = "embedding_rowwise"
     config.base_model_tp_plan = plan
-    styles = family_plan(model, sequence_parallel=True, loss_parallel=False).styles
+    styles = adapter_for(model).tp_plan(model, sequence_parallel=True, loss_parallel=False).styles
     norms = [n for n, s in styles.items() if isinstance(s, SequenceParallel)]
     assert "model.norm" in norms and "model.layers.0.input_layernorm" in norms, norms

@@ -20,10 +20,11 @@ from ...data import (VOCAB_SIZE, check_text_file, check_token_count, encode_data
                      load_tokenizer, read_data)
 from ...engine.state_dict import StateDictError, describe_mismatch
 from ...fp8.recipes import recipe_from_name
+from ...models.adapter import adapter_for
 from ...models.hf_dir import config_file, import_transformers, read_config
 from ...models.llama import Llama, preset
 from ...parallel.cp import local_multiple
-from ...parallel.tp import check_shapes, family_plan, resolve_plan
+from ...parallel.tp import check_shapes, resolve_plan
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp8-delayed", "fp8-current", "fp8-block", "fp8-mxfp8")
 OFFLOAD_MODES = ("none", "optim")
@@ -281,7 +282,7 @@ def _check_tensor_parallel(cfg: TrainConfig) -> None:
     in every worker, here in one line before they start)."""
     model = build_model(cfg)
     try:
-        family = family_plan(model, cfg.sequence_parallel, cfg.loss_parallel)
+        family = adapter_for(model).tp_plan(model, cfg.sequence_parallel, cfg.loss_parallel)
         if family is None:
             raise ValueError(f"{type(model).__name__} has no automatic tensor-parallel plan (its config has no "
                              "base_model_tp_plan); use --tp 1")

@@ -1,5 +1,7 @@
-"""What fsdp8 knows of tensor-parallel plans: a family's plan and the facts that check it (FamilyPlan),
-the built-in Llama's plan, and ReplicateParallel, the one style fsdp8 adds to torch's."""
+"""The words a model family's tensor-parallel plan is written in: FamilyPlan (the plan and the facts that
+check it) and ReplicateParallel, the one style fsdp8 adds to torch's.
+
+Here, below parallel/, because adapters (adapter.py) return plans and parallel/tp.py applies them."""
 
 from __future__ import annotations
 
@@ -9,14 +11,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ParallelStyle
 
 Plan = Dict[str, Optional[ParallelStyle]]
 
@@ -74,45 +70,3 @@ class FamilyPlan:
     heads: List[Tuple[str, int, str]] = field(default_factory=list)
     vocab_modules: Tuple[str, ...] = ()
     unsupported: Dict[str, str] = field(default_factory=dict)
-
-
-def llama_plan(config, sequence_parallel: bool = False, loss_parallel: bool = False) -> FamilyPlan:
-    """The built-in Llama's plan (``config``: its LlamaConfig): the Megatron layout, as
-    torchtitan's parallelize_llama.
-
-    Attention and feed-forward are column- then row-parallel (one all-reduce each); the
-    embedding is vocabulary-sharded; the head is column-parallel and, with loss parallel,
-    leaves its logits vocabulary-sharded (``Shard(-1)``) for ``loss_parallel()``. With
-    sequence parallel the residual stream between blocks is sequence-sharded (``Shard(1)``):
-    norms run on sequence shards, the input of attention and feed-forward is all-gathered
-    and their output reduce-scattered instead of all-reduced."""
-    seq = Shard(1) if sequence_parallel else None
-    head = ColwiseParallel(
-        input_layouts=seq,
-        output_layouts=Shard(-1) if loss_parallel else Replicate(),
-        use_local_output=not loss_parallel,
-    )
-    styles: Plan = {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "layers.*.attn.wq": ColwiseParallel(),
-        "layers.*.attn.wk": ColwiseParallel(),
-        "layers.*.attn.wv": ColwiseParallel(),
-        "layers.*.attn.wo": RowwiseParallel(output_layouts=seq),
-        "layers.*.ffn.w1": ColwiseParallel(),
-        "layers.*.ffn.w3": ColwiseParallel(),
-        "layers.*.ffn.w2": RowwiseParallel(output_layouts=seq),
-        "head": head,
-    }
-    # Norms on the residual stream: on sequence shards, or whole and replicated.
-    norm = SequenceParallel if sequence_parallel else ReplicateParallel
-    styles.update({"norm": norm(), "layers.*.attn_norm": norm(), "layers.*.ffn_norm": norm()})
-    if sequence_parallel:
-        styles.update({
-            # attention(x, cos, sin): gather x's sequence; cos/sin are full-length tables already.
-            "layers.*.attn": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
-            "layers.*.ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        })
-    heads = [("n_heads", config.n_heads, "layers.*.attn.wq"), ("n_kv_heads", config.n_kv_heads, "layers.*.attn.wk")]
-    return FamilyPlan(styles, heads=heads, vocab_modules=("embed", "head"))

@@ -1,4 +1,7 @@
-"""Hugging Face specifics of parallelize: decoder-layer units, KV caches, packed sequences.
+"""Hugging Face causal LMs as a ModelAdapter: decoder layers (``_no_split_modules``) as units, the
+plan from ``base_model_tp_plan`` (hf_tp.py), context parallelism through transformers' attention
+registry (hf_cp.py), the KV cache kept out of checkpointed calls, sizes from the config, the
+``LlamaMLP`` form as a SwiGLU MLP, and the packed-sequence checks removed on request.
 
 Nothing here imports transformers unless the model is one of its models.
 """
@@ -12,10 +15,49 @@ from typing import Callable, Optional, Tuple
 
 import torch.nn as nn
 
+from .adapter import CallFilter, CPAttention, ModelAdapter, Units, register_adapter
+from .hf_cp import context_parallel_hf
+from .hf_tp import hf_plan
+from .spec import ModelSpec, hf_spec_of
+from .tp_plan import FamilyPlan
+
 # Names of a decoder layer's argument that carries the KV cache: "cache" in recent 5.x (which
 # deprecates "past_key_values"), "past_key_values" in earlier 5.x, "past_key_value" in 4.5x,
 # "layer_past" in a few older architectures (transformers' own checkpointing drops the same).
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+class HFAdapter(ModelAdapter):
+    """A transformers ``PreTrainedModel`` (the module doc says where each answer comes from)."""
+
+    no_tp_plan_hint = "its config has no base_model_tp_plan naming its modules"
+
+    def claims(self, model: nn.Module) -> bool:
+        return is_hf_model(model)
+
+    def units(self, model: nn.Module) -> Optional[Units]:
+        return decoder_layers(model)
+
+    def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> Optional[FamilyPlan]:
+        return hf_plan(model, sequence_parallel, loss_parallel)
+
+    def supports_context_parallel(self, model: nn.Module) -> bool:
+        return True  # whether its attention goes through the registry is checked on the model itself
+
+    def context_parallel(self, model: nn.Module, attention: CPAttention) -> nn.Module:
+        return context_parallel_hf(model, attention)
+
+    def checkpoint_filter(self, model: nn.Module) -> Optional[CallFilter]:
+        return without_cache
+
+    def planner_spec(self, model: nn.Module) -> ModelSpec:
+        return hf_spec_of(model.config.to_dict(), type(model).__name__, f"{type(model).__name__}'s config")
+
+    def swiglu_names(self, module: nn.Module) -> Optional[Tuple[str, str, str]]:
+        return swiglu_form(module)
+
+    def skip_packed_sequence_check(self, model: nn.Module) -> Callable[[], None]:
+        return skip_packed_sequence_check
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -109,3 +151,31 @@ def _replace(module, name: str, answer: Callable) -> None:
     replacement = functools.wraps(original)(answer)
     replacement.fsdp8_never_packed = True
     setattr(module, name, replacement)
+
+
+def _swiglu_forward(self, x):  # Hugging Face's LlamaMLP.forward, token for token
+    down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    return down_proj
+
+
+def _swiglu_forward_returned(self, x):  # the same, returned directly
+    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+_SWIGLU_FORWARDS = {(f.__code__.co_code, f.__code__.co_names) for f in (_swiglu_forward, _swiglu_forward_returned)}
+
+
+def swiglu_form(module: nn.Module) -> Optional[Tuple[str, str, str]]:
+    """``("gate_proj", "up_proj", "down_proj")`` for an MLP of Hugging Face's ``LlamaMLP`` form,
+    ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with SiLU (Llama, Mistral, Qwen2/3 and the other
+    models whose MLP is a copy of it), recognised by its forward's code; else None."""
+    code = getattr(type(module).forward, "__code__", None)
+    act = getattr(module, "act_fn", None)
+    if (code is not None and (code.co_code, code.co_names) in _SWIGLU_FORWARDS
+            and type(act).__name__ in ("SiLU", "SiLUActivation")
+            and not (act._forward_hooks or act._forward_pre_hooks)):
+        return ("gate_proj", "up_proj", "down_proj")
+    return None
+
+
+register_adapter(HFAdapter())

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..fp8.tp import Float8ColwiseParallel
-from .tp_plans import FamilyPlan, ReplicateParallel
+from .tp_plan import FamilyPlan, ReplicateParallel
 
 # Projections whose output features are attention heads, and the config field counting them.
 _HEAD_PROJECTIONS = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}

@@ -138,7 +138,8 @@ def _pre_forward(context):
 
 
 def context_parallel_hf(model: nn.Module, context) -> nn.Module:
-    """Route ``model``'s attention through ``context`` (a cp.ContextAttention); see cp.context_parallel."""
+    """Route ``model``'s attention through ``context`` (parallel/cp.py's ContextAttention); see
+    fsdp8.parallel.cp.context_parallel."""
     if str(model.config._attn_implementation).startswith("fsdp8_cp_"):
         raise ValueError("the model's attention is already context-parallel (context_parallel applied twice?); "
                          "apply it once")
