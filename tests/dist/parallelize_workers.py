@@ -13,9 +13,13 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor.parallel import loss_parallel
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel
 
 import fsdp8
+from fsdp8.models import ModelAdapter, register_adapter
+from fsdp8.models.tp_plan import FamilyPlan, ReplicateParallel
 
 from . import common
 
@@ -329,3 +333,99 @@ def auto_layout(family: str = "builtin") -> dict:
     return {"chosen": repr(chosen), "matches_search": chosen == expected,
             "explicit_error": float((auto - explicit).abs().max()),
             "loss_error": float((auto - torch.tensor(reference["loss"])).abs().max())}
+
+
+class Mixer(nn.Module):
+    """A block of a model of one's own, held in no nn.ModuleList: fully_shard's default rule finds no unit."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class OwnModel(nn.Module):
+    """(tokens, targets) -> loss, as the built-in Llama takes them (so batch("builtin", ...) feeds it)."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.first, self.second = Mixer(dim), Mixer(dim)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens, targets):
+        logits = self.head(self.second(self.first(self.embed(tokens))))
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class OwnAdapter(ModelAdapter):
+    """OwnModel's family as a user would describe it; records what parallelize asked."""
+
+    def __init__(self):
+        self.asked: List[str] = []
+
+    def claims(self, model: nn.Module) -> bool:
+        return isinstance(model, OwnModel)
+
+    def units(self, model: nn.Module):
+        self.asked.append("units")
+        return [Mixer]
+
+    def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> FamilyPlan:
+        self.asked.append("tp_plan")
+        styles = {"embed": RowwiseParallel(input_layouts=Replicate()), "*.norm": ReplicateParallel(),
+                  "*.up": ColwiseParallel(), "*.down": RowwiseParallel(),
+                  "head": ColwiseParallel(output_layouts=Replicate())}
+        return FamilyPlan(styles, vocab_modules=("embed", "head"))
+
+
+@contextlib.contextmanager
+def _registered(adapter: ModelAdapter):
+    """``adapter`` registered inside the block only: the pool's workers serve later tests too."""
+    from fsdp8.fp8 import swiglu_forms
+    from fsdp8.models import adapter as registry
+
+    saved = list(registry._REGISTERED), list(swiglu_forms._FORMS)
+    register_adapter(adapter)
+    try:
+        yield
+    finally:
+        registry._REGISTERED[:], swiglu_forms._FORMS[:] = saved
+
+
+def _unit_names(sharded: nn.Module) -> List[str]:
+    names = {id(m): n for n, m in sharded.named_modules()}
+    return [names[id(unit.module)] or "<root>" for unit in sharded._fsdp8.units]
+
+
+def own_model() -> nn.Module:
+    torch.manual_seed(0)
+    return OwnModel().to(common.device())
+
+
+def own_adapter() -> dict:
+    """A model of one's own: what parallelize does with it before its family has an adapter (the
+    generic one: its errors, fully_shard's default units), then at dp 2 x tp 2 with OwnAdapter
+    registered (its units, its plan) against one process."""
+    errors = {}
+    for name, kwargs in (("tp", {"tp": 2}), ("cp", {"cp": 2})):
+        try:
+            fsdp8.parallelize(own_model(), fsdp8.ParallelConfig(**kwargs))
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    default_units = _unit_names(fsdp8.parallelize(own_model(), fsdp8.ParallelConfig(precision=FP32)))
+    adapter = OwnAdapter()
+    with _registered(adapter):
+        initial = own_model()
+        reference = reference_run(copy.deepcopy(initial), "builtin")
+        model = copy.deepcopy(initial)  # parallelized in place by parallel_run
+        run = parallel_run(model, "builtin", fsdp8.ParallelConfig(tp=2, precision=FP32), reference)
+        on_tp = {name: repr(param.placements[param.device_mesh.mesh_dim_names.index("tp")])
+                 for name, param in model.named_parameters() if name in ("first.up.weight", "first.down.weight")}
+    return {"errors": errors, "default_units": default_units, "units": _unit_names(model), "asked": adapter.asked,
+            "run": run, "on_tp": on_tp}

@@ -221,3 +221,21 @@ def test_auto_layout():
     assert results[0]["explicit_error"] == 0.0
     if BACKEND == "gloo":  # fp32 compute; on GPUs the chosen layout computes in bf16
         assert results[0]["loss_error"] < 1e-5
+
+
+def test_a_registered_adapter_lays_out_a_model_of_ones_own():
+    # Before its family has an adapter, a model of one's own gets the generic one: today's
+    # errors for tp and cp, fully_shard's default units (none in it: its blocks are in no
+    # ModuleList). With a user's adapter registered, parallelize takes units and plan from it.
+    for out in run_on_ranks(4, workers.own_adapter):
+        assert out["errors"]["tp"].startswith("no automatic tensor-parallel plan for OwnModel (fsdp8 knows the plans "
+                                              "of its own Llama and of Hugging Face models); pass ParallelConfig(")
+        assert out["errors"]["cp"].startswith("context parallelism (cp=2) replaces the attention of fsdp8's Llama and "
+                                              "of Hugging Face models, not of OwnModel; use cp=1")
+        assert out["default_units"] == []
+        assert out["units"] == ["first", "second"] and {"units", "tp_plan"} <= set(out["asked"])
+        # The plan's colwise up and rowwise down, on the tp dim of the main weights.
+        assert out["on_tp"] == {"first.up.weight": "Shard(dim=0)", "first.down.weight": "Shard(dim=1)"}
+        errors = out["run"]["errors"]
+        assert errors["loss"] <= LOSS_TOL and errors["grad"] <= FP32_TOL and errors["weight"] <= FP32_TOL, errors
+        assert out["run"]["gathers"] == {"<root>": 1, "first": 2, "second": 1}
