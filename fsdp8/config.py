@@ -144,10 +144,10 @@ class ParallelConfig:
 
     - ``tp``, ``sequence_parallel``, ``loss_parallel``, ``tp_plan``: tensor parallelism as
       ``fsdp8.tensor_parallel`` applies it; ``tp_plan`` (``{"module pattern":
-      ParallelStyle or None}``) overrides and extends the automatic plan of the built-in
-      Llama and of Hugging Face models, or is the whole plan of other models. With
-      ``loss_parallel`` compute the loss and call ``backward()`` inside
-      ``torch.distributed.tensor.parallel.loss_parallel()``.
+      ParallelStyle or None}``) overrides and extends the automatic plan of the model's
+      adapter (the built-in Llama's, Hugging Face models', a registered family's), or is the
+      whole plan of other models. With ``loss_parallel`` compute the loss and call
+      ``backward()`` inside ``torch.distributed.tensor.parallel.loss_parallel()``.
     - ``activation_checkpointing``: ``"none"``; ``"full"`` (each unit's activations are
       recomputed in backward: least memory, one more forward); ``"selective"`` (an op-level
       policy: matmul outputs except every second one, attention outputs, reduce-scatter
@@ -157,9 +157,9 @@ class ParallelConfig:
     - ``fp8``, ``precision``, ``strategy``, ``outer_strategy``, ``reshard_after_forward``,
       ``units``, ``offload``: as ``fsdp8.fully_shard`` takes them. ``precision=None`` picks
       ``Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` on GPUs and
-      fp32 on CPUs (as ``fsdp8 train --precision auto``). ``units=None`` takes a Hugging
-      Face model's decoder layers (its ``_no_split_modules`` classes), else every child of
-      every ``nn.ModuleList``.
+      fp32 on CPUs (as ``fsdp8 train --precision auto``). ``units=None`` takes the model
+      adapter's units (a Hugging Face model's decoder layers, its ``_no_split_modules``
+      classes), else every child of every ``nn.ModuleList``.
     - ``skip_packed_sequence_check`` (Hugging Face models): answer transformers' packed-
       sequence checks with "not packed" without reading the position ids. transformers'
       flash-attention path calls ``_is_packed_sequence`` in every attention layer at batch
