@@ -25,7 +25,7 @@ MANAGER_STACKS = ("fsdp8-parallelize", "fsdp8-parallelize-compile", "fsdp8-offlo
 # FSDP2 as torchtitan applies it (the last layer kept gathered from forward into backward).
 PEER_VARIANTS = ("fsdp2-keep-last",)
 # Tensor parallelism (--tp T, sequence parallel on) x data parallelism over world/T: both stacks
-# split the layers with the same torch ParallelStyles (fsdp8.tensor_parallel's plan, torchtitan's
+# split the layers with the same torch ParallelStyles (fsdp8.parallel.tensor_parallel's plan, torchtitan's
 # Megatron layout), then shard over the data-parallel ranks with fsdp8 or with torch FSDP2.
 TP_STACKS = ("fsdp8-tp", "fsdp2-tp", "fsdp8-tp-fp8", "torchao-tp-fp8")
 ALL_STACKS = STACKS + FP8_STACKS + HSDP_STACKS + MANAGER_STACKS + PEER_VARIANTS + TP_STACKS
@@ -247,12 +247,12 @@ def _tp_mesh(ctx: Context):
 
 
 def build_fsdp8_tp(model: torch.nn.Module, ctx: Context, recipe_name: Optional[str] = None) -> Built:
-    """fsdp8.tensor_parallel (sequence parallel), then fsdp8 ZeRO-3 over the data-parallel ranks
+    """fsdp8.parallel.tensor_parallel (sequence parallel), then fsdp8 ZeRO-3 over the data-parallel ranks
     of the 2-D mesh (with ``recipe_name``: FP8 linears, their sequence gathers in 8 bits)."""
     import fsdp8
 
     mesh = _tp_mesh(ctx)
-    model = fsdp8.tensor_parallel(model, mesh["tp"], sequence_parallel=True)
+    model = fsdp8.parallel.tensor_parallel(model, mesh["tp"], sequence_parallel=True)
     return build_fsdp8(model, ctx, mesh=mesh, recipe_name=recipe_name)
 
 
@@ -262,7 +262,7 @@ def build_fsdp2_tp(model: torch.nn.Module, ctx: Context) -> Built:
     import fsdp8
 
     mesh = _tp_mesh(ctx)
-    model = fsdp8.tensor_parallel(model, mesh["tp"], sequence_parallel=True)
+    model = fsdp8.parallel.tensor_parallel(model, mesh["tp"], sequence_parallel=True)
     return build_fsdp2(model, ctx, mesh=mesh["dp_shard"], keep_last=True)
 
 
@@ -349,7 +349,7 @@ def build_fsdp8_fp8(model: torch.nn.Module, ctx: Context, recipe_name: str, prim
         for layer in model.model.layers:
             fsdp8.convert_to_fp8(layer, recipe)
             for module in layer.modules():
-                if isinstance(module, fsdp8.Float8Linear):
+                if isinstance(module, fsdp8.fp8.Float8Linear):
                     fsdp8.fp8.convert.make_fp8_primary(module, recipe)
     keep_bf16 = None if keep is None else lambda n, m: fp8_friendly(n, m) and FP8_KEEP_RULES[keep](n, m)
     built = build_fsdp8(model, ctx, recipe_name=recipe_name, fp8_filter=keep_bf16)

@@ -19,7 +19,7 @@ HSDP stacks (opt-in; R = --hsdp-replicate, default 2; mesh R x world/R):
   fsdp2-hsdp          torch FSDP2 fully_shard on a 2-D ("replicate", "shard") mesh
   They are skipped (with the reason) where world % R != 0 or R == world (shard groups of 1).
 TP stacks (opt-in; T = --tp, default 2; mesh world/T x T, sequence parallel on):
-  fsdp8-tp      fsdp8.tensor_parallel (torch ParallelStyles, torchtitan's layout), then fsdp8 ZeRO-3
+  fsdp8-tp      fsdp8.parallel.tensor_parallel (torch ParallelStyles, torchtitan's layout), then fsdp8 ZeRO-3
                 over the data-parallel ranks
   fsdp2-tp      the same TP styles, then torch FSDP2 on the data-parallel sub-mesh
   fsdp8-tp-fp8  fsdp8-tp with FP8 current scaling (sequence gathers in 8 bits)

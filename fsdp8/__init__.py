@@ -1,67 +1,39 @@
-"""fsdp8: sharded data-parallel training (ZeRO-1/2/3, HSDP) with first-class FP8, tensor and context parallelism."""
+"""fsdp8: sharded data-parallel training (ZeRO-1/2/3, HSDP) with first-class FP8, tensor and context parallelism.
 
-from .config import ParallelConfig, Precision, Strategy, OuterStrategy
-from .engine.grads import NonFiniteGradError, check_finite, clip_grad_norm_, nonfinite_grads
-from .engine.model import fully_shard
-from .engine.sharded import MemoryReport, ShardedModel
-from .distributed.check import DesyncError
-from .engine.state_dict import StateDictError
-from .distributed.mesh import data_parallel_mesh, make_mesh, tp_mesh
-from .distributed.process_group import init_distributed
-from .parallel.tp import tensor_parallel
-from .parallel.cp import context_parallel, loss_divisor, shard_sequence
-from .parallel.manager import ParallelizedModel, parallelize
-from .fp8.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
-from .fp8.linear import Float8Linear
-from .fp8.tensor import Float8Tensor
-from .fp8.convert import convert_to_fp8, fp8_init
-from .fp8.fsdp2 import precompute_fp8_scales, prepare_fp8_modules_for_fsdp, use_fp8_all_gather
-from .fp8.tp import Float8ColwiseParallel
-from . import checkpoint, data, fp8
-from .checkpoint import latest, load, load_pretrained, save, wait_for_saves
+The names here are what a training script needs; the rest is public under its subpackage:
+``fsdp8.engine`` (ShardedModel, MemoryReport, Strategy, gradient checks), ``fsdp8.fp8``
+(Float8Linear, Float8Tensor, FSDP2 interop), ``fsdp8.checkpoint`` (latest, verify, export),
+``fsdp8.distributed`` (meshes, DesyncError), ``fsdp8.parallel`` (tensor and context
+parallelism by hand), ``fsdp8.planner`` (search), ``fsdp8.data``.
+"""
+
+from . import checkpoint, data, distributed, engine, fp8, parallel, planner
+from .checkpoint import load, load_pretrained, save
+from .config import ParallelConfig, Precision
+from .distributed import init_distributed, make_mesh
+from .engine import clip_grad_norm_, fully_shard
+from .fp8 import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, convert_to_fp8,
+                  fp8_init)
+from .parallel import parallelize
 from .planner import plan
 
 __all__ = [
-    "latest",
-    "load",
-    "load_pretrained",
-    "save",
-    "wait_for_saves",
+    "parallelize",
+    "ParallelConfig",
+    "fully_shard",
+    "Precision",
+    "init_distributed",
+    "make_mesh",
+    "clip_grad_norm_",
+    "Float8CurrentScaling",
     "DelayedScaling",
     "Float8BlockScaling",
-    "Float8CurrentScaling",
-    "Float8ColwiseParallel",
-    "Float8Linear",
-    "Float8Tensor",
     "MXFP8BlockScaling",
     "convert_to_fp8",
     "fp8_init",
-    "precompute_fp8_scales",
-    "prepare_fp8_modules_for_fsdp",
-    "use_fp8_all_gather",
-    "DesyncError",
-    "MemoryReport",
-    "OuterStrategy",
-    "ParallelConfig",
-    "ParallelizedModel",
-    "parallelize",
-    "Precision",
-    "ShardedModel",
-    "StateDictError",
-    "Strategy",
-    "clip_grad_norm_",
-    "check_finite",
-    "nonfinite_grads",
-    "NonFiniteGradError",
-    "fully_shard",
-    "init_distributed",
-    "make_mesh",
-    "data_parallel_mesh",
-    "tp_mesh",
-    "tensor_parallel",
-    "context_parallel",
-    "loss_divisor",
-    "shard_sequence",
+    "save",
+    "load",
+    "load_pretrained",
     "plan",
 ]
 __version__ = "0.1.0"

@@ -143,7 +143,7 @@ class ParallelConfig:
     ``2 x cp`` chunks of every sequence, and attention all-gathers keys and values).
 
     - ``tp``, ``sequence_parallel``, ``loss_parallel``, ``tp_plan``: tensor parallelism as
-      ``fsdp8.tensor_parallel`` applies it; ``tp_plan`` (``{"module pattern":
+      ``fsdp8.parallel.tensor_parallel`` applies it; ``tp_plan`` (``{"module pattern":
       ParallelStyle or None}``) overrides and extends the automatic plan of the model's
       adapter (the built-in Llama's, Hugging Face models', a registered family's), or is the
       whole plan of other models. With ``loss_parallel`` compute the loss and call

@@ -131,7 +131,7 @@ def resolve_mesh(mesh: Optional[DeviceMesh], device_type: str, outer: OuterStrat
         if "tp" in names and mesh["tp"].size() > 1 and inner is None:
             raise ValueError(
                 f"the mesh has a tp dimension of size {mesh['tp'].size()} but no parameter of the model is a "
-                "tensor-parallel DTensor; apply fsdp8.tensor_parallel(model, mesh['tp']) before fully_shard, "
+                "tensor-parallel DTensor; apply fsdp8.parallel.tensor_parallel(model, mesh['tp']) before fully_shard, "
                 "or build the mesh without tp"
             )
         mesh = data_parallel_mesh(mesh)

@@ -244,7 +244,7 @@ def tensor_parallel(
     if not isinstance(tp_mesh, DeviceMesh) or tp_mesh.ndim != 1:
         raise ValueError(
             f"tp_mesh must be a 1-D DeviceMesh, got {tp_mesh!r}; take it from the world mesh with "
-            "fsdp8.tp_mesh(fsdp8.make_mesh(tp=N))"
+            "fsdp8.distributed.tp_mesh(fsdp8.make_mesh(tp=N))"
         )
     distributed = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
     if distributed:

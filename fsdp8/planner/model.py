@@ -49,7 +49,7 @@ def converts_to_fp8(param: Param, recipe: Optional[str], tp: int, rank: int) -> 
 
 
 def check_tp(spec: ModelSpec, tp: int) -> None:
-    """The splits fsdp8.tensor_parallel refuses (whole heads per rank, the feed-forward width;
+    """The splits fsdp8.parallel.tensor_parallel refuses (whole heads per rank, the feed-forward width;
     the vocabulary may split unevenly), as one ValueError."""
     if tp == 1:
         return

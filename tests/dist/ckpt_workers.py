@@ -221,7 +221,7 @@ def load_wrong_model(path):
     other = fsdp8.fully_shard(common.build("uneven"))
     try:
         fsdp8.load(path, other)
-    except fsdp8.StateDictError as e:
+    except fsdp8.engine.StateDictError as e:
         return str(e)
     return None
 
@@ -231,7 +231,7 @@ def rotation(directory, count=4, keep=2):
     for step in range(count):
         _train(model, opt, step, 1)
         fsdp8.save(os.path.join(directory, f"step-{step}"), model, opt, keep_last=keep)
-    return sorted(os.listdir(directory)), fsdp8.latest(directory)
+    return sorted(os.listdir(directory)), fsdp8.checkpoint.latest(directory)
 
 
 def async_save(path_a, path_b):
@@ -243,7 +243,7 @@ def async_save(path_a, path_b):
     _train(model, opt, 1, 2)  # changes weights while the files are written
     fsdp8.save(path_b, model, opt, async_save=True)  # max_in_flight=1: waits for the first
     first_done = future.done()
-    fsdp8.wait_for_saves()
+    fsdp8.checkpoint.wait_for_saves()
     fresh, fresh_opt = _build("optim_grads_params", None, "no_shard", seed=3)
     fsdp8.load(path_a, fresh, fresh_opt)
     err = max(float((_full(v) - at_save[k]).abs().max()) for k, v in fresh.state_dict().items())

@@ -90,7 +90,7 @@ def _per_rank_quantization(reference: nn.Module, n: int) -> None:
     """Make the reference's FP8 layers quantize each cp rank's part of a sequence on its own, as
     the ranks do (a linear layer acts per token, so only the per-tensor scales change)."""
     for module in reference.modules():
-        if isinstance(module, fsdp8.Float8Linear):
+        if isinstance(module, fsdp8.fp8.Float8Linear):
             whole = module.forward
             module.forward = lambda x, whole=whole: cp.unshard_tensor([whole(cp.shard_tensor(x, r, n)) for r in range(n)])
 

@@ -27,8 +27,8 @@ def nonfinite_named(use_engine_option: bool):
         loss.backward()
         if not use_engine_option:
             reported = bool(torch.isnan(fsdp8.clip_grad_norm_(sharded, 1.0)))  # the norm shows it
-            fsdp8.check_finite(sharded)
-    except fsdp8.NonFiniteGradError as e:
+            fsdp8.engine.check_finite(sharded)
+    except fsdp8.engine.NonFiniteGradError as e:
         return str(e), reported
     return "no error", reported
 

@@ -184,7 +184,7 @@ def fp8_parity(family: str, sequence_parallel: bool, checkpointing: str = "none"
     model = fsdp8.parallelize(initial, config)
     for unit in model._fsdp8.units:
         fsdp8.convert_to_fp8(dict(reference.named_modules())[unit.name], recipe)
-    converted = sorted(n for n, m in model.named_modules() if isinstance(m, fsdp8.Float8Linear))
+    converted = sorted(n for n, m in model.named_modules() if isinstance(m, fsdp8.fp8.Float8Linear))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     worst = {"loss": 0.0, "grad": 0.0}
     for step in range(STEPS):

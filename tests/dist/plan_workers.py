@@ -46,7 +46,7 @@ def reports(sizes: dict, mesh_shape=None, outer: str = "no_shard", tp: int = 1, 
         with torch.device("meta"):
             model = Llama(LlamaConfig(max_seq_len=16, **sizes))
         if tp > 1:
-            fsdp8.tensor_parallel(model, mesh["tp"])
+            fsdp8.parallel.tensor_parallel(model, mesh["tp"])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # layers kept in high precision say so
             sharded = fsdp8.fully_shard(model, mesh=mesh, strategy=strategy, outer_strategy=outer,

@@ -46,7 +46,7 @@ def fp8_parity(recipe_name: str, mesh_shape=(1, 2, 2), sequence_parallel: bool =
         convert_to_fp8(block, recipe)
     place(model, mesh["tp"], sequence_parallel)
     sharded = fsdp8.fully_shard(model, mesh=mesh, strategy=strategy, fp8=recipe, precision=common.FP8_PARITY_PRECISION)
-    converted = sorted(n for n, m in sharded.named_modules() if isinstance(m, fsdp8.Float8Linear))
+    converted = sorted(n for n, m in sharded.named_modules() if isinstance(m, fsdp8.fp8.Float8Linear))
     # SGD with momentum, not Adam: Adam turns a near-zero gradient's rounding into a whole step
     # (a zero-initialised norm bias then differs by its full size), SGD keeps the weights'
     # errors at the gradients' level, which the tolerance bounds.

@@ -141,7 +141,7 @@ def meta_rng_desync():
         model = Llama(cfg)
     try:
         fsdp8.fully_shard(model)
-    except fsdp8.DesyncError as e:
+    except fsdp8.distributed.DesyncError as e:
         return str(e)
     return None
 
@@ -151,7 +151,7 @@ def structure_desync():
     model = common.UnevenModel(vocab=9 + common.rank(), dim=17)
     try:
         fsdp8.fully_shard(model)
-    except fsdp8.DesyncError as e:
+    except fsdp8.distributed.DesyncError as e:
         return str(e)
     return None
 
@@ -191,7 +191,7 @@ def state_dict_errors():
     bad["embed.weight"] = torch.zeros(3, 3)
     try:
         sharded.load_state_dict(bad)
-    except fsdp8.StateDictError as e:
+    except fsdp8.engine.StateDictError as e:
         message = str(e)
     else:
         message = None

@@ -56,14 +56,14 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
     assert _run(first, 1).returncode == 0
     killed = _run(second, 2, fault="before_publish")
     assert killed.returncode == -9  # SIGKILL after writing its files, before publishing them
-    assert fsdp8.latest(str(tmp_path)) == first
+    assert fsdp8.checkpoint.latest(str(tmp_path)) == first
     assert not store.is_complete(second) and os.path.isdir(store.partial_path(second))
     model, opt = _model()
     assert fsdp8.load(first, model, opt)["step"] == 1
     with pytest.raises(CheckpointError, match="does not exist \\(a save was interrupted before it finished\\)"):
         fsdp8.load(second, model, opt)
     assert _run(second, 2).returncode == 0  # the next save clears the debris
-    assert fsdp8.latest(str(tmp_path)) == second and not os.path.exists(store.partial_path(second))
+    assert fsdp8.checkpoint.latest(str(tmp_path)) == second and not os.path.exists(store.partial_path(second))
 
 
 def test_truncated_data_file_is_named(tmp_path):
@@ -101,7 +101,7 @@ def test_missing_marker_means_interrupted(tmp_path):
     model, opt = _model()
     with pytest.raises(CheckpointError, match="has no COMPLETE.json: the save that wrote it did not finish"):
         fsdp8.load(path, model, opt)
-    assert fsdp8.latest(str(tmp_path)) is None
+    assert fsdp8.checkpoint.latest(str(tmp_path)) is None
 
 
 def test_optimizer_requested_but_not_saved(tmp_path):
@@ -182,7 +182,7 @@ def test_a_full_disk_says_so_with_the_file(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=f"cannot write checkpoint file {re.escape(second)}.partial/__0_0.distcp: "
                                               "No space left on device; free space there or save elsewhere"):
         fsdp8.save(second, model, opt)
-    assert fsdp8.latest(str(tmp_path)) == first
+    assert fsdp8.checkpoint.latest(str(tmp_path)) == first
 
 
 @pytest.mark.parametrize("damage,cause", [
@@ -223,15 +223,15 @@ def test_checkpoints_are_ordered_by_step_never_by_the_clock(tmp_path, monkeypatc
         monkeypatch.setattr(time, "time_ns", lambda clock=clock: clock)
         fsdp8.save(str(tmp_path / f"step-{step:06d}"), model, opt, keep_last=2)
     assert sorted(os.listdir(tmp_path)) == ["step-000010", "step-000011"]
-    assert fsdp8.latest(str(tmp_path)) == str(tmp_path / "step-000011")
+    assert fsdp8.checkpoint.latest(str(tmp_path)) == str(tmp_path / "step-000011")
     # Names without a step go by the order they were published in, before any numbered one.
     other = tmp_path / "other"
     for name in ("z-first", "a-second"):
         fsdp8.save(str(other / name), model, opt)
-    assert fsdp8.latest(str(other)) == str(other / "a-second")
+    assert fsdp8.checkpoint.latest(str(other)) == str(other / "a-second")
     fsdp8.save(str(other / "step-000001"), model, opt)
     fsdp8.save(str(other / "later"), model, opt)
-    assert fsdp8.latest(str(other)) == str(other / "step-000001")
+    assert fsdp8.checkpoint.latest(str(other)) == str(other / "step-000001")
 
 
 def test_checksums_computed_while_writing_are_those_of_the_files(tmp_path):

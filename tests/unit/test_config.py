@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from fsdp8 import OuterStrategy, Precision, Strategy
+from fsdp8 import Precision
+from fsdp8.engine import OuterStrategy, Strategy
 
 
 @pytest.mark.parametrize("value,expected", [

@@ -6,7 +6,8 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 import fsdp8
-from fsdp8 import OuterStrategy, ParallelConfig, Strategy
+from fsdp8 import ParallelConfig
+from fsdp8.engine import OuterStrategy, Strategy
 from fsdp8.parallel.manager import take_rows
 
 

@@ -78,7 +78,7 @@ def without_network(cluster: Cluster, efficiency: Efficiency) -> Tuple[Cluster, 
 
 
 def bench(cfg: BenchConfig, network: bool = True) -> Optional[dict]:
-    """Run on every rank (spawned by fsdp8.launch or under torchrun); rank 0 prints the result
+    """Run on every rank (spawned by fsdp8.app.launch or under torchrun); rank 0 prints the result
     (a table, or JSON with ``cfg.json``) and returns it. ``network=False``: the collectives
     are known to cost nothing (a loopback world on one GPU), so the prediction leaves them out."""
     init_distributed()
