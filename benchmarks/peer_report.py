@@ -27,7 +27,10 @@ def fmt(value, spec: str) -> str:
 def environment(ctx: Context) -> dict:
     import transformers
 
+    import fsdp8
+
     env = {
+        "fsdp8": str(Path(fsdp8.__file__).parent),  # which checkout ran (gpu_run.py ab runs two)
         "world_size": ctx.world,
         "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -77,7 +80,7 @@ def print_report(env: dict, orders: dict, results: list[Result]) -> None:
     print(f"- mesh: data-parallel ranks; RxS = HSDP, R replicas of S-rank shard groups (--hsdp-replicate {env['hsdp_replicate']})")
     if env.get("loopback"):
         print(f"- LOOPBACK: one process plays rank 0 of {env['world_size']} on one device; collectives are local "
-              "copies (benchmarks/loopback.py): the world's step minus communication; losses are not a real model's")
+              "copies (fsdp8/app/bench/loopback.py): the world's step minus communication; losses are not a real model's")
     for model, order in orders.items():
         print(f"- run order: each stack over all models, stacks in turn: {' -> '.join(order)} (model {model})")
     print()

@@ -249,20 +249,20 @@ def _tp_mesh(ctx: Context):
 def build_fsdp8_tp(model: torch.nn.Module, ctx: Context, recipe_name: Optional[str] = None) -> Built:
     """fsdp8.parallel.tensor_parallel (sequence parallel), then fsdp8 ZeRO-3 over the data-parallel ranks
     of the 2-D mesh (with ``recipe_name``: FP8 linears, their sequence gathers in 8 bits)."""
-    import fsdp8
+    from fsdp8.parallel.tp import tensor_parallel
 
     mesh = _tp_mesh(ctx)
-    model = fsdp8.parallel.tensor_parallel(model, mesh["tp"], sequence_parallel=True)
+    model = tensor_parallel(model, mesh["tp"], sequence_parallel=True)
     return build_fsdp8(model, ctx, mesh=mesh, recipe_name=recipe_name)
 
 
 def build_fsdp2_tp(model: torch.nn.Module, ctx: Context) -> Built:
     """The same torch TP styles, then torch FSDP2 on the data-parallel sub-mesh (2-D FSDP2 x TP,
     last layer kept for backward as torchtitan does)."""
-    import fsdp8
+    from fsdp8.parallel.tp import tensor_parallel
 
     mesh = _tp_mesh(ctx)
-    model = fsdp8.parallel.tensor_parallel(model, mesh["tp"], sequence_parallel=True)
+    model = tensor_parallel(model, mesh["tp"], sequence_parallel=True)
     return build_fsdp2(model, ctx, mesh=mesh["dp_shard"], keep_last=True)
 
 
@@ -341,7 +341,8 @@ def build_fsdp8_fp8(model: torch.nn.Module, ctx: Context, recipe_name: str, prim
     """fsdp8 ZeRO-3 with FP8 GEMMs and 8-bit weight all-gathers in the decoder layers (those
     ``FP8_KEEP_RULES[keep]`` leaves in bf16 excepted)."""
     import fsdp8
-    from fsdp8.fp8.convert import fp8_friendly
+    from fsdp8.fp8.convert import fp8_friendly, make_fp8_primary
+    from fsdp8.fp8.linear import Float8Linear
     from fsdp8.fp8.recipes import recipe_from_name
 
     if primary:  # FP8 primary weights: packed FP8 shards refreshed once per step
@@ -349,8 +350,8 @@ def build_fsdp8_fp8(model: torch.nn.Module, ctx: Context, recipe_name: str, prim
         for layer in model.model.layers:
             fsdp8.convert_to_fp8(layer, recipe)
             for module in layer.modules():
-                if isinstance(module, fsdp8.fp8.Float8Linear):
-                    fsdp8.fp8.convert.make_fp8_primary(module, recipe)
+                if isinstance(module, Float8Linear):
+                    make_fp8_primary(module, recipe)
     keep_bf16 = None if keep is None else lambda n, m: fp8_friendly(n, m) and FP8_KEEP_RULES[keep](n, m)
     built = build_fsdp8(model, ctx, recipe_name=recipe_name, fp8_filter=keep_bf16)
     if compile_blocks:

@@ -138,7 +138,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "on): a (world/T data-parallel) x (T tensor-parallel) mesh, TP groups of neighbouring ranks")
     p.add_argument("--profile", default="",
                    help="directory: after timing, profile one more step of each stack and write where its "
-                        "GPU time went (benchmarks/step_profile.py; rank 0's trace kept as .json.gz)")
+                        "GPU time went (fsdp8/app/bench/step_profile.py; rank 0's trace kept as .json.gz)")
     p.add_argument("--profile-top", type=int, default=20, help="kernels listed by --profile, costliest first")
     p.add_argument("--compile-mode", default=None,
                    help="torch.compile's mode for every compiled stack's layers (e.g. reduce-overhead: CUDA graphs, "
@@ -152,13 +152,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "went (Python functions by own time; the step is host-bound when the GPU idles)")
     p.add_argument("--memory-peak", default="",
                    help="directory: after timing, record one more step's allocations and write what is alive at "
-                        "its peak, by where it was allocated (benchmarks/memory_peak.py)")
+                        "its peak, by where it was allocated (fsdp8/app/bench/memory_peak.py)")
     p.add_argument("--inductor", default="",
                    help="comma list of torch._inductor.config settings for every compiled stack, e.g. "
                         "triton.tile_reductions=1 (values 0/1 are booleans, others ints or strings)")
     p.add_argument("--loopback-world", type=int, default=0,
                    help="N > 1: one process plays rank 0 of a world of N with loopback collectives "
-                        "(benchmarks/loopback.py): the world-N step minus communication, on one device")
+                        "(fsdp8/app/bench/loopback.py): the world-N step minus communication, on one device")
     p.add_argument("--out", default="runs/peers.json",
                    help="JSON results file (rank 0 rewrites it after every stack, so a timeout keeps what ran)")
     args = p.parse_args(argv)

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -23,6 +22,8 @@ from block_quant_compile import timed  # noqa: E402  (this folder is on the path
 
 
 def main():
+    import triton
+
     p = argparse.ArgumentParser()
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--ffn", type=int, default=8192)

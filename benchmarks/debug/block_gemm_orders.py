@@ -16,8 +16,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from triton.testing import do_bench  # noqa: E402
-
 from fsdp8.fp8.formats import E4M3, Granularity  # noqa: E402
 from fsdp8.fp8.kernels import quantize  # noqa: E402
 from fsdp8.fp8.gemm import _outer_major, fp8_mm  # noqa: E402
@@ -41,6 +39,8 @@ def raw_mm(a, b):
 
 
 def main():
+    from triton.testing import do_bench
+
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=8192)
     args = p.parse_args()

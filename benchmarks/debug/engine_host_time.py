@@ -1,4 +1,4 @@
-"""Experiment (issue 17): the engine's host time per training step, measured on a CPU.
+"""Experiment: the engine's host time per training step, measured on a CPU.
 
 A 16-layer Llama so small (dim 64) that its arithmetic costs little, world 1 (gloo), eager:
 the step time is then mostly Python and dispatch, the same work the host does for a GPU step.

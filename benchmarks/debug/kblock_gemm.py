@@ -1,4 +1,4 @@
-"""Experiment (issue 17): FP8 GEMMs whose scales change along K, written in Triton for Hopper,
+"""Experiment: FP8 GEMMs whose scales change along K, written in Triton for Hopper,
 against bf16, the MXFP8 emulation and cuBLAS's tensorwise and blockwise FP8 GEMMs.
 
     python benchmarks/debug/kblock_gemm.py [--tokens 8192] [--out results.json]

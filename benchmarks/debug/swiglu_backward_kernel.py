@@ -1,4 +1,4 @@
-"""Experiment (issue 17): other forms of the fused SwiGLU backward of fsdp8/fp8/swiglu.py
+"""Experiment: other forms of the fused SwiGLU backward of fsdp8/fp8/swiglu.py
 (which has the values, the outputs and the two passes fsdp8 uses), kept with their numbers
 (docs/PERFORMANCE.md, 2026-11-26 third session; benchmarks/debug/swiglu_backward_kernels.py):
 

@@ -1,4 +1,4 @@
-"""Experiment (issue 17): fsdp8's fused SwiGLU backward (fsdp8/fp8/swiglu.py) and the other
+"""Experiment: fsdp8's fused SwiGLU backward (fsdp8/fp8/swiglu.py) and the other
 forms tried (swiglu_backward_kernel.py) against the op-by-op code compiled as the model
 compiles it.
 

@@ -1,4 +1,4 @@
-"""Experiment (issue 17): memory of block scaling's fused SwiGLU MLP (fsdp8/fp8/mlp.py) against
+"""Experiment: memory of block scaling's fused SwiGLU MLP (fsdp8/fp8/mlp.py) against
 its three linears, compiled, on a stack of residual MLP blocks of model A's or B's shapes.
 
 Prints, per form: memory held after the forward (what the backward keeps), the forward's and
