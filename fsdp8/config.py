@@ -110,11 +110,47 @@ class Precision:
     def casts_inputs(self) -> bool:
         return self.param_dtype is not None and self.param_dtype != self.main_dtype
 
+    @property
+    def label(self) -> str:
+        """The compute dtype's short name: ``"bf16"``, ``"fp32"``, ``"fp16"`` or ``"fp64"``."""
+        return _DTYPE_LABELS[self.compute_dtype]
+
+
+_DTYPE_LABELS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+# bf16 compute with gradients reduced in fp32: what GPUs are fast at, and what fsdp8 picks there.
+BF16_MIXED = Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def resolve_precision(precision: Optional[Precision], device_type: str) -> Precision:
+    """``precision``, or where it is None (automatic) the one for ``device_type``: ``BF16_MIXED``
+    on GPUs ("cuda"), fp32 elsewhere, since CPUs without bf16 units run bf16 GEMMs many times
+    slower than fp32. The one place this choice is made: ``parallelize``, ``fsdp8 train
+    --precision auto``, ``fsdp8 bench`` and the planner (which predicts GPUs) all ask here."""
+    if precision is not None:
+        return precision
+    return BF16_MIXED if device_type == "cuda" else Precision()
+
 
 class FP8Recipe:
     """What ``ParallelConfig.fp8`` holds: the base of fsdp8's FP8 recipes (``fsdp8.fp8.recipes``),
     declared here so that the configuration can check the field without depending on the FP8
     code, which builds on it."""
+
+    name = "recipe"  # a recipe's short name: "current", "delayed", "block", "mxfp8"
+
+
+class LayoutError(ValueError):
+    """A layout ``ParallelConfig`` refuses. ``rule`` names the check, so that a command line can
+    say the same in terms of its own flags (fsdp8/app/args.py)."""
+
+    def __init__(self, rule: str, message: str):
+        super().__init__(message)
+        self.rule = rule
+
+
+class LayoutNotSupported(LayoutError, NotImplementedError):
+    """A layout fsdp8 cannot run yet: a NotImplementedError, and a ValueError for whoever checks
+    configurations (as ``io.UnsupportedOperation`` is both an OSError and a ValueError)."""
 
 
 AC_MODES = ("none", "full", "selective")
@@ -123,11 +159,14 @@ AC_MODES = ("none", "full", "selective")
 def check_checkpointing_with_cp(mode: str, cp: int) -> None:
     """Raise for the checkpointing modes context parallelism cannot run under yet."""
     if mode == "selective" and cp > 1:
-        raise NotImplementedError(
+        raise LayoutNotSupported(
+            "selective_with_cp",
             f"activation_checkpointing='selective' with cp={cp}: the context-parallel attention builds its causal "
             "mask (torch's causal_lower_right, a tensor subclass) inside the checkpointed forward, which the "
-            "selective policy's dispatch mode cannot create; use activation_checkpointing='full' with cp > 1"
+            "selective policy's dispatch mode cannot create; use activation_checkpointing='full' with cp > 1",
         )
+
+
 _MESH_SIZES = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -156,9 +195,9 @@ class ParallelConfig:
       passed to ``torch.compile`` as keyword arguments (e.g. ``{"mode": "max-autotune"}``).
     - ``fp8``, ``precision``, ``strategy``, ``outer_strategy``, ``reshard_after_forward``,
       ``units``, ``offload``: as ``fsdp8.fully_shard`` takes them. ``precision=None`` picks
-      ``Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` on GPUs and
-      fp32 on CPUs (as ``fsdp8 train --precision auto``). ``units=None`` takes the model
-      adapter's units (a Hugging Face model's decoder layers, its ``_no_split_modules``
+      ``BF16_MIXED`` (bf16 compute, fp32 gradient reduction) on GPUs and fp32 on CPUs
+      (``resolve_precision``, as ``fsdp8 train --precision auto``). ``units=None`` takes the
+      model adapter's units (a Hugging Face model's decoder layers, its ``_no_split_modules``
       classes), else every child of every ``nn.ModuleList``.
     - ``skip_packed_sequence_check`` (Hugging Face models): answer transformers' packed-
       sequence checks with "not packed" without reading the position ids. transformers'
@@ -199,25 +238,28 @@ class ParallelConfig:
         object.__setattr__(self, "outer_strategy", OuterStrategy.parse(self.outer_strategy))
         self._check_tensor_parallel()
         if self.outer_strategy is not OuterStrategy.NO_SHARD and self.dp_replicate == 1:
-            raise ValueError(
+            raise LayoutError(
+                "outer_without_replicas",
                 f"outer_strategy={self.outer_strategy.label!r} shards across HSDP replicas, but dp_replicate=1 makes "
-                "none; set dp_replicate > 1 (e.g. the number of nodes) or keep outer_strategy='no_shard'"
+                "none; set dp_replicate > 1 (e.g. the number of nodes) or keep outer_strategy='no_shard'",
             )
         if self.activation_checkpointing not in AC_MODES:
-            raise ValueError(
+            raise LayoutError(
+                "activation_checkpointing",
                 f"ParallelConfig.activation_checkpointing={self.activation_checkpointing!r}: use one of "
-                f"{', '.join(map(repr, AC_MODES))}"
+                f"{', '.join(map(repr, AC_MODES))}",
             )
         check_checkpointing_with_cp(self.activation_checkpointing, self.cp)
         self._check_compile()
         self._check_types()
         if self.offload not in (None, "optim"):
-            raise ValueError(f"ParallelConfig.offload={self.offload!r}: use None or 'optim' (main weights, gradients "
-                             "and optimizer state in host memory)")
+            raise LayoutError("offload", f"ParallelConfig.offload={self.offload!r}: use None or 'optim' (main weights, "
+                                         "gradients and optimizer state in host memory)")
         if self.offload is not None and self.strategy is Strategy.NO_SHARD:
-            raise ValueError(
+            raise LayoutError(
+                "offload_without_sharding",
                 "offload='optim' moves the sharded main weights and optimizer state to the host, but "
-                "strategy='no_shard' shards nothing; use strategy='optim' or higher with offload"
+                "strategy='no_shard' shards nothing; use strategy='optim' or higher with offload",
             )
 
     def _check_sizes(self) -> None:
@@ -239,9 +281,10 @@ class ParallelConfig:
         if self.tp_plan is not None:
             wanting.append("tp_plan")
         if wanting:
-            raise ValueError(
+            raise LayoutError(
+                "needs_tensor_parallel",
                 f"{' and '.join(wanting)} need tensor parallelism, but tp=1; set tp=N (N > 1 dividing the world) "
-                f"or drop {' and '.join(wanting)}"
+                f"or drop {' and '.join(wanting)}",
             )
 
     def _check_compile(self) -> None:

@@ -10,7 +10,7 @@ from ..planner import plan, search
 from ..planner.candidates import fixes
 from ..planner.hardware import GPUS, gpu_named
 from ..planner.predict import plan_setup
-from .args import fail, given, layout_flags, model_flags, none, sizes
+from .args import fail, given, layout_flags, model_flags, parallel_from_flags, sizes
 
 
 def add_parser(sub) -> None:
@@ -40,17 +40,18 @@ def run(args: argparse.Namespace) -> int:
         gpu = gpu_named(args.gpu, memory_gib=args.gpu_memory, bf16_tflops=args.bf16_tflops, fp8_tflops=args.fp8_tflops,
                         hbm_gbps=args.hbm_gbps, nvlink_gbps=args.nvlink_gbps, network_gbps=args.network_gbps)
         common = dict(gpu=gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node, seq_len=given(args.seq_len, 2048),
-                      global_batch=args.global_batch, precision=args.precision, fp8=none(args.fp8), **sizes(args))
+                      global_batch=args.global_batch, **sizes(args))
         if args.search:
-            # --cp N: weigh every context-parallel degree that divides N (default 1: none).
+            # The search lays out every configuration itself: of the layout flags it takes the
+            # precision, the FP8 recipe, --loss-parallel (wherever tp > 1) and with --cp N every
+            # context-parallel degree that divides N (default 1: none).
+            fixed = parallel_from_flags({"precision": args.precision, "fp8": args.fp8})
             cps = tuple(d for d in range(1, args.cp + 1) if args.cp % d == 0) or (args.cp,)  # (cp,): its error
-            found = search(args.model, top=args.top, loss_parallel=args.loss_parallel, cps=cps, **common)
+            found = search(args.model, top=args.top, loss_parallel=args.loss_parallel, cps=cps,
+                           precision=fixed.precision, fp8=fixed.fp8, **common)
         else:
-            result = plan(args.model, micro_batch=given(args.micro_batch, 1), strategy=args.strategy,
-                          outer_strategy=args.outer_strategy, dp_replicate=args.dp_replicate, cp=args.cp, tp=args.tp,
-                          sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel,
-                          activation_checkpointing=args.ac,
-                          offload=none(args.offload), **common)
+            result = plan(args.model, parallel_from_flags(vars(args)), micro_batch=given(args.micro_batch, 1),
+                          **common)
     except (ValueError, FileNotFoundError) as e:
         fail("plan", str(e))
     if args.search:
@@ -76,9 +77,10 @@ def _search_table(found) -> str:
              f"{'#':>3} {'tokens/s/GPU':>12} {'MFU':>6} {'GiB':>6}  {'R x S x cp x tp':<16}{'strategy':<19}{'outer':<9}"
              f"{'AC':<10}{'offload':<8}{'SP':<4}{'micro x acc':>11}"]
     for i, c in enumerate(found, 1):
-        mesh = f"{c.dp_replicate}x{c.dp_shard}x{c.cp}x{c.tp}"
+        p = c.parallel
+        mesh = f"{p.dp_replicate}x{p.dp_shard}x{p.cp}x{p.tp}"
         lines.append(f"{i:>3} {c.tokens_per_s_per_gpu:>12,.0f} {c.plan.mfu:>6.1%} {c.plan.memory.total / 2**30:>6.1f}  "
-                     f"{mesh:<16}{c.strategy:<19}{c.outer_strategy:<9}{c.activation_checkpointing:<10}"
-                     f"{c.offload or 'none':<8}{'yes' if c.sequence_parallel else 'no':<4}"
+                     f"{mesh:<16}{p.strategy.label:<19}{p.outer_strategy.label:<9}{p.activation_checkpointing:<10}"
+                     f"{p.offload or 'none':<8}{'yes' if p.sequence_parallel else 'no':<4}"
                      f"{f'{c.micro_batch} x {c.accumulation}':>11}")
     return "\n".join(lines)

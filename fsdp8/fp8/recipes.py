@@ -48,7 +48,6 @@ class Recipe(FP8Recipe):
     # Delayed scaling is traced where its states are updated outside the block (see
     # Float8Linear.traced); checked bit for bit against eager on CPU (torch 2.13) only.
     traceable = True
-    name = "recipe"
 
     def _check_format(self, allowed=_FORMATS) -> None:
         if self.fp8_format not in allowed:

@@ -29,12 +29,12 @@ def auto_choice(model: nn.Module, seq_len: int = 2048, global_batch: int = 0) ->
 
 def describe_choice(best: Candidate, on_gpus: bool) -> str:
     """The line that says which layout "auto" took and why."""
-    s = best.plan.setup
-    layout = [f"dp_replicate {best.dp_replicate} x dp_shard {best.dp_shard} x cp {best.cp} x tp {best.tp}",
-              f"strategy {best.strategy}", f"outer strategy {best.outer_strategy}" if best.dp_replicate > 1 else "",
-              "sequence parallel" if best.sequence_parallel else "",
-              f"activation checkpointing {best.activation_checkpointing}"
-              if best.activation_checkpointing != "none" else "", f"offload {best.offload}" if best.offload else ""]
+    s, p = best.plan.setup, best.parallel
+    layout = [f"dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} x cp {p.cp} x tp {p.tp}",
+              f"strategy {p.strategy.label}", f"outer strategy {p.outer_strategy.label}" if p.dp_replicate > 1 else "",
+              "sequence parallel" if p.sequence_parallel else "",
+              f"activation checkpointing {p.activation_checkpointing}" if p.activation_checkpointing != "none" else "",
+              f"offload {p.offload}" if p.offload else ""]
     where = f"on {s.cluster.world} {s.cluster.gpu.name} GPU{'s' if s.cluster.world > 1 else ''}"
     if not on_gpus:
         where += " (the planner's figures for the CPU ranks here: only the ranking counts)"

@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..config import ParallelConfig, Precision, check_checkpointing_with_cp
+from ..config import ParallelConfig, check_checkpointing_with_cp, resolve_precision
 from ..distributed.mesh import make_mesh, mesh_dims, tp_mesh
 from ..distributed.process_group import init_distributed, mesh_device
 from ..engine.model import fully_shard
@@ -168,7 +168,7 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
         best = auto_choice(model)
         if dist.get_rank() == 0:  # every rank chose the same
             print(describe_choice(best, torch.cuda.is_available()), file=sys.stderr, flush=True)
-        config = best.parallel_config()
+        config = best.parallel
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"parallelize takes a fsdp8.ParallelConfig or 'auto', got {config!r}")
     _check_model(model, config)
@@ -193,7 +193,7 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
         _apply_tensor_parallel(model, config, tp_mesh(mesh))
     if cp > 1:
         context_parallel(model, mesh, config.sequence_parallel)
-    precision = config.precision or _automatic_precision(mesh)
+    precision = resolve_precision(config.precision, mesh.device_type)
     units = config.units if config.units is not None else adapter.units(model)
     sharded = fully_shard(model, mesh=mesh, units=units, strategy=config.strategy,
                           outer_strategy=config.outer_strategy, precision=precision,
@@ -266,14 +266,6 @@ def _offload_kwargs(config: ParallelConfig) -> Dict[str, Any]:
             f"offload={config.offload!r}: this fsdp8's fully_shard cannot offload yet; use offload=None"
         )
     return {"offload": config.offload}
-
-
-def _automatic_precision(mesh: DeviceMesh) -> Precision:
-    # As `fsdp8 train --precision auto`: bf16 GEMMs are what GPUs are fast at; CPUs without
-    # bf16 units run them many times slower than fp32.
-    if mesh.device_type == "cuda":
-        return Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return Precision()
 
 
 def _data_parallel_place(mesh: DeviceMesh):

@@ -4,10 +4,10 @@ make a configuration that does not fit fit."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, List, Optional, Sequence, Union
 
-from ..config import AC_MODES, STRATEGY_NAMES, ParallelConfig
+from ..config import AC_MODES, STRATEGY_NAMES, FP8Recipe, ParallelConfig, Precision
 from .hardware import GPU, Cluster, Efficiency, gpu_named
 from .model import ModelSpec, check_tp, model_spec
 from .predict import Plan, plan_setup
@@ -18,19 +18,11 @@ MAX_NODES = 4096
 
 @dataclass(frozen=True)
 class Candidate:
-    """A configuration that fits, named as ``fsdp8.ParallelConfig`` names its fields (plus the
-    micro-batch, in sequences per data-parallel rank), and its prediction."""
+    """A configuration that fits: its layout (a ``fsdp8.ParallelConfig`` with every mesh size
+    known, ready for ``parallelize``; ``dataclasses.replace`` sets its other fields, e.g.
+    ``compile=True``), the micro-batch in sequences per data-parallel rank, and its prediction."""
 
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    sequence_parallel: bool
-    loss_parallel: bool
-    strategy: str
-    outer_strategy: str
-    activation_checkpointing: str
-    offload: Optional[str]
+    parallel: ParallelConfig
     micro_batch: int
     accumulation: int
     plan: Plan
@@ -39,33 +31,21 @@ class Candidate:
     def tokens_per_s_per_gpu(self) -> float:
         return self.plan.tokens_per_s_per_gpu
 
-    def parallel_config(self, **overrides) -> ParallelConfig:
-        """This configuration as a ``fsdp8.ParallelConfig`` (``overrides``: its other fields,
-        e.g. ``fp8=fsdp8.Float8CurrentScaling(), compile=True``)."""
-        fields = dict(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp,
-                      sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel, strategy=self.strategy,
-                      outer_strategy=self.outer_strategy, activation_checkpointing=self.activation_checkpointing,
-                      offload=self.offload)
-        return ParallelConfig(**dict(fields, **overrides))
-
     def describe(self) -> str:
-        s = self.plan.setup
-        return f"micro batch {self.micro_batch} x {self.accumulation}, {s.describe()}"
+        return f"micro batch {self.micro_batch} x {self.accumulation}, {self.plan.setup.describe()}"
 
 
 def _candidate(p: Plan) -> Candidate:
-    s = p.setup
-    return Candidate(s.dp_replicate, s.dp_shard, s.cp, s.tp, s.sequence_parallel, s.loss_parallel, s.strategy.label,
-                     s.outer_strategy.label, s.activation_checkpointing, s.offload, s.micro_batch, s.accumulation, p)
+    return Candidate(p.setup.parallel, p.setup.micro_batch, p.setup.accumulation, p)
 
 
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _plans(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, precision: str, fp8: Optional[str],
-           efficiency: Optional[Efficiency], strategies: Sequence[str], tps: Iterable[int], cps: Iterable[int],
-           ac_modes: Sequence[str], offloads: Sequence[Optional[str]], max_micro_batch: int,
+def _plans(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, precision: Optional[Precision],
+           fp8: Optional[FP8Recipe], efficiency: Optional[Efficiency], strategies: Sequence[str], tps: Iterable[int],
+           cps: Iterable[int], ac_modes: Sequence[str], offloads: Sequence[Optional[str]], max_micro_batch: int,
            loss_parallel: bool) -> List[Plan]:
     """A prediction for every valid configuration of the space (fitting or not)."""
     world, found = cluster.world, []
@@ -84,21 +64,23 @@ def _plans(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, p
             for strategy, outer, ac, offload, sp in itertools.product(strategies, outers, ac_modes, offloads,
                                                                       (False, True) if tp > 1 else (False,)):
                 try:
-                    setup = make_setup(spec, cluster, seq_len=seq_len, micro_batch=micro, global_batch=global_batch,
-                                       strategy=strategy, outer_strategy=outer, dp_replicate=replicate, cp=cp, tp=tp,
-                                       sequence_parallel=sp, loss_parallel=loss_parallel and tp > 1,
-                                       precision=precision, fp8=fp8,
-                                       activation_checkpointing=ac, offload=offload, efficiency=efficiency)
-                except ValueError:
+                    parallel = ParallelConfig(dp_replicate=replicate, cp=cp, tp=tp, sequence_parallel=sp,
+                                              loss_parallel=loss_parallel and tp > 1, activation_checkpointing=ac,
+                                              fp8=fp8, precision=precision, strategy=strategy, outer_strategy=outer,
+                                              offload=offload)
+                    setup = make_setup(spec, cluster, parallel, seq_len=seq_len, micro_batch=micro,
+                                       global_batch=global_batch, efficiency=efficiency)
+                except ValueError:  # LayoutNotSupported too
                     continue
                 found.append(plan_setup(spec, setup))
     return found
 
 
 def search(model: Union[str, ModelSpec, None] = None, *, gpu: Union[str, GPU] = "h100", nodes: int = 1,
-           gpus_per_node: int = 8, seq_len: int = 2048, global_batch: Optional[int] = None, precision: str = "bf16",
-           fp8: Optional[str] = None, efficiency: Optional[Efficiency] = None,
-           strategies: Sequence[str] = STRATEGY_NAMES, tps: Optional[Iterable[int]] = None,
+           gpus_per_node: int = 8, seq_len: int = 2048, global_batch: Optional[int] = None,
+           precision: Optional[Precision] = None, fp8: Optional[FP8Recipe] = None,
+           efficiency: Optional[Efficiency] = None, strategies: Sequence[str] = STRATEGY_NAMES,
+           tps: Optional[Iterable[int]] = None,
            cps: Iterable[int] = (1,), ac_modes: Sequence[str] = AC_MODES,
            offloads: Optional[Sequence[Optional[str]]] = None, max_micro_batch: int = 64,
            loss_parallel: bool = False, top: Optional[int] = None, **sizes) -> List[Candidate]:
@@ -109,9 +91,11 @@ def search(model: Union[str, ModelSpec, None] = None, *, gpu: Union[str, GPU] = 
     ranks shard, the one with the least memory (and the fewest replicas). ``tps`` defaults to
     the divisors of gpus_per_node (TP inside a node), ``cps`` to 1: pass context-parallel
     degrees to weigh them too (worth it for long sequences, whose activations or attention
-    time one rank cannot carry). ``loss_parallel=True`` keeps the
-    logits vocabulary-sharded wherever tp > 1 (for a loss computed inside torch's
-    ``loss_parallel()``). Raises ValueError, saying what would help, when nothing fits."""
+    time one rank cannot carry). ``precision`` and ``fp8`` are every candidate's, as
+    ``fsdp8.ParallelConfig`` takes them (None: what parallelize picks, bf16 on GPUs; no FP8).
+    ``loss_parallel=True`` keeps the logits vocabulary-sharded wherever tp > 1 (for a loss
+    computed inside torch's ``loss_parallel()``). Raises ValueError, saying what would help,
+    when nothing fits."""
     spec = model_spec(model, **sizes)
     cluster = Cluster(gpu if isinstance(gpu, GPU) else gpu_named(gpu), nodes, gpus_per_node)
     global_batch = cluster.world if global_batch is None else global_batch
@@ -135,7 +119,7 @@ def search(model: Union[str, ModelSpec, None] = None, *, gpu: Union[str, GPU] = 
 def _rank(p: Plan):
     """Fastest first; among equals (meshes the engine treats alike), the least memory, then the
     simplest: fewer replicas, less tensor parallelism, no offload."""
-    s = p.setup
+    s = p.setup.parallel
     return (-p.tokens_per_s_per_gpu, p.memory.total, s.dp_replicate, s.outer_strategy, s.tp, s.sequence_parallel,
             s.offload is not None)
 
@@ -148,9 +132,9 @@ def _distinct(ranked: List[Plan]) -> List[Plan]:
     others hold more for nothing, or are the same choice said in another way."""
     seen, kept = set(), []
     for p in ranked:
-        s = p.setup
+        s = p.setup.parallel
         key = (f"{p.tokens_per_s_per_gpu:.6g}", s.cp, s.tp, s.sequence_parallel, s.loss_parallel,
-               s.activation_checkpointing, s.offload, s.micro_batch)
+               s.activation_checkpointing, s.offload, p.setup.micro_batch)
         if key not in seen:
             seen.add(key)
             kept.append(p)
@@ -164,7 +148,7 @@ def _more_gpus(spec: ModelSpec, cluster: Cluster, setup: Setup) -> str:
         nodes *= 2
         bigger = Cluster(cluster.gpu, nodes, cluster.gpus_per_node)
         try:
-            p = plan_setup(spec, make_setup(spec, bigger, **_settings(setup, global_batch=None)))
+            p = plan_setup(spec, _changed(spec, setup, bigger, global_batch=None))
         except ValueError:
             continue
         if p.memory.fits:
@@ -174,14 +158,16 @@ def _more_gpus(spec: ModelSpec, cluster: Cluster, setup: Setup) -> str:
             "more memory, more tensor or context parallelism, or shorter sequences")
 
 
-def _settings(setup: Setup, **overrides) -> dict:
-    values = dict(seq_len=setup.seq_len, micro_batch=setup.micro_batch, global_batch=setup.global_batch,
-                  strategy=setup.strategy, outer_strategy=setup.outer_strategy, dp_replicate=setup.dp_replicate,
-                  cp=setup.cp, tp=setup.tp, sequence_parallel=setup.sequence_parallel,
-                  loss_parallel=setup.loss_parallel, precision=setup.precision,
-                  fp8=setup.fp8, activation_checkpointing=setup.activation_checkpointing, offload=setup.offload,
-                  efficiency=setup.efficiency)
-    return dict(values, **overrides)
+_BATCH = ("micro_batch", "global_batch")
+
+
+def _changed(spec: ModelSpec, setup: Setup, cluster: Cluster, **change) -> Setup:
+    """``setup`` on ``cluster`` with ``change`` (ParallelConfig fields, micro_batch, global_batch),
+    its data-parallel shards inferred again."""
+    layout = {key: value for key, value in change.items() if key not in _BATCH}
+    batch = {key: change.get(key, getattr(setup, key)) for key in _BATCH}
+    return make_setup(spec, cluster, replace(setup.parallel, dp_shard=-1, **layout), seq_len=setup.seq_len,
+                      efficiency=setup.efficiency, **batch)
 
 
 # fsdp8 plan's flag for each setting a fix may change.
@@ -196,15 +182,15 @@ def fixes(p: Plan, limit: int = 3) -> List[str]:
     s, spec = p.setup, p.spec
     changes = [{"strategy": "optim_grads_params"}, {"activation_checkpointing": "selective"},
                {"activation_checkpointing": "full"}, {"micro_batch": 1}]
-    changes += [{"tp": t, "sequence_parallel": True} for t in _divisors(s.cluster.gpus_per_node) if t > s.tp]
-    if not s.fp8 and s.strategy.label != "no_shard":
+    changes += [{"tp": t, "sequence_parallel": True} for t in _divisors(s.cluster.gpus_per_node) if t > s.parallel.tp]
+    if not s.fp8 and s.parallel.strategy.label != "no_shard":
         changes.append({"offload": "optim"})
     changes = [c for c in (_new_settings(s, c) for c in changes) if c]
 
     def speed(change: dict) -> Optional[float]:
         """Tokens/s/GPU with ``change`` where it fits; None where it does not, or cannot be made."""
         try:
-            q = plan_setup(spec, make_setup(spec, s.cluster, **_settings(s, **change)))
+            q = plan_setup(spec, _changed(spec, s, s.cluster, **change))
         except ValueError:
             return None
         return q.tokens_per_s_per_gpu if q.memory.fits else None
@@ -222,8 +208,13 @@ def fixes(p: Plan, limit: int = 3) -> List[str]:
 
 def _new_settings(s: Setup, change: dict) -> dict:
     """``change`` less the settings ``s`` already has."""
-    return {key: value for key, value in change.items()
-            if (s.strategy.label if key == "strategy" else getattr(s, key)) != value}
+    def current(key: str):
+        if key in _BATCH:
+            return getattr(s, key)
+        value = getattr(s.parallel, key)
+        return value.label if key == "strategy" else value
+
+    return {key: value for key, value in change.items() if current(key) != value}
 
 
 def _as_flags(change: dict) -> str:

@@ -52,9 +52,9 @@ class UnitPlan:
 
 
 def chunk_plan(setup: Setup) -> ChunkPlan:
-    return ChunkPlan(replicate_size=setup.dp_replicate, shard_size=setup.dp_shard * setup.cp, replicate_rank=0,
-                     shard_rank=0, inner_sharded=setup.strategy.shards_main,
-                     outer_sharded=setup.outer_strategy is OuterStrategy.OPTIM)
+    p = setup.parallel
+    return ChunkPlan(replicate_size=p.dp_replicate, shard_size=p.dp_shard * p.cp, replicate_rank=0, shard_rank=0,
+                     inner_sharded=p.strategy.shards_main, outer_sharded=p.outer_strategy is OuterStrategy.OPTIM)
 
 
 def _scale_bytes(shapes: List[Tuple[int, int]], recipe: str) -> int:
@@ -74,9 +74,9 @@ def _scale_bytes(shapes: List[Tuple[int, int]], recipe: str) -> int:
 
 def _unit(name: str, count: int, params: List[Param], setup: Setup, tp_rank: int, in_unit: bool) -> UnitPlan:
     chunks = chunk_plan(setup).num_chunks
-    shapes = [local_shape(p, setup.tp, tp_rank) for p in params]
+    shapes = [local_shape(p, setup.parallel.tp, tp_rank) for p in params]
     layout = plan_unit(shapes, len(shapes), chunks)
-    fp8 = [in_unit and converts_to_fp8(p, setup.fp8, setup.tp, tp_rank) for p in params]
+    fp8 = [in_unit and converts_to_fp8(p, setup.fp8, setup.parallel.tp, tp_rank) for p in params]
     e = setup.compute_bytes
     if any(fp8):
         # Float8Unit._plan_wire: compute-dtype entries, then FP8 bytes, then MX's e8m0 scales.
@@ -90,11 +90,11 @@ def _unit(name: str, count: int, params: List[Param], setup: Setup, tp_rank: int
     fp8_shapes = [s for s, f in zip(shapes, fp8) if f]
     scales = _scale_bytes(fp8_shapes, setup.fp8) if fp8_shapes else 0
     # Float8Unit._free_unsharded: MX's scale_inv is made at each gather and freed at reshard.
-    gathered = scales if setup.fp8 == "mxfp8" and setup.strategy.shards_params else 0
+    gathered = scales if setup.fp8 == "mxfp8" and setup.parallel.strategy.shards_params else 0
     return UnitPlan(name, count, layout, wire, wire_bytes, sum(math.prod(s) for s in shapes),
                     sum(math.prod(p.chunk_shape(0)) for p in layout.params), sum(math.prod(s) for s in fp8_shapes),
                     len(fp8_shapes), scales - gathered,
-                    aliased=chunks == 1 and wire_bytes == MAIN_BYTES and setup.offload is None,
+                    aliased=chunks == 1 and wire_bytes == MAIN_BYTES and setup.parallel.offload is None,
                     gathered_scale_bytes=gathered)
 
 
@@ -108,10 +108,10 @@ def _persistent_compute(unit: UnitPlan, setup: Setup) -> int:
     """ShardedUnit.persistent_compute_bytes."""
     if unit.aliased:
         return 0
-    if not setup.strategy.shards_params:
+    if not setup.parallel.strategy.shards_params:
         return unit.unsharded_bytes
-    if setup.outer_strategy is OuterStrategy.OPTIM:
-        return setup.dp_replicate * unit.wire.chunk_numel * unit.wire_bytes
+    if setup.parallel.outer_strategy is OuterStrategy.OPTIM:
+        return setup.parallel.dp_replicate * unit.wire.chunk_numel * unit.wire_bytes
     return 0
 
 
@@ -120,19 +120,19 @@ def memory_report(spec: ModelSpec, setup: Setup, tp_rank: int = 0) -> MemoryRepo
     (data-parallel ranks all hold chunks of one size)."""
     units = unit_plans(spec, setup, tp_rank)
     chunks = chunk_plan(setup).num_chunks
-    grads_unsharded = setup.strategy in (Strategy.NO_SHARD, Strategy.OPTIM)
+    grads_unsharded = setup.parallel.strategy in (Strategy.NO_SHARD, Strategy.OPTIM)
     largest = 0
-    if setup.strategy.shards_params:
+    if setup.parallel.strategy.shards_params:
         largest = max((u.unsharded_bytes for u in units if not u.aliased), default=0)
     return MemoryReport(
-        strategy=setup.strategy.label,
+        strategy=setup.parallel.strategy.label,
         main_weights=sum(u.count * u.layout.chunk_numel * MAIN_BYTES for u in units),
         grads=sum(u.count * u.layout.trainable_numel * MAIN_BYTES for u in units),
         compute_copies=sum(u.count * _persistent_compute(u, setup) for u in units),
         grad_accumulation=sum(u.count * chunks * u.layout.trainable_numel * REDUCE_BYTES for u in units)
         if grads_unsharded else 0,
         largest_unsharded_unit=largest,
-        offloaded=setup.offload is not None,
+        offloaded=setup.parallel.offload is not None,
     )
 
 
@@ -157,9 +157,9 @@ class Activations:
 def activations(spec: ModelSpec, setup: Setup, fp8: Dict[str, bool]) -> Activations:
     """Per-token activation bytes of the Llama block under ``setup`` (docs/PLANNING.md derives
     each term from the tensors autograd saves). ``fp8``: which linears are Float8Linear."""
-    e, tp = setup.compute_bytes, setup.tp
+    e, tp = setup.compute_bytes, setup.parallel.tp
     d, q, kv, f, v = spec.hidden, spec.q_dim / tp, spec.kv_dim / tp, spec.ffn / tp, spec.vocab
-    dn = d / tp if setup.sequence_parallel else d  # the residual stream as norms see it
+    dn = d / tp if setup.parallel.sequence_parallel else d  # the residual stream as norms see it
     # RMSNorm: fsdp8's keeps x in fp32 and the normalized fp32 product; transformers' keeps x in
     # fp32 and the normalized value in the compute dtype; both a fp32 rsqrt per token.
     norm = (8 * dn if spec.family == "fsdp8" else (4 + e) * dn) + 4
@@ -172,7 +172,7 @@ def activations(spec: ModelSpec, setup: Setup, fp8: Dict[str, bool]) -> Activati
     # SDPA keeps its inputs: under GQA fsdp8's Llama passes repeat_interleave copies, transformers
     # (no attention mask) the kv heads themselves with enable_gqa. Under context parallelism they
     # are the whole sequence's keys and values, gathered from the cp ranks.
-    k_saved = e * (q if expands_kv(spec) else kv) * setup.cp
+    k_saved = e * (q if expands_kv(spec) else kv) * setup.parallel.cp
     attention = e * q + 2 * k_saved + e * q + 4 * spec.heads / tp  # q, k, v, output, logsumexp
     wo_input = q if fp8.get("wo") else 0  # the output is kept for SDPA already; FP8 adds its bytes
     qk_norm = ((4 + e) * (q + kv) + 8) if spec.qk_norm else 0
@@ -180,16 +180,16 @@ def activations(spec: ModelSpec, setup: Setup, fp8: Dict[str, bool]) -> Activati
     none = 2 * norm + inputs("wq", "wk", "wv", width=d) + attention + wo_input + qk_norm \
         + inputs("w1", "w3", width=d) + ffn
     x_in = e * dn  # the block input, which checkpointing keeps
-    if setup.activation_checkpointing == "full":
+    if setup.parallel.activation_checkpointing == "full":
         saved = x_in
-    elif setup.activation_checkpointing == "selective":
+    elif setup.parallel.activation_checkpointing == "selective":
         # Every second matmul's output (wq, wv, w1, w2), SDPA's outputs, reduce-scatter outputs;
         # and FP8 linears' quantized inputs, which the policy does not drop (measured on H200:
         # model A, fp8-current, kept 1.7 GiB more than bf16, these bytes).
         saved = x_in + e * (q + kv + f + d) + e * q + 4 * spec.heads / tp
         saved += (d if fp8.get("wq") else 0) + (q if fp8.get("wo") else 0) + (d if fp8.get("w1") else 0) \
             + (f if fp8.get("w2") else 0)
-        if setup.sequence_parallel:
+        if setup.parallel.sequence_parallel:
             saved += 2 * e * dn
     else:
         saved = none
@@ -198,7 +198,7 @@ def activations(spec: ModelSpec, setup: Setup, fp8: Dict[str, bool]) -> Activati
     work = max(3 * e * f, (4 + 3 * e) * q, 12 * dn) + 2 * e * d
     # Final norm, head input, log-softmax output (fp32; every vocabulary entry, or this rank's
     # share of them under loss parallelism).
-    v_local = v / tp if setup.loss_parallel else v
+    v_local = v / tp if setup.parallel.loss_parallel else v
     root = norm + e * d + 4 * v_local
     return Activations(saved, none, work, root, loss_forward=(e + 4) * v_local, loss_backward=8 * v_local)
 
@@ -223,7 +223,7 @@ def peaks(spec: ModelSpec, setup: Setup, report: MemoryReport, units: List[UnitP
     and the last layer kept through forward into backward, one layer prefetched)."""
     root, layer = units
     device = not report.offloaded
-    t = setup.micro_batch * setup.seq_len / setup.cp  # tokens of this rank's micro-batch
+    t = setup.micro_batch * setup.seq_len / setup.parallel.cp  # tokens of this rank's micro-batch
     e = setup.compute_bytes
     base = {
         "main weights": report.main_weights * device,
@@ -233,10 +233,10 @@ def peaks(spec: ModelSpec, setup: Setup, report: MemoryReport, units: List[UnitP
         "FP8 scales": sum(u.count * u.scale_bytes for u in units),
     }
     grads = report.grads * device
-    carried = grads if setup.accumulation > 1 and setup.strategy >= Strategy.OPTIM_GRADS else 0
+    carried = grads if setup.accumulation > 1 and setup.parallel.strategy >= Strategy.OPTIM_GRADS else 0
     layer_grads = layer.layout.trainable_numel * MAIN_BYTES * device
     chunks = chunk_plan(setup).num_chunks
-    zero3 = setup.strategy.shards_params
+    zero3 = setup.parallel.strategy.shards_params
     u_root = root.unsharded_bytes + root.gathered_scale_bytes if zero3 and not root.aliased else 0
     u_layer = layer.unsharded_bytes + layer.gathered_scale_bytes if zero3 and not layer.aliased else 0
     # Its unsharded buffer (and scales) and the gathered one.
@@ -247,9 +247,10 @@ def peaks(spec: ModelSpec, setup: Setup, report: MemoryReport, units: List[UnitP
     # During the layers' backward the root holds the head's and the final norm's gradients;
     # an untied embedding's arrives last, when backward reaches the model's input.
     embed = next(p for p in spec.root_params() if p.name == "embed")
-    embedding = 0 if spec.tied else math.prod(local_shape(embed, setup.tp, 0))
+    embedding = 0 if spec.tied else math.prod(local_shape(embed, setup.parallel.tp, 0))
     g_head = g_root - embedding * e
-    in_place = report.grad_accumulation or (chunks == 1 and setup.dp_replicate == 1 and setup.accumulation == 1)
+    in_place = report.grad_accumulation or (chunks == 1 and setup.parallel.dp_replicate == 1
+                                            and setup.accumulation == 1)
     pack = 0 if in_place else chunks * REDUCE_BYTES
     transpose = layer.fp8_numel  # FP8 weights' transposes: made in backward, freed at reshard
     n, saved = spec.layers, acts.saved * t

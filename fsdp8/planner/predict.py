@@ -13,12 +13,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Union
 
-from ..config import OuterStrategy, Strategy
+from ..config import ParallelConfig
 from ..engine.sharded import MemoryReport
 from .hardware import GIB, GPU, Cluster, Efficiency, describe_gpu, gpu_named
 from .memory import Peak, activations, memory_report, optimizer_bytes, peaks, unit_plans
 from .model import ModelSpec, converts_to_fp8, model_spec
-from .setup import Setup, make_setup
+from .setup import Setup, layout_fields, make_setup
 from .time import StepTime, step_time
 
 @dataclass(frozen=True)
@@ -66,12 +66,12 @@ class Plan:
         return flops / (self.setup.cluster.gpu.bf16_tflops * 1e12)
 
     def to_dict(self) -> dict:
-        m, t = self.memory, self.time
+        m, t, s = self.memory, self.time, self.setup
         return {
             "model": dataclasses.asdict(self.spec),
-            "setup": {k: (v.label if isinstance(v, (Strategy, OuterStrategy)) else v) for k, v in
-                      dataclasses.asdict(self.setup).items() if k not in ("cluster", "efficiency")}
-            | {"dp_shard": self.setup.dp_shard, "accumulation": self.setup.accumulation},
+            "setup": {"seq_len": s.seq_len, "micro_batch": s.micro_batch, "global_batch": s.global_batch,
+                      **layout_fields(s.parallel, s.precision), "dp_shard": s.parallel.dp_shard,
+                      "accumulation": s.accumulation},
             "cluster": dataclasses.asdict(self.setup.cluster),
             "efficiency": dataclasses.asdict(self.setup.efficiency),
             "memory": {"report": dataclasses.asdict(m.report), "host": m.report.host, "optimizer": m.optimizer,
@@ -96,7 +96,7 @@ def plan_setup(spec: ModelSpec, setup: Setup) -> Plan:
     """The prediction for a checked Setup."""
     units = unit_plans(spec, setup)
     report = memory_report(spec, setup)
-    fp8 = {p.name: converts_to_fp8(p, setup.fp8, setup.tp, 0) for p in spec.block_params()}
+    fp8 = {p.name: converts_to_fp8(p, setup.fp8, setup.parallel.tp, 0) for p in spec.block_params()}
     peak = max(peaks(spec, setup, report, units, activations(spec, setup, fp8)), key=lambda p: p.total)
     eff = setup.efficiency
     memory = Memory(report, optimizer_bytes(units), peak, peak.total * eff.allocator, eff.runtime_gib * GIB,
@@ -104,30 +104,26 @@ def plan_setup(spec: ModelSpec, setup: Setup) -> Plan:
     return Plan(spec, setup, memory, step_time(spec, setup, units))
 
 
-def plan(model: Union[str, ModelSpec, None] = None, *, gpu: Union[str, GPU] = "h100", nodes: int = 1,
-         gpus_per_node: int = 8, seq_len: int = 2048, micro_batch: int = 1, global_batch: Optional[int] = None,
-         strategy="optim_grads_params", outer_strategy="no_shard", dp_replicate: int = 1, cp: int = 1, tp: int = 1,
-         sequence_parallel: bool = False, loss_parallel: bool = False, precision: str = "bf16",
-         fp8: Optional[str] = None,
-         activation_checkpointing: str = "none", offload: Optional[str] = None,
-         efficiency: Optional[Efficiency] = None, **sizes) -> Plan:
-    """Predict memory per rank, communication and step time of training ``model`` on
-    ``nodes`` x ``gpus_per_node`` GPUs.
+def plan(model: Union[str, ModelSpec, None] = None, parallel: Optional[ParallelConfig] = None, *,
+         gpu: Union[str, GPU] = "h100", nodes: int = 1, gpus_per_node: int = 8, seq_len: int = 2048,
+         micro_batch: int = 1, global_batch: Optional[int] = None, efficiency: Optional[Efficiency] = None,
+         **sizes) -> Plan:
+    """Predict memory per rank, communication and step time of training ``model`` laid out as
+    ``parallel`` (a ``fsdp8.ParallelConfig``; default ``ParallelConfig()``) on ``nodes`` x
+    ``gpus_per_node`` GPUs.
 
     ``model``: a built-in preset name, ``"hf:DIR"`` (a Hugging Face config.json), a ModelSpec,
     or None with every size given; ``sizes`` (layers, hidden, ffn, heads, kv_heads, vocab, tied)
-    override the model's. ``gpu``: a name of ``fsdp8.planner.hardware.GPUS`` or a GPU. ``micro_batch``:
-    sequences per data-parallel rank per micro-batch; ``global_batch``: sequences per step
-    (default: one micro-batch per rank, no accumulation). ``loss_parallel``: the head's logits
-    stay vocabulary-sharded over tp (ParallelConfig's, with the loss computed inside
-    torch's ``loss_parallel()``). ``fp8``: a recipe name
-    (current, delayed, block, mxfp8). Raises ValueError for a configuration that cannot run."""
+    override the model's. ``parallel``: its inferred mesh size (``dp_shard=-1`` by default)
+    takes what the GPUs leave, ``precision=None`` is what parallelize picks on GPUs (bf16), and
+    its FP8 recipe is one of fsdp8's four (the planner knows each by name). ``gpu``: a name of
+    ``fsdp8.planner.hardware.GPUS`` or a GPU. ``micro_batch``: sequences per data-parallel rank
+    per micro-batch; ``global_batch``: sequences per step (default: one micro-batch per rank, no
+    accumulation). Raises ValueError for a configuration that cannot run."""
     spec = model_spec(model, **sizes)
     cluster = Cluster(gpu if isinstance(gpu, GPU) else gpu_named(gpu), nodes, gpus_per_node)
-    setup = make_setup(spec, cluster, seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
-                       strategy=strategy, outer_strategy=outer_strategy, dp_replicate=dp_replicate, cp=cp, tp=tp,
-                       sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, precision=precision, fp8=fp8,
-                       activation_checkpointing=activation_checkpointing, offload=offload, efficiency=efficiency)
+    setup = make_setup(spec, cluster, parallel, seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
+                       efficiency=efficiency)
     return plan_setup(spec, setup)
 
 
@@ -190,7 +186,7 @@ def _time_lines(p: Plan) -> List[str]:
         ms("forward + backward, each waiting for the slower", t.issue_bound),
         ms("TP/CP collectives (compute stream)", t.model_parallel),
         ms("data-parallel communication left exposed", t.exposed),
-        ms("optimizer step" + (" (on the host)" if p.setup.offload else ""), t.optimizer),
+        ms("optimizer step" + (" (on the host)" if p.setup.parallel.offload else ""), t.optimizer),
         ms("step", t.step),
         f"tokens/s/GPU {p.tokens_per_s_per_gpu:,.0f}   MFU {p.mfu:.1%}   "
         f"({'fits' if p.memory.fits else 'does NOT fit'} in {p.memory.capacity / GIB:.1f} GiB)",

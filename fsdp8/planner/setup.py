@@ -3,62 +3,73 @@ checked by make_setup, which says what cannot work and what would."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
-from ..config import AC_MODES, OuterStrategy, Strategy, check_checkpointing_with_cp
+import torch
+
+from ..config import ParallelConfig, resolve_precision
+from ..distributed.mesh import mesh_dims
 from .hardware import Cluster, Efficiency
 from .model import FP8_RECIPES, ModelSpec, check_tp
 
 
-PRECISIONS = ("bf16", "fp32")
-
-
 @dataclass(frozen=True)
 class Setup:
-    """A training configuration on a cluster, checked: ``dp_shard`` is what the GPUs leave,
-    ``accumulation`` the micro-batches per optimizer step."""
+    """A training configuration on a cluster, checked: the layout with every mesh size known
+    (``dp_shard`` is what the GPUs leave), ``accumulation`` the micro-batches per optimizer step."""
 
     cluster: Cluster
     seq_len: int
     micro_batch: int  # sequences per data-parallel rank per micro-batch (a TP group shares them)
     global_batch: int  # sequences per optimizer step
-    strategy: Strategy
-    outer_strategy: OuterStrategy
-    dp_replicate: int
-    cp: int
-    tp: int
-    sequence_parallel: bool
-    loss_parallel: bool
-    precision: str
-    fp8: Optional[str]
-    activation_checkpointing: str
-    offload: Optional[str]
+    parallel: ParallelConfig
     efficiency: Efficiency
 
     @property
-    def dp_shard(self) -> int:
-        return self.cluster.world // (self.dp_replicate * self.cp * self.tp)
-
-    @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.parallel.dp_replicate * self.parallel.dp_shard
 
     @property
     def accumulation(self) -> int:
         return self.global_batch // (self.micro_batch * self.dp)
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        # The planner predicts GPUs: an automatic precision is theirs.
+        return resolve_precision(self.parallel.precision, "cuda").compute_dtype
+
+    @property
+    def precision(self) -> str:
+        return "bf16" if self.compute_dtype == torch.bfloat16 else "fp32"
+
+    @property
     def compute_bytes(self) -> int:
-        return 2 if self.precision == "bf16" else 4
+        return self.compute_dtype.itemsize
+
+    @property
+    def fp8(self) -> Optional[str]:
+        """The FP8 recipe's name (``fsdp8.planner.model.FP8_RECIPES``), None without FP8."""
+        return self.parallel.fp8.name if self.parallel.fp8 is not None else None
 
     def describe(self) -> str:
-        mesh = f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x tp {self.tp}"
-        extra = [f"outer {self.outer_strategy.label}" if self.dp_replicate > 1 else "",
-                 "sequence parallel" if self.sequence_parallel else "", "loss parallel" if self.loss_parallel else "",
-                 f"offload {self.offload}" if self.offload else ""]
-        return (f"{mesh}, {self.strategy.label}{''.join(', ' + x for x in extra if x)}, {self.precision}"
-                f"{', fp8 ' + self.fp8 if self.fp8 else ''}, AC {self.activation_checkpointing}")
+        p = self.parallel
+        mesh = f"dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} x cp {p.cp} x tp {p.tp}"
+        extra = [f"outer {p.outer_strategy.label}" if p.dp_replicate > 1 else "",
+                 "sequence parallel" if p.sequence_parallel else "", "loss parallel" if p.loss_parallel else "",
+                 f"offload {p.offload}" if p.offload else ""]
+        return (f"{mesh}, {p.strategy.label}{''.join(', ' + x for x in extra if x)}, {self.precision}"
+                f"{', fp8 ' + self.fp8 if self.fp8 else ''}, AC {p.activation_checkpointing}")
+
+
+def layout_fields(parallel: ParallelConfig, precision: str) -> dict:
+    """The layout as ``fsdp8 plan --json`` and ``fsdp8 bench --json`` print it: its fields flat,
+    strategies and the FP8 recipe by name, and ``precision`` naming the compute precision."""
+    p = parallel
+    return {"strategy": p.strategy.label, "outer_strategy": p.outer_strategy.label, "dp_replicate": p.dp_replicate,
+            "cp": p.cp, "tp": p.tp, "sequence_parallel": p.sequence_parallel, "loss_parallel": p.loss_parallel,
+            "precision": precision, "fp8": p.fp8.name if p.fp8 is not None else None,
+            "activation_checkpointing": p.activation_checkpointing, "offload": p.offload}
 
 
 def _positive(name: str, value) -> int:
@@ -67,55 +78,46 @@ def _positive(name: str, value) -> int:
     return value
 
 
-def make_setup(spec: ModelSpec, cluster: Cluster, *, seq_len: int, micro_batch: int = 1,
-               global_batch: Optional[int] = None, strategy="optim_grads_params", outer_strategy="no_shard",
-               dp_replicate: int = 1, cp: int = 1, tp: int = 1, sequence_parallel: bool = False,
-               loss_parallel: bool = False, precision: str = "bf16", fp8: Optional[str] = None, activation_checkpointing: str = "none",
-               offload: Optional[str] = None, efficiency: Optional[Efficiency] = None) -> Setup:
-    """A Setup, or a ValueError saying what cannot work and what would."""
-    for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("dp_replicate", dp_replicate),
-                        ("cp", cp), ("tp", tp)):
+def _mesh_sizes(parallel: ParallelConfig, cluster: Cluster) -> ParallelConfig:
+    """``parallel`` with its inferred mesh size (-1) resolved on the cluster's GPUs."""
+    world, p = cluster.world, parallel
+    if p.dp_shard == -1 and world % (p.dp_replicate * p.cp * p.tp):
+        product = p.dp_replicate * p.cp * p.tp
+        raise ValueError(f"dp_replicate {p.dp_replicate} x cp {p.cp} x tp {p.tp} = {product} does not divide the "
+                         f"{world} ranks ({cluster.describe()}); choose sizes whose product divides {world}")
+    sizes = mesh_dims(world, p.dp_replicate, p.dp_shard, p.cp, p.tp)
+    return replace(p, **{name: sizes.get(name, 1) for name in ("dp_replicate", "dp_shard", "cp", "tp")})
+
+
+def make_setup(spec: ModelSpec, cluster: Cluster, parallel: Optional[ParallelConfig] = None, *, seq_len: int,
+               micro_batch: int = 1, global_batch: Optional[int] = None,
+               efficiency: Optional[Efficiency] = None) -> Setup:
+    """A Setup of ``parallel`` (default ``ParallelConfig()``), or a ValueError saying what cannot
+    work and what would. What ParallelConfig checks itself it checked when it was made; here,
+    the layout against the cluster, the model, the sequence and the batch."""
+    for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch)):
         _positive(name, value)
-    world = cluster.world
-    if world % (dp_replicate * cp * tp):
-        raise ValueError(f"dp_replicate {dp_replicate} x cp {cp} x tp {tp} = {dp_replicate * cp * tp} does not divide "
-                         f"the {world} ranks ({cluster.describe()}); choose sizes whose product divides {world}")
+    parallel = _mesh_sizes(parallel or ParallelConfig(), cluster)
+    cp, tp = parallel.cp, parallel.tp
     check_tp(spec, tp)
     if cp > 1 and seq_len % (2 * cp):
         raise ValueError(f"seq_len {seq_len} is not a multiple of 2 x cp = {2 * cp} (context parallelism gives each "
                          f"rank a head and a tail chunk); use a seq_len that is")
-    try:  # what parallelize refuses, the planner does not recommend
-        check_checkpointing_with_cp(activation_checkpointing, cp)
-    except NotImplementedError as e:
-        raise ValueError(str(e)) from None
-    for name, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
-        if value and tp == 1:
-            raise ValueError(f"{name} needs tp > 1")
-    if sequence_parallel and seq_len % tp:
+    if parallel.sequence_parallel and seq_len % tp:
         raise ValueError(f"sequence parallelism splits every sequence over tp={tp}: seq_len {seq_len} must be a multiple")
-    strategy, outer = Strategy.parse(strategy), OuterStrategy.parse(outer_strategy)
-    if outer is OuterStrategy.OPTIM and dp_replicate == 1:
-        raise ValueError("outer_strategy 'optim' shards across HSDP replicas, but dp_replicate=1 makes none; "
-                         "set dp_replicate > 1 or keep outer_strategy 'no_shard'")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
-    if fp8 is not None and fp8 not in FP8_RECIPES:
-        raise ValueError(f"fp8 recipe {fp8!r}: use one of {', '.join(FP8_RECIPES)} (or none)")
-    if fp8 is not None and precision != "bf16":
-        raise ValueError(f"FP8 layers compute in bf16; use precision bf16 with fp8 {fp8!r}")
-    if activation_checkpointing not in AC_MODES:
-        raise ValueError(f"activation checkpointing {activation_checkpointing!r}: use one of {', '.join(AC_MODES)}")
-    if offload not in (None, "optim"):
-        raise ValueError(f"offload {offload!r}: use none or 'optim' (main weights, gradients, optimizer state on the host)")
-    if offload and fp8:
-        raise ValueError("offload 'optim' with FP8 layers is not supported by fully_shard yet; drop one of them")
-    if offload and strategy is Strategy.NO_SHARD:
-        raise ValueError("offload 'optim' moves sharded state to the host; use strategy optim or higher")
-    dp = world // (cp * tp)
+    dp = cluster.world // (cp * tp)
     per_step = micro_batch * dp
     global_batch = per_step if global_batch is None else _positive("global_batch", global_batch)
     if global_batch % per_step:
         raise ValueError(f"global batch {global_batch} is not a multiple of micro batch {micro_batch} x {dp} data-parallel "
                          f"ranks = {per_step}; use a global batch of {per_step} x k sequences")
-    return Setup(cluster, seq_len, micro_batch, global_batch, strategy, outer, dp_replicate, cp, tp, sequence_parallel,
-                 loss_parallel, precision, fp8, activation_checkpointing, offload, efficiency or Efficiency())
+    setup = Setup(cluster, seq_len, micro_batch, global_batch, parallel, efficiency or Efficiency())
+    if setup.compute_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"precision {parallel.precision!r}: the planner models bf16 or fp32 compute")
+    if setup.fp8 is not None and setup.fp8 not in FP8_RECIPES:
+        raise ValueError(f"fp8 recipe {setup.fp8!r}: use one of {', '.join(FP8_RECIPES)} (or none)")
+    if setup.fp8 is not None and setup.compute_dtype != torch.bfloat16:
+        raise ValueError(f"FP8 layers compute in bf16; use precision bf16 with fp8 {setup.fp8!r}")
+    if parallel.offload and setup.fp8:
+        raise ValueError("offload 'optim' with FP8 layers is not supported by fully_shard yet; drop one of them")
+    return setup

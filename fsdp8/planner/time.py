@@ -88,7 +88,8 @@ class Groups:
 
 
 def groups(setup: Setup) -> Groups:
-    gpn, tp, cp, s, r = setup.cluster.gpus_per_node, setup.tp, setup.cp, setup.dp_shard, setup.dp_replicate
+    p, gpn = setup.parallel, setup.cluster.gpus_per_node
+    tp, cp, s, r = p.tp, p.cp, p.dp_shard, p.dp_replicate
     return Groups(tp=group("tp", tp, 1, gpn), cp=group("cp", cp, tp, gpn), shard=group("dp_shard", s * cp, tp, gpn),
                   replicate=group("dp_replicate", r, s * cp * tp, gpn), dp=group("dp", r * s * cp, tp, gpn))
 
@@ -112,8 +113,8 @@ def _elementwise_bytes(spec: ModelSpec, setup: Setup) -> float:
     """Bytes one layer's forward moves through HBM per token outside GEMMs and attention (eager
     ops: norms in fp32, rotary, the repeat of K and V, residual adds, SwiGLU); backward moves
     twice that."""
-    e, tp = setup.compute_bytes, setup.tp
-    d = spec.hidden / tp if setup.sequence_parallel else spec.hidden
+    e, tp = setup.compute_bytes, setup.parallel.tp
+    d = spec.hidden / tp if setup.parallel.sequence_parallel else spec.hidden
     q, kv, f = spec.q_dim / tp, spec.kv_dim / tp, spec.ffn / tp
     gqa = 2 * e * (kv + q) if expands_kv(spec) else 0
     return 2 * (32 + 2 * e) * d + 9 * e * (q + kv) + gqa + 6 * e * d + 5 * e * f
@@ -126,8 +127,8 @@ _SELECTIVE_RECOMPUTED = ("wk", "wo", "w3")
 
 def compute(spec: ModelSpec, setup: Setup) -> Compute:
     gpu, eff = setup.cluster.gpu, setup.efficiency
-    e, tp, ac = setup.compute_bytes, setup.tp, setup.activation_checkpointing
-    t = setup.micro_batch * setup.seq_len / setup.cp  # tokens of this rank's micro-batch
+    e, tp, ac = setup.compute_bytes, setup.parallel.tp, setup.parallel.activation_checkpointing
+    t = setup.micro_batch * setup.seq_len / setup.parallel.cp  # tokens of this rank's micro-batch
     hbm = gpu.hbm_gbps * 1e9 * eff.hbm
     dense = (gpu.bf16_tflops if e == 2 else gpu.fp32_tflops) * 1e12 * eff.gemm
     fp8_rate = gpu.fp8_tflops * 1e12 * eff.fp8_gemm
@@ -149,7 +150,7 @@ def compute(spec: ModelSpec, setup: Setup) -> Compute:
             fp8_linears += 1
     # Causal attention: QK^T and PV over half the score matrix; backward recomputes the
     # scores (5 matmuls to forward's 2).
-    attn_flops = 2 * setup.micro_batch * setup.seq_len ** 2 * spec.q_dim / (setup.cp * tp)
+    attn_flops = 2 * setup.micro_batch * setup.seq_len ** 2 * spec.q_dim / (setup.parallel.cp * tp)
     attn = attn_flops / ((gpu.bf16_tflops if e == 2 else gpu.fp32_tflops) * 1e12 * eff.attention)
     elementwise = _elementwise_bytes(spec, setup) * t / hbm
     recompute = recompute_gemm + (elementwise if ac != "none" else 0.0) + (attn if ac == "full" else 0.0)
@@ -159,7 +160,7 @@ def compute(spec: ModelSpec, setup: Setup) -> Compute:
     v_local = -(-spec.vocab // tp)
     head = 2 * t * spec.hidden * v_local / dense
     # Logits to fp32, log-softmax and its backward (on this rank's vocabulary under loss parallelism).
-    loss = (32 + 2 * e) * (v_local if setup.loss_parallel else spec.vocab) * t / hbm
+    loss = (32 + 2 * e) * (v_local if setup.parallel.loss_parallel else spec.vocab) * t / hbm
     norm = (32 + 2 * e) * spec.hidden * t / hbm
     flops = spec.layers * (3 * mm_flops + recompute_flops + 3.5 * attn_flops + (attn_flops if ac == "full" else 0)) \
         + 3 * 2 * t * spec.hidden * v_local
@@ -211,28 +212,28 @@ def _gathers(u: UnitPlan, setup: Setup, g: Groups, refresh_outer: bool) -> List[
     chunks = chunk_plan(setup).num_chunks
     if chunks == 1 or u.aliased:
         return []
-    out = []
-    outer = setup.outer_strategy is OuterStrategy.OPTIM
-    if setup.strategy.shards_params and outer:
+    out, p = [], setup.parallel
+    outer = p.outer_strategy is OuterStrategy.OPTIM
+    if p.strategy.shards_params and outer:
         if refresh_outer:  # the R outer chunks, once per optimizer step
             out.append(Transfer("all-gather params across replicas", "all_gather", g.replicate,
-                                setup.dp_replicate * u.wire.chunk_numel * u.wire_bytes, "gather"))
+                                p.dp_replicate * u.wire.chunk_numel * u.wire_bytes, "gather"))
         out.append(Transfer("all-gather params", "all_gather", g.shard, u.unsharded_bytes, "gather"))
     else:
-        main = g.dp if setup.strategy.shards_main and outer else g.shard if setup.strategy.shards_main else g.replicate
+        main = g.dp if p.strategy.shards_main and outer else g.shard if p.strategy.shards_main else g.replicate
         out.append(Transfer("all-gather params", "all_gather", main, u.unsharded_bytes, "gather"))
-    if setup.offload:
+    if p.offload:
         out.append(Transfer("copy main chunk to GPU", "copy", PCIE, u.layout.chunk_numel * MAIN_BYTES, "gather"))
     return out
 
 
 def _reductions(u: UnitPlan, setup: Setup, g: Groups, sync: bool) -> List[Transfer]:
     """Topology.grad_reduce_steps for one unit's gradients (ZeRO-0/1 reduce only when ``sync``)."""
-    if setup.strategy in (Strategy.NO_SHARD, Strategy.OPTIM) and not sync:
+    if setup.parallel.strategy in (Strategy.NO_SHARD, Strategy.OPTIM) and not sync:
         return []
     n = chunk_plan(setup).num_chunks
     packed, shard = n * u.layout.trainable_numel * REDUCE_BYTES, u.layout.trainable_numel * REDUCE_BYTES
-    inner, outer = setup.strategy.shards_main, setup.outer_strategy is OuterStrategy.OPTIM
+    inner, outer = setup.parallel.strategy.shards_main, setup.parallel.outer_strategy is OuterStrategy.OPTIM
     if inner and outer:
         steps = [("reduce-scatter grads", "reduce_scatter", g.dp, packed)]
     elif inner:
@@ -245,7 +246,7 @@ def _reductions(u: UnitPlan, setup: Setup, g: Groups, sync: bool) -> List[Transf
     else:
         steps = [("all-reduce grads", "all_reduce", g.dp, packed)]
     out = [Transfer(what, op, grp, nbytes, "reduce") for what, op, grp, nbytes in steps if grp.size > 1]
-    if setup.offload:
+    if setup.parallel.offload:
         out.append(Transfer("copy grads to host", "copy", PCIE, shard, "reduce"))
     return out
 
@@ -253,15 +254,16 @@ def _reductions(u: UnitPlan, setup: Setup, g: Groups, sync: bool) -> List[Transf
 def _model_parallel(spec: ModelSpec, setup: Setup, g: Groups) -> List[Transfer]:
     """Tensor- and context-parallel collectives of one micro-batch (torch's TP styles and CP's
     K/V gathers; recomputation repeats those checkpointing does not keep)."""
-    e, t, ac, layers = setup.compute_bytes, setup.micro_batch * setup.seq_len / setup.cp, \
-        setup.activation_checkpointing, spec.layers
+    p = setup.parallel
+    e, t, ac, layers = setup.compute_bytes, setup.micro_batch * setup.seq_len / p.cp, p.activation_checkpointing, \
+        spec.layers
     out: List[Transfer] = []
     if g.tp.size > 1:
         act = t * spec.hidden * e
         tensorwise = setup.fp8 in ("current", "delayed")
-        x_in = t * spec.hidden * (1 if tensorwise and converts_to_fp8(spec.block_params()[1], setup.fp8, setup.tp, 0)
+        x_in = t * spec.hidden * (1 if tensorwise and converts_to_fp8(spec.block_params()[1], setup.fp8, p.tp, 0)
                                   else e)
-        if setup.sequence_parallel:
+        if p.sequence_parallel:
             # Per layer: gather the norm outputs for attention and FFN, reduce-scatter their outputs;
             # backward the reverse. Selective keeps the reduce-scatter outputs.
             gathers = 2 * layers * (2 + (ac != "none"))
@@ -275,11 +277,11 @@ def _model_parallel(spec: ModelSpec, setup: Setup, g: Groups) -> List[Transfer]:
         else:
             calls = 2 * layers * (2 + (ac != "none"))
             out.append(Transfer("TP all-reduce activations", "all_reduce", g.tp, act, "compute", calls + 2))
-        if not setup.loss_parallel:  # replicated logits are gathered; loss parallelism keeps them sharded
-            logits = t * -(-spec.vocab // setup.tp) * setup.tp * e
+        if not p.loss_parallel:  # replicated logits are gathered; loss parallelism keeps them sharded
+            logits = t * -(-spec.vocab // p.tp) * p.tp * e
             out.append(Transfer("TP all-gather logits", "all_gather", g.tp, logits, "compute"))
     if g.cp.size > 1:
-        kv = 2 * t * setup.cp * spec.kv_dim / setup.tp * e  # K and V of the whole sequence
+        kv = 2 * t * p.cp * spec.kv_dim / p.tp * e  # K and V of the whole sequence
         out += [Transfer("CP all-gather K/V", "all_gather", g.cp, kv, "compute", layers * (1 + (ac != "none"))),
                 Transfer("CP reduce-scatter dK/dV", "reduce_scatter", g.cp, kv, "compute", layers)]
     return out
@@ -319,7 +321,7 @@ def step_time(spec: ModelSpec, setup: Setup, units: List[UnitPlan]) -> StepTime:
     gpu, eff, e = setup.cluster.gpu, setup.efficiency, setup.compute_bytes
     hbm = gpu.hbm_gbps * 1e9 * eff.hbm
     chunks = chunk_plan(setup).num_chunks
-    zero3 = setup.strategy.shards_params
+    zero3 = setup.parallel.strategy.shards_params
     issued: List[Transfer] = []
     compute_s = compute_fwd = exposed = 0.0
 
@@ -360,7 +362,7 @@ def step_time(spec: ModelSpec, setup: Setup, units: List[UnitPlan]) -> StepTime:
     issued += mp
     main_elems = sum(u.count * u.main_local for u in units)
     host = gpu.host_gbps * 1e9
-    optimizer = main_elems * ADAMW_BYTES / (host if setup.offload else hbm) + main_elems * MAIN_BYTES / hbm
+    optimizer = main_elems * ADAMW_BYTES / (host if setup.parallel.offload else hbm) + main_elems * MAIN_BYTES / hbm
     # Once per step: the FP8 scales' max all-reduce and clip_grad_norm_'s, over every rank.
     world = Group("world", setup.cluster.world, setup.cluster.nodes, setup.cluster.world // setup.cluster.nodes)
     step_level = [Transfer("all-reduce grad norm", "all_reduce", world, 4, "compute")]

@@ -9,14 +9,15 @@ import signal
 import socket
 import subprocess
 import sys
-from dataclasses import asdict
 
 import pytest
 import torch.distributed.checkpoint as dcp
 
+from fsdp8 import Float8CurrentScaling, ParallelConfig
 from fsdp8.app import cli
 from fsdp8.app.train import command as train_command
 from fsdp8.checkpoint.store import FORMAT, MARKER
+from fsdp8.config import BF16_MIXED
 from fsdp8.data import file_fingerprint
 from fsdp8.models.llama import Llama, preset
 from fsdp8.app.train.config import TrainConfig
@@ -52,7 +53,7 @@ def _checkpoint(out, step, data=None, weights="tiny"):
     the launcher looks: the tiny preset's weights (no optimizer), the marker, rank 0's extra."""
     path = out / "checkpoints" / f"step-{step:06d}"
     dcp.save({"model": Llama(preset(weights)).state_dict()}, checkpoint_id=str(path), no_dist=True)
-    config = asdict(TrainConfig(steps=10, save_every=2, out=str(out), data=str(data) if data else ""))
+    config = TrainConfig(steps=10, save_every=2, out=str(out), data=str(data) if data else "").settings()
     extra = {"step": step, "config": config}
     if data:
         extra["data"] = {"path": str(data), **file_fingerprint(str(data))}
@@ -327,3 +328,31 @@ def test_resume_takes_data_given_again(data_run, tmp_path, capsys, launched):
     assert launched[0].data == str(other)
     assert capsys.readouterr().err.strip() == (f"--resume: training on --data {other} as asked; the run trained on "
                                                f"{data} until now, whose content differs")
+
+
+# A checkpoint's saved settings as every fsdp8 train has written them: one flat dict by flag name
+# (TrainConfig.settings(); until TrainConfig held a ParallelConfig, its own fields), written here
+# as a run of `--strategy optim --precision fp8-current --dp-replicate 2 --outer-strategy optim
+# --tp 2 --sequence-parallel --loss-parallel --ac full --compile --micro-batches 2` saved them.
+FLAT_SAVED = {
+    "steps": 10, "preset": "tiny", "model": "", "data": "", "strategy": "optim", "precision": "fp8-current", "tp": 2,
+    "dp_replicate": 2, "outer_strategy": "optim", "cp": 1, "sequence_parallel": True, "loss_parallel": True,
+    "ac": "full", "compile": True, "offload": "none", "batch_size": 8, "seq_len": 128, "micro_batches": 2,
+    "lr": 0.003, "warmup": 20, "weight_decay": 0.1, "clip": 1.0, "seed": 0, "log_every": 10, "eval_every": 50,
+    "eval_batches": 4, "out": "OUT", "save_every": 2, "keep_last": 2, "resume": "", "overwrite": False, "stop_at": 0,
+    "async_save": False, "lr_decay_steps": 10, "tensorboard": ""}
+
+
+def test_a_resume_takes_the_layout_from_the_flat_saved_settings(tmp_path, launched):
+    out = tmp_path / "run"
+    checkpoint = _checkpoint(out, 2)
+    (checkpoint / "extra.rank0.json").write_text(json.dumps({"step": 2, "config": dict(FLAT_SAVED, out=str(out))}))
+    assert cli.main(["train", "--resume", str(out), "--nproc", "4", "--steps", "12"]) == 0
+    cfg = launched[0]
+    assert cfg.parallel == ParallelConfig(dp_replicate=2, tp=2, sequence_parallel=True, loss_parallel=True,
+                                          activation_checkpointing="full", compile=True, fp8=Float8CurrentScaling(),
+                                          precision=BF16_MIXED, strategy="optim", outer_strategy="optim")
+    assert (cfg.micro_batches, cfg.lr_decay_steps, cfg.steps, cfg.resume) == (2, 10, 12, str(checkpoint))
+    # What it saves in turn is the same flat dict: a later resume reads it alike.
+    assert cfg.settings() == dict(FLAT_SAVED, out=str(out), steps=12, resume=str(checkpoint))
+    assert TrainConfig.from_settings(cfg.settings()) == cfg

@@ -93,7 +93,8 @@ def test_a_resume_remembers_the_layout(tp_run, monkeypatch):
     checkpoint = tp_run / "checkpoints" / "step-000004"
     assert cli.main(["train", "--resume", str(checkpoint), "--out", str(tp_run.parent / "again"), "--nproc", "4"]) == 0
     cfg = launched[0]
-    assert (cfg.tp, cfg.sequence_parallel, cfg.loss_parallel, cfg.micro_batches) == (2, True, True, 2)
+    assert (cfg.parallel.tp, cfg.parallel.sequence_parallel, cfg.parallel.loss_parallel, cfg.micro_batches) == \
+        (2, True, True, 2)
 
 
 def test_cp_with_full_checkpointing_and_offload_trains_as_data_parallel(runs, reference):

@@ -311,7 +311,7 @@ def auto_layout(family: str = "builtin") -> dict:
 
     model = build(family)
     reference = reference_run(copy.deepcopy(model), family)
-    expected = auto_choice(model).parallel_config()
+    expected = auto_choice(model).parallel
 
     def mean_losses(sharded) -> torch.Tensor:
         opt = torch.optim.SGD(sharded.parameters(), lr=LR)

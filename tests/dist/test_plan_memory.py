@@ -13,6 +13,9 @@ import dataclasses
 
 import pytest
 
+from fsdp8 import ParallelConfig, Precision
+from fsdp8.config import BF16_MIXED
+from fsdp8.fp8.recipes import recipe_from_name
 from fsdp8.planner.hardware import Cluster, gpu_named
 from fsdp8.planner.memory import memory_report
 from fsdp8.planner.model import ModelSpec
@@ -37,9 +40,11 @@ def _check(world: int, sizes: dict, mesh_shape=None, outer="no_shard", tp=1, off
     for reports, tp_rank in results:
         assert reports, "no case ran"
         for (strategy, precision, fp8, off), engine in reports.items():
-            setup = make_setup(spec, cluster, seq_len=16, strategy=strategy, outer_strategy=outer,
-                               dp_replicate=mesh_shape[0] if mesh_shape else 1, tp=tp, precision=precision, fp8=fp8,
-                               offload="optim" if off else None)
+            parallel = ParallelConfig(dp_replicate=mesh_shape[0] if mesh_shape else 1, tp=tp, strategy=strategy,
+                                      outer_strategy=outer, fp8=recipe_from_name(f"fp8-{fp8}") if fp8 else None,
+                                      precision=BF16_MIXED if precision == "bf16" else Precision(),
+                                      offload="optim" if off else None)
+            setup = make_setup(spec, cluster, parallel, seq_len=16)
             planned = dataclasses.asdict(memory_report(spec, setup, tp_rank))
             if planned != engine:
                 wrong.append(f"{strategy} {precision} fp8={fp8} offload={off} tp rank {tp_rank}: planned {planned}, "

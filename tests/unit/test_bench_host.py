@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from fsdp8 import ParallelConfig
 from fsdp8.app.bench.command import bench_config
 from fsdp8.app.bench.config import BenchConfig
 from fsdp8.app.bench.host import fit_host_cost, probe_config, probe_depths, probe_spec
@@ -33,7 +34,8 @@ def test_probe_model_keeps_the_architecture_and_its_fp8_linears(model, sizes, tp
 
 
 def test_probe_config_is_one_short_sequence_the_layout_can_split():
-    cfg = probe_config(BenchConfig(seq_len=4096, micro_batch=8, accumulation=3, cp=2, tp=2, sequence_parallel=True))
+    parallel = ParallelConfig(cp=2, tp=2, sequence_parallel=True)
+    cfg = probe_config(BenchConfig(seq_len=4096, micro_batch=8, accumulation=3, parallel=parallel))
     assert (cfg.micro_batch, cfg.accumulation, cfg.seq_len % (2 * 2 * 2)) == (1, 3, 0)
     assert cfg.seq_len < 4096
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fsdp8 import Precision
+from fsdp8.config import BF16_MIXED, resolve_precision
 from fsdp8.engine import OuterStrategy, Strategy
 
 
@@ -39,3 +40,12 @@ def test_precision_defaults_and_validation():
         Precision(param_dtype=torch.int8)
     with pytest.raises(Exception):
         p.param_dtype = torch.float16  # frozen
+
+
+def test_automatic_precision_is_bf16_on_gpus_and_fp32_elsewhere():
+    assert resolve_precision(None, "cuda") == BF16_MIXED == Precision(param_dtype=torch.bfloat16,
+                                                                      reduce_dtype=torch.float32)
+    assert resolve_precision(None, "cpu") == Precision() and resolve_precision(None, "meta") == Precision()
+    chosen = Precision(param_dtype=torch.float16)
+    assert resolve_precision(chosen, "cuda") is chosen and resolve_precision(chosen, "cpu") is chosen
+    assert (BF16_MIXED.label, Precision().label, chosen.label) == ("bf16", "fp32", "fp16")

@@ -137,9 +137,10 @@ def test_auto_says_once_which_layout_it_chose_and_why(capsys):
     torch.manual_seed(0)
     model = fsdp8.parallelize(Llama(preset("tiny")), "auto")
     best = search("tiny", gpus_per_node=1, top=1)[0]  # what a world of one predicts
-    assert model.parallel_config == best.parallel_config()
+    assert model.parallel_config == best.parallel
+    strategy = best.parallel.strategy.label
     assert capsys.readouterr().err.splitlines() == [
-        f"fsdp8.parallelize: 'auto' chose dp_replicate 1 x dp_shard 1 x cp 1 x tp 1, strategy {best.strategy}: the "
+        f"fsdp8.parallelize: 'auto' chose dp_replicate 1 x dp_shard 1 x cp 1 x tp 1, strategy {strategy}: the "
         "fastest layout that fits on 1 h100 GPU (the planner's figures for the CPU ranks here: only the ranking "
         f"counts), predicted {best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU and {best.plan.memory.total / 2**30:.1f} "
         "GiB per GPU with 1 sequence(s) of 2048 tokens per rank (model.parallel_config holds it)"]

@@ -12,6 +12,9 @@ import pytest
 import torch
 
 import fsdp8
+from fsdp8 import ParallelConfig, Precision
+from fsdp8.config import Strategy
+from fsdp8.fp8.recipes import Recipe
 from fsdp8.models.llama import Llama, LlamaConfig, preset
 from fsdp8.planner import plan, search
 from fsdp8.planner.candidates import fixes
@@ -25,9 +28,9 @@ from fsdp8.planner.time import collective_seconds, group, groups
 H100 = gpu_named("h100")
 
 
-def _setup(spec, world=8, gpus_per_node=8, **kw):
+def _setup(spec, world=8, gpus_per_node=8, parallel=None, **kw):
     kw.setdefault("seq_len", 16)
-    return make_setup(spec, Cluster(H100, world // gpus_per_node, gpus_per_node), **kw)
+    return make_setup(spec, Cluster(H100, world // gpus_per_node, gpus_per_node), parallel, **kw)
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -131,7 +134,8 @@ def test_activation_formula_counts_what_autograd_saves():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.layers[0](torch.randn(2, 16, 48, requires_grad=True), cos, sin)
     spec = model_spec(None, layers=1, hidden=48, ffn=80, heads=3, kv_heads=1, vocab=37)
-    per_token = activations(spec, _setup(spec, world=1, gpus_per_node=1, micro_batch=2, precision="fp32"), {}).saved
+    fp32 = ParallelConfig(precision=Precision())
+    per_token = activations(spec, _setup(spec, world=1, gpus_per_node=1, parallel=fp32, micro_batch=2), {}).saved
     # On the CPU, SDPA's output is head-major, so wo's input is a copy (on CUDA it is a view).
     cpu_copy = 4 * spec.q_dim
     assert sum(saved.values()) == (per_token + cpu_copy) * 2 * 16
@@ -139,14 +143,15 @@ def test_activation_formula_counts_what_autograd_saves():
 
 def test_checkpointing_keeps_less():
     spec = model_spec("8b")
-    kept = {ac: activations(spec, _setup(spec, activation_checkpointing=ac), {}).saved for ac in ("none", "selective", "full")}
+    kept = {ac: activations(spec, _setup(spec, parallel=ParallelConfig(activation_checkpointing=ac)), {}).saved
+            for ac in ("none", "selective", "full")}
     assert kept["full"] == 2 * spec.hidden < kept["selective"] < kept["none"]
 
 
 # -- links and collectives ---------------------------------------------------------------------
 def test_groups_follow_the_mesh_order():
     spec = model_spec("8b")
-    g = groups(_setup(spec, world=32, dp_replicate=2, tp=4))
+    g = groups(_setup(spec, world=32, parallel=ParallelConfig(dp_replicate=2, tp=4)))
     assert (g.tp.link, g.tp.size) == ("NVLink", 4)
     assert (g.shard.link, g.shard.nodes, g.shard.per_node) == ("network", 2, 2)  # 4 ranks, 4 apart
     assert (g.replicate.link, g.replicate.nodes, g.replicate.per_node) == ("network", 2, 1)
@@ -166,7 +171,7 @@ def test_collective_seconds():
 
 # -- plans ---------------------------------------------------------------------------------------
 def test_more_sharding_less_memory_and_the_exact_rows():
-    totals = [plan("1b", strategy=s).memory.report.persistent for s in fsdp8.config.STRATEGY_NAMES]
+    totals = [plan("1b", ParallelConfig(strategy=s)).memory.report.persistent for s in fsdp8.config.STRATEGY_NAMES]
     assert totals == sorted(totals, reverse=True) and totals[0] > 3 * totals[-1]
     p = plan("1b")
     assert p.memory.report.main_weights == p.memory.report.grads  # every parameter trainable, fp32
@@ -174,13 +179,15 @@ def test_more_sharding_less_memory_and_the_exact_rows():
 
 
 def test_step_time_parts_and_throughput():
-    p = plan("8b", nodes=4, seq_len=4096, micro_batch=2, global_batch=128, activation_checkpointing="selective")
+    selective = ParallelConfig(activation_checkpointing="selective")
+    p = plan("8b", selective, nodes=4, seq_len=4096, micro_batch=2, global_batch=128)
     t = p.time
     assert t.step == pytest.approx(t.compute + t.model_parallel + t.exposed + t.optimizer)
     assert p.setup.accumulation == 2
     assert p.tokens_per_s_per_gpu == pytest.approx(128 * 4096 / (t.step * 32))
     assert 0.2 < p.mfu < 0.7
-    tp = plan("8b", nodes=4, seq_len=4096, micro_batch=2, global_batch=128, tp=8, activation_checkpointing="selective")
+    tp = plan("8b", ParallelConfig(tp=8, activation_checkpointing="selective"), nodes=4, seq_len=4096, micro_batch=2,
+              global_batch=128)
     assert tp.time.model_parallel > 0 and t.model_parallel == 0
     whats = {c.what for c in tp.time.collectives}
     assert {"TP all-reduce activations", "all-gather params", "reduce-scatter grads"} <= whats
@@ -192,25 +199,31 @@ def test_faster_links_expose_less():
     assert slow.time.exposed > 2 * fast.time.exposed and slow.time.compute == fast.time.compute
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(tp=3), "dp_replicate 1 x cp 1 x tp 3 = 3 does not divide the 8 ranks"),
-    (dict(tp=8, model="tiny"), "tp=8 does not divide heads=4, kv_heads=2 of tiny; use tp in (1, 2)"),
-    (dict(global_batch=12), "global batch 12 is not a multiple of micro batch 1 x 8 data-parallel ranks"),
-    (dict(cp=2, seq_len=6), "seq_len 6 is not a multiple of 2 x cp = 4"),
-    (dict(cp=2, activation_checkpointing="selective"), "use activation_checkpointing='full' with cp > 1"),
-    (dict(outer_strategy="optim"), "dp_replicate=1 makes none"),
-    (dict(fp8="current", offload="optim"), "offload 'optim' with FP8 layers is not supported"),
-    (dict(fp8="current", precision="fp32"), "FP8 layers compute in bf16"),
-    (dict(fp8="e5m2"), "fp8 recipe 'e5m2'"),
-    (dict(offload="optim", strategy="no_shard"), "use strategy optim or higher"),
-    (dict(activation_checkpointing="some"), "activation checkpointing 'some'"),
-    (dict(gpu="a100"), "unknown GPU 'a100'"),
+class _E5M2(Recipe):
+    name = "e5m2"  # a recipe the planner does not know
+
+
+@pytest.mark.parametrize("layout,kwargs,message", [
+    (dict(tp=3), {}, "dp_replicate 1 x cp 1 x tp 3 = 3 does not divide the 8 ranks"),
+    (dict(tp=8), dict(model="tiny"), "tp=8 does not divide heads=4, kv_heads=2 of tiny; use tp in (1, 2)"),
+    ({}, dict(global_batch=12), "global batch 12 is not a multiple of micro batch 1 x 8 data-parallel ranks"),
+    (dict(cp=2), dict(seq_len=6), "seq_len 6 is not a multiple of 2 x cp = 4"),
+    (dict(dp_shard=4), {}, "dp_replicate 1 x dp_shard 4 x cp 1 x tp 1 = 4, but the world has 8 ranks"),
+    # What ParallelConfig refuses itself, as it says it (a NotImplementedError is a ValueError there too).
+    (dict(cp=2, activation_checkpointing="selective"), {}, "use activation_checkpointing='full' with cp > 1"),
+    (dict(outer_strategy="optim"), {}, "dp_replicate=1 makes none"),
+    (dict(fp8=fsdp8.Float8CurrentScaling(), offload="optim"), {}, "offload 'optim' with FP8 layers is not supported"),
+    (dict(fp8=fsdp8.Float8CurrentScaling(), precision=Precision()), {}, "FP8 layers compute in bf16"),
+    (dict(fp8=_E5M2()), {}, "fp8 recipe 'e5m2'"),
+    (dict(offload="optim", strategy="no_shard"), {}, "use strategy='optim' or higher"),
+    (dict(activation_checkpointing="some"), {}, "activation_checkpointing='some': use one of"),
+    ({}, dict(gpu="a100"), "unknown GPU 'a100'"),
 ])
-def test_impossible_configurations_say_why(kwargs, message):
+def test_impossible_configurations_say_why(layout, kwargs, message):
     kwargs = dict(kwargs)
     model = kwargs.pop("model", "1b")
     with pytest.raises(ValueError) as e:
-        plan(model, **kwargs)
+        plan(model, ParallelConfig(**layout), **kwargs)
     assert message in str(e.value)
 
 
@@ -222,14 +235,15 @@ def test_search_ranks_what_fits_fastest_first():
     best = found[0]
     # A 1 B model fits on one H100 without recomputation or model parallelism: the winner
     # needs neither, and recomputation only slows the same layout down.
-    assert (best.tp, best.activation_checkpointing, best.offload) == (1, "none", None)
+    config = best.parallel
+    assert (config.tp, config.activation_checkpointing, config.offload) == (1, "none", None)
     fastest = {}  # the fastest of each checkpointing mode at the winner's tp, offload and micro-batch
     for c in found:
-        if (c.tp, c.offload, c.micro_batch) == (best.tp, best.offload, best.micro_batch):
-            fastest.setdefault(c.activation_checkpointing, c.tokens_per_s_per_gpu)
+        if (c.parallel.tp, c.parallel.offload, c.micro_batch) == (config.tp, config.offload, best.micro_batch):
+            fastest.setdefault(c.parallel.activation_checkpointing, c.tokens_per_s_per_gpu)
     assert fastest["none"] > max(fastest["selective"], fastest["full"])
-    config = best.parallel_config()
-    assert (config.dp_shard, config.tp, config.activation_checkpointing) == (best.dp_shard, 1, "none")
+    # Ready for parallelize: every mesh size known, precision left to it (bf16 on GPUs).
+    assert (config.dp_shard, config.precision, config.fp8) == (8, None, None)
     assert fsdp8.planner.search is search and len(search("1b", global_batch=16, top=3)) == 3
 
 
@@ -237,13 +251,14 @@ def test_search_shows_one_of_configurations_that_differ_only_in_data_parallel_sh
     """1 x 8 ZeRO-2 and the HSDP meshes 2 x 4, 4 x 2, 8 x 1 sharding the optimizer across replicas
     predict the same speed: the top shows the first (the least memory, the fewest replicas)."""
     def layout(c):
-        return c.cp, c.tp, c.sequence_parallel, c.activation_checkpointing, c.offload, c.micro_batch
+        p = c.parallel
+        return p.cp, p.tp, p.sequence_parallel, p.activation_checkpointing, p.offload, c.micro_batch
 
     found = search("1b", top=5)
     pairs = [(a, b) for a, b in itertools.combinations(found, 2) if layout(a) == layout(b)
              and a.tokens_per_s_per_gpu == pytest.approx(b.tokens_per_s_per_gpu, rel=1e-9)]
     assert pairs == [], [(a.plan.setup.describe(), b.plan.setup.describe()) for a, b in pairs]
-    assert (found[0].dp_replicate, found[0].strategy) == (1, "optim_grads")
+    assert (found[0].parallel.dp_replicate, found[0].parallel.strategy) == (1, Strategy.OPTIM_GRADS)
 
 
 def test_a_model_that_fits_nowhere_says_what_would():
@@ -255,7 +270,7 @@ def test_a_model_that_fits_nowhere_says_what_would():
 
 
 def test_fixes_name_flags_that_make_it_fit():
-    p = plan("8b", gpus_per_node=8, seq_len=8192, micro_batch=4, strategy="optim")
+    p = plan("8b", ParallelConfig(strategy="optim"), gpus_per_node=8, seq_len=8192, micro_batch=4)
     assert not p.memory.fits
     found = fixes(p)
     assert found and all(s.startswith("--") for s in found)
@@ -263,22 +278,25 @@ def test_fixes_name_flags_that_make_it_fit():
     changed = dict(zip(flags[::2], flags[1::2]))
     kwargs = {k[2:].replace("-", "_"): (int(v) if v.isdigit() else v) for k, v in changed.items()}
     kwargs["activation_checkpointing"] = kwargs.pop("ac", "none")
-    assert plan("8b", seq_len=8192, **dict(dict(micro_batch=4, strategy="optim", global_batch=32), **kwargs)).memory.fits
+    micro_batch = kwargs.pop("micro_batch", 4)
+    layout = ParallelConfig(**dict(dict(strategy="optim"), **kwargs))
+    assert plan("8b", layout, seq_len=8192, micro_batch=micro_batch, global_batch=32).memory.fits
 
 
-@pytest.mark.parametrize("kwargs,expected", [
-    (dict(gpus_per_node=1), ["--offload optim"]),  # once, not again beside settings already in effect
-    (dict(gpus_per_node=8, strategy="no_shard"), None),
-    (dict(gpus_per_node=8, seq_len=8192, micro_batch=4, strategy="optim"), None),
-    (dict(gpus_per_node=8, seq_len=16384, strategy="no_shard", tp=2, sequence_parallel=True), None),
+@pytest.mark.parametrize("layout,kwargs,expected", [
+    ({}, dict(gpus_per_node=1), ["--offload optim"]),  # once, not again beside settings already in effect
+    (dict(strategy="no_shard"), dict(gpus_per_node=8), None),
+    (dict(strategy="optim"), dict(gpus_per_node=8, seq_len=8192, micro_batch=4), None),
+    (dict(strategy="no_shard", tp=2, sequence_parallel=True), dict(gpus_per_node=8, seq_len=16384), None),
 ])
-def test_fixes_are_distinct_changes_of_settings_not_in_effect(kwargs, expected):
-    p = plan("8b", **kwargs)
+def test_fixes_are_distinct_changes_of_settings_not_in_effect(layout, kwargs, expected):
+    p = plan("8b", ParallelConfig(**layout), **kwargs)
     found = [fix.split(" (")[0] for fix in fixes(p)]
     assert found and (expected is None or found == expected), found
-    current = {"--strategy": p.setup.strategy.label, "--ac": p.setup.activation_checkpointing,
-               "--micro-batch": str(p.setup.micro_batch), "--tp": str(p.setup.tp),
-               "--sequence-parallel": p.setup.sequence_parallel, "--offload": p.setup.offload}
+    s = p.setup.parallel
+    current = {"--strategy": s.strategy.label, "--ac": s.activation_checkpointing,
+               "--micro-batch": str(p.setup.micro_batch), "--tp": str(s.tp),
+               "--sequence-parallel": s.sequence_parallel, "--offload": s.offload}
     changes = [set(re.findall(r"(--[a-z-]+)(?: ([^-]\S*))?", fix)) for fix in found]
     for change in changes:
         assert all(current[flag] != (value or True) for flag, value in change), (change, current)
@@ -345,9 +363,10 @@ def test_a_loopback_world_is_predicted_without_communication():
 
     spec = model_spec("1b")
     cluster = Cluster(H100, 1, 2)
-    real = plan_setup(spec, make_setup(spec, cluster, seq_len=2048, micro_batch=2, tp=2))
+    tp = ParallelConfig(tp=2)
+    real = plan_setup(spec, make_setup(spec, cluster, tp, seq_len=2048, micro_batch=2))
     cluster_free, eff_free = without_network(cluster, Efficiency())
-    free = plan_setup(spec, make_setup(spec, cluster_free, seq_len=2048, micro_batch=2, tp=2, efficiency=eff_free))
+    free = plan_setup(spec, make_setup(spec, cluster_free, tp, seq_len=2048, micro_batch=2, efficiency=eff_free))
     assert real.time.model_parallel > 0
     assert free.time.model_parallel < 1e-6 and free.time.exposed < 1e-6
     assert free.time.compute == real.time.compute and free.memory.allocated == real.memory.allocated
@@ -375,8 +394,8 @@ def test_backward_holds_the_heads_gradient_and_the_embeddings_only_at_the_end(ti
 
 def test_search_weighs_context_parallelism_but_not_with_selective_checkpointing():
     found = search("1b", gpus_per_node=4, seq_len=16384, cps=(1, 2, 4), tps=(1,))
-    assert {c.cp for c in found} == {1, 2, 4}
-    assert not [c for c in found if c.cp > 1 and c.activation_checkpointing == "selective"]
+    assert {c.parallel.cp for c in found} == {1, 2, 4}
+    assert not [c for c in found if c.parallel.cp > 1 and c.parallel.activation_checkpointing == "selective"]
 
 
 @pytest.mark.parametrize("strategy,freed", [("optim_grads_params", True), ("optim_grads", False)])
@@ -387,7 +406,7 @@ def test_mx_scale_inv_lives_with_the_unsharded_parameters_under_zero3(strategy, 
     from fsdp8.planner.memory import memory_report, peaks, unit_plans
 
     spec = model_spec("1b")
-    setup = _setup(spec, precision="bf16", fp8="mxfp8", strategy=strategy)
+    setup = _setup(spec, parallel=ParallelConfig(fp8=fsdp8.MXFP8BlockScaling(), strategy=strategy))
     layer = unit_plans(spec, setup)[1]
     fp8 = {p.name: converts_to_fp8(p, "mxfp8", 1, 0) for p in spec.block_params()}
     # One fp32 scale_inv per 32 elements of a row, each weight's padded to 4 floats.

@@ -145,7 +145,7 @@ def report(cfg: BenchConfig, predicted: Plan, step_s: float, peak: float, expose
     # No ratio to a prediction of (about) nothing: a loopback world's free communication.
     ratio = {k: (measured[k] / expected[k] if measured[k] is not None and expected[k] > 1e-6 else None)
              for k in measured}
-    return {"config": asdict(replace(cfg, sizes=dict(cfg.sizes))), "model": predicted.spec.describe(),
+    return {"config": cfg.to_dict(), "model": predicted.spec.describe(),
             "setup": s.describe(), "world": s.cluster.world, "hardware": s.cluster.gpu.name,
             "device": "cuda" if cuda else "cpu", "measured": measured, "predicted": expected, "ratio": ratio,
             "plan": predicted.to_dict(), "host": _host_summary(predicted, per_op_model, step_s)}

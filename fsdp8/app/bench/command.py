@@ -7,11 +7,11 @@ import argparse
 import os
 
 from ...planner.hardware import GPUS
-from ..args import fail, given, layout_flags, model_flags, none, sizes
+from ..args import PRECISIONS, fail, given, layout_flags, model_flags, parallel_from_flags, sizes
 from ..failures import Reporting
 from ..launch import launch, resolve_nproc, under_torchrun
 from .bench import bench
-from .config import PRECISIONS, BenchConfig
+from .config import BenchConfig
 
 
 def add_parser(sub) -> None:
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=d.warmup, help="steps before timing (default: %(default)s)")
     p.add_argument("--accumulation", type=int, default=d.accumulation,
                    help="micro-batches per optimizer step (default: %(default)s)")
-    p.add_argument("--precision", default=d.precision, choices=PRECISIONS,
+    p.add_argument("--precision", default="auto", choices=PRECISIONS,
                    help="compute dtype; auto = bf16 on GPUs, fp32 on CPUs (default: %(default)s)")
     p.add_argument("--gpu", choices=sorted(GPUS), help="the planner's GPU (default: the one found here)")
     p.add_argument("--nproc", type=int, help="worker processes (default: all GPUs, or 2 on CPU; under torchrun, "
@@ -41,17 +41,14 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(model=args.model, sizes={k: v for k, v in sizes(args).items() if v is not None},
                        seq_len=given(args.seq_len, BenchConfig.seq_len),
                        micro_batch=given(args.micro_batch, BenchConfig.micro_batch),
-                       accumulation=args.accumulation, steps=args.steps, warmup=args.warmup, strategy=args.strategy,
-                       outer_strategy=args.outer_strategy, dp_replicate=args.dp_replicate, cp=args.cp,
-                       tp=args.tp, sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel,
-                       precision=args.precision, fp8=none(args.fp8),
-                       activation_checkpointing=args.ac, offload=none(args.offload), gpu=args.gpu, json=args.json,
+                       accumulation=args.accumulation, steps=args.steps, warmup=args.warmup,
+                       parallel=parallel_from_flags(vars(args)), gpu=args.gpu, json=args.json,
                        host_probe=args.host_probe)
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = bench_config(args)
     try:
+        cfg = bench_config(args)
         nproc = None if under_torchrun() else resolve_nproc(args.nproc)
         cfg.check(int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:

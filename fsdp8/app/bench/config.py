@@ -4,24 +4,22 @@ before a worker starts, and the cluster it runs on as the planner sees it."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Dict, Optional
 
 import torch
 
-from ...config import ParallelConfig, Precision
-from ...fp8.recipes import recipe_from_name
+from ...config import ParallelConfig, resolve_precision
 from ...models.hf_dir import import_transformers
 from ...planner.hardware import GPU, Cluster, Efficiency, detect_gpu, gpu_named
 from ...planner.model import ModelSpec, model_spec
-from ...planner.setup import make_setup
-
-PRECISIONS = ("auto", "fp32", "bf16")
+from ...planner.setup import layout_fields, make_setup
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One benchmark run: the model (a preset, ``hf:DIR``, or sizes), the batch, the layout, the steps."""
+    """One benchmark run: the model (a preset, ``hf:DIR``, or sizes), the batch, the layout
+    (``parallel``, as the layout flags make it), the steps."""
 
     model: Optional[str] = "tiny"
     sizes: Dict[str, object] = field(default_factory=dict)  # layers, hidden, ffn, heads, kv_heads, vocab, tied
@@ -30,17 +28,7 @@ class BenchConfig:
     accumulation: int = 1
     steps: int = 5
     warmup: int = 2
-    strategy: str = "optim_grads_params"
-    outer_strategy: str = "no_shard"
-    dp_replicate: int = 1
-    cp: int = 1
-    tp: int = 1
-    sequence_parallel: bool = False
-    loss_parallel: bool = False
-    precision: str = "auto"
-    fp8: Optional[str] = None
-    activation_checkpointing: str = "none"
-    offload: Optional[str] = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     gpu: Optional[str] = None  # the planner's GPU; None: the one found here
     host_probe: bool = True  # measure this host's cost of issuing the step (host.py)
     json: bool = False
@@ -56,42 +44,32 @@ class BenchConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.model is not None and self.model.startswith("hf:"):
             try:
                 import_transformers(f"--model {self.model}")
             except ImportError as e:
                 raise ValueError(f"{e} (fsdp8 plan reads hf:DIR without it)") from None
-        self.parallel_config()
         self.setup(self.spec(), cluster_here(world, self.gpu, measured=None))
 
-    def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(dp_replicate=self.dp_replicate, cp=self.cp, tp=self.tp, sequence_parallel=self.sequence_parallel,
-                              loss_parallel=self.loss_parallel,
-                              activation_checkpointing=self.activation_checkpointing, strategy=self.strategy,
-                              outer_strategy=self.outer_strategy, offload=self.offload,
-                              fp8=recipe_from_name(f"fp8-{self.fp8}") if self.fp8 else None, precision=self._precision())
-
-    def compute_precision(self) -> str:
-        if self.fp8 or self.precision == "bf16":
-            return "bf16"
-        return "fp32" if self.precision == "fp32" or not torch.cuda.is_available() else "bf16"
-
-    def _precision(self) -> Precision:
-        if self.compute_precision() == "bf16":
-            return Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        return Precision()
+    def to_dict(self) -> dict:
+        """The run's settings as ``--json`` prints them: the layout's fields among the others, its
+        precision as --precision names it (auto where it is chosen at run time)."""
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "parallel":
+                values.update(layout_fields(value, "auto" if value.precision is None else value.precision.label))
+            else:
+                values[f.name] = dict(value) if f.name == "sizes" else value
+        return values
 
     def setup(self, spec: ModelSpec, cluster: Cluster, efficiency: Optional[Efficiency] = None):
-        dp = cluster.world // (self.tp * self.cp)
-        return make_setup(spec, cluster, seq_len=self.seq_len, micro_batch=self.micro_batch,
-                          global_batch=self.micro_batch * self.accumulation * dp, strategy=self.strategy,
-                          outer_strategy=self.outer_strategy, dp_replicate=self.dp_replicate, cp=self.cp, tp=self.tp,
-                          sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel,
-                          precision=self.compute_precision(), fp8=self.fp8,
-                          activation_checkpointing=self.activation_checkpointing, offload=self.offload,
-                          efficiency=efficiency)
+        """The planner's Setup of this run on ``cluster``, in the precision it runs in here."""
+        here = "cuda" if torch.cuda.is_available() else "cpu"
+        parallel = replace(self.parallel, precision=resolve_precision(self.parallel.precision, here))
+        dp = cluster.world // (parallel.tp * parallel.cp)
+        return make_setup(spec, cluster, parallel, seq_len=self.seq_len, micro_batch=self.micro_batch,
+                          global_batch=self.micro_batch * self.accumulation * dp, efficiency=efficiency)
 
 
 def cluster_here(world: int, gpu: Optional[str], measured: Optional[GPU]) -> Cluster:

@@ -58,7 +58,7 @@ def probe_spec(spec: ModelSpec, layers: int, tp: int) -> ModelSpec:
 
 def probe_config(cfg: BenchConfig) -> BenchConfig:
     """``cfg`` on one sequence per micro-batch, as short as its layout allows."""
-    return replace(cfg, micro_batch=1, seq_len=32 * cfg.cp * cfg.tp)
+    return replace(cfg, micro_batch=1, seq_len=32 * cfg.parallel.cp * cfg.parallel.tp)
 
 
 def fit_host_cost(shallow: Tuple[float, float], deep: Tuple[float, float], depths: Tuple[int, int],
@@ -93,7 +93,7 @@ def measure_host(cfg: BenchConfig, spec: ModelSpec, device: torch.device,
     figures are everyone's, as the slowest rank sets a step's pace), and this rank's step
     times at each depth."""
     small, depths = probe_config(cfg), probe_depths(spec.layers)
-    times = [run_steps(trainer(small, probe_spec(spec, depth, cfg.tp), device), warmup=2, steps=steps)
+    times = [run_steps(trainer(small, probe_spec(spec, depth, cfg.parallel.tp), device), warmup=2, steps=steps)
              for depth in depths]
     cost = fit_host_cost(_passes(times[0]), _passes(times[1]), depths, cfg.accumulation)
     figures = torch.tensor([cost.layer_fwd, cost.layer_bwd, cost.root_fwd, cost.root_bwd], dtype=torch.float64,

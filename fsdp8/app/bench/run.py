@@ -53,7 +53,7 @@ def trainer(cfg: BenchConfig, spec: ModelSpec, device: torch.device) -> Callable
     cuda = device.type == "cuda"
     torch.manual_seed(cfg.seed)
     model, hf = build(cfg, spec)
-    model = parallelize(model, cfg.parallel_config())
+    model = parallelize(model, cfg.parallel)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
 
     def step(i: int) -> StepTimes:
@@ -67,7 +67,7 @@ def trainer(cfg: BenchConfig, spec: ModelSpec, device: torch.device) -> Callable
         batch = model.shard_batch({"input_ids": x, "labels": x} if hf else {"tokens": x, "targets": y})
         for mb, part in enumerate(micro_batches(batch, cfg.accumulation)):
             with model.no_sync() if mb < cfg.accumulation - 1 else contextlib.nullcontext(), \
-                    loss_parallel() if cfg.loss_parallel else contextlib.nullcontext():
+                    loss_parallel() if cfg.parallel.loss_parallel else contextlib.nullcontext():
                 begin = time.perf_counter()
                 loss = model_loss(model, part, hf)
                 forward += time.perf_counter() - begin

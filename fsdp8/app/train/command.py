@@ -12,16 +12,16 @@ import warnings
 from ...config import AC_MODES, STRATEGY_NAMES
 from ...fp8.convert import HighPrecisionLayerWarning
 from ...models.llama import PRESETS
-from ..args import fail
+from ..args import OFFLOAD_MODES, TRAIN_PRECISIONS, fail
 from ..failures import Reporting
 from ..launch import launch, resolve_nproc, under_torchrun
-from .config import HF_PREFIX, OFFLOAD_MODES, PRECISIONS, TrainConfig, check_run
+from .config import HF_PREFIX, TrainConfig, check_run
 from .loop import TRAIN_MEMORY_ADVICE, train
 from .run_dir import ERROR_LOG, OUTPUTS, plan_run
 
 
 def add_parser(sub) -> None:
-    d = TrainConfig()
+    defaults = TrainConfig().settings()
     p = sub.add_parser("train", help="train the built-in Llama or a Hugging Face model on a text corpus",
                        description="Train the built-in Llama (or a Hugging Face model, --model hf:DIR) on the built-in "
                                    "corpus (or --data FILE): all local GPUs, or 2 gloo worker processes on a CPU-only "
@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
                        argument_default=argparse.SUPPRESS)  # only the flags given: a resume fills in the rest
 
     def flag(name: str, help: str, **kwargs) -> None:
-        default = getattr(d, name[2:].replace("-", "_"))
+        default = defaults[name[2:].replace("-", "_")]
         p.add_argument(name, help=f"{help} (default: {default})", **kwargs)
 
     def switch(name: str, help: str) -> None:
@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
     flag("--strategy", "what is sharded: no_shard (DDP), optim (ZeRO-1), optim_grads (ZeRO-2), "
                        "optim_grads_params (ZeRO-3)", choices=STRATEGY_NAMES)
     flag("--precision", "compute dtype; auto = bf16 on GPUs, fp32 on CPUs; fp8-* = bf16 with FP8 GEMMs and "
-                        "8-bit weight all-gathers in the blocks (main weights stay fp32)", choices=PRECISIONS)
+                        "8-bit weight all-gathers in the blocks (main weights stay fp32)", choices=TRAIN_PRECISIONS)
     p.add_argument("--nproc", type=int, help="worker processes (default: all GPUs, or 2 on CPU; under torchrun, "
                                              "torchrun's)")
     flag("--tp", "tensor-parallel degree: each layer split over N neighbouring ranks, which share a batch", type=int)
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         given = set(settings)
         if "resume" in given:
             settings["resume"] = args.resume or settings.get("out", TrainConfig.out)
-        plan = plan_run(TrainConfig(**settings), given, lock=rank0)
+        plan = plan_run(TrainConfig.from_settings(settings), given, lock=rank0)
     except (ValueError, FileNotFoundError) as e:
         fail("train", str(e))
     with plan:  # the run directory stays locked until the workers are gone

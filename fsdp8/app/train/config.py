@@ -7,27 +7,25 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
-from typing import List
+from dataclasses import dataclass, field, fields
+from typing import Any, List, Mapping
 
 import torch
 
 from ...checkpoint.safetensors import SafetensorsError
 from ...checkpoint.transfer import check_pretrained
 from ...checkpoint.verify import inspect
-from ...config import AC_MODES, ParallelConfig, Precision
+from ...config import ParallelConfig
 from ...data import (VOCAB_SIZE, check_text_file, check_token_count, encode_data, has_tokenizer,
                      load_tokenizer, read_data)
 from ...engine.state_dict import StateDictError, describe_mismatch
-from ...fp8.recipes import recipe_from_name
 from ...models.adapter import adapter_for
 from ...models.hf_dir import config_file, import_transformers, read_config
 from ...models.llama import Llama, preset
 from ...parallel.cp import local_multiple
 from ...parallel.tp import check_shapes, resolve_plan
+from ..args import LAYOUT_DEFAULTS, flags_of, parallel_from_flags
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp8-delayed", "fp8-current", "fp8-block", "fp8-mxfp8")
-OFFLOAD_MODES = ("none", "optim")
 HF_PREFIX = "hf:"
 # A --data file up to this size is tokenized in the launching process to check its length
 # (well under a second); a longer one is checked by the workers, which tokenize it anyway.
@@ -36,21 +34,15 @@ TOKENIZED_HERE_BYTES = 8 << 20
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """A run's settings. The command line makes one with ``from_settings`` (the flags by argparse
+    name) and a checkpoint keeps ``settings()``; ``parallel`` is what parallelize is given, as the
+    layout flags make it (``precision=None``: --precision auto, resolved where the workers run)."""
+
     steps: int = 200
     preset: str = "tiny"  # the built-in Llama's size
     model: str = ""  # "hf:DIR": a Hugging Face model directory instead of the built-in Llama ("": none)
     data: str = ""  # a text file to train on ("": the packaged corpus)
-    strategy: str = "optim_grads_params"
-    precision: str = "auto"  # bf16 on GPUs, fp32 on CPUs
-    tp: int = 1
-    dp_replicate: int = 1
-    outer_strategy: str = "no_shard"  # HSDP: what is sharded across the replicas
-    cp: int = 1
-    sequence_parallel: bool = False
-    loss_parallel: bool = False
-    ac: str = "none"  # activation checkpointing
-    compile: bool = False
-    offload: str = "none"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     batch_size: int = 8  # sequences per data-parallel rank per optimizer step
     seq_len: int = 128
     micro_batches: int = 1
@@ -73,12 +65,9 @@ class TrainConfig:
     tensorboard: str = ""  # a directory for TensorBoard event files of the metrics ("": none)
 
     def __post_init__(self):
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.model and (not self.model.startswith(HF_PREFIX) or self.model == HF_PREFIX):
             raise ValueError(f"--model takes hf:DIR (a Hugging Face model directory), got {self.model!r}")
-        for name in ("steps", "batch_size", "seq_len", "micro_batches", "log_every", "eval_every", "tp",
-                     "dp_replicate", "cp"):
+        for name in ("steps", "batch_size", "seq_len", "micro_batches", "log_every", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.batch_size % self.micro_batches:
@@ -91,7 +80,7 @@ class TrainConfig:
         if not self.model and self.seq_len > max_seq_len:
             raise ValueError(f"--seq-len {self.seq_len} exceeds the {self.preset!r} preset's {max_seq_len} positions; "
                              f"pass --seq-len {max_seq_len} or less, or a larger --preset")
-        self._check_layout()
+        self._check_sequence_split()
         if self.resume and self.overwrite:
             raise ValueError("--resume continues a run and --overwrite deletes it: pass one of them")
         if self.tensorboard:
@@ -101,46 +90,35 @@ class TrainConfig:
                 raise ValueError(f"--tensorboard needs the tensorboard package ({e}): "
                                  "pip install tensorboard") from None
 
-    def _check_layout(self) -> None:
-        """The parallel flags among themselves (the world size is ``check_run``'s)."""
-        if self.ac not in AC_MODES:
-            raise ValueError(f"--ac must be one of {', '.join(AC_MODES)}, got {self.ac!r}")
-        if self.offload not in OFFLOAD_MODES:
-            raise ValueError(f"--offload must be one of {', '.join(OFFLOAD_MODES)}, got {self.offload!r}")
-        wanting = [f"--{name.replace('_', '-')}" for name in ("sequence_parallel", "loss_parallel")
-                   if getattr(self, name)]
-        if wanting and self.tp == 1:
-            flags = " and ".join(wanting)
-            raise ValueError(f"{flags} need{'s' if len(wanting) == 1 else ''} tensor parallelism: pass --tp N "
-                             f"(N > 1) too, or drop {flags}")
-        if self.outer_strategy != "no_shard" and self.dp_replicate == 1:
-            raise ValueError(f"--outer-strategy {self.outer_strategy} shards across HSDP replicas, but there are none; "
-                             "pass --dp-replicate R (R > 1) too, or drop --outer-strategy")
-        if self.ac == "selective" and self.cp > 1:
-            raise ValueError(f"--ac selective does not work with --cp {self.cp} yet (the selective policy cannot "
-                             "create the context-parallel attention's causal mask); use --ac full")
-        if self.offload != "none" and self.strategy == "no_shard":
-            raise ValueError("--offload optim moves the sharded main weights and optimizer state to the host, but "
-                             "--strategy no_shard shards nothing; use --strategy optim or higher")
-        if self.offload != "none" and self.precision.startswith("fp8"):
-            raise ValueError(f"--offload optim does not work with --precision {self.precision} yet (FP8 weights "
-                             "are quantized from the main weights on the device); use --precision bf16, or no "
-                             "--offload")
-        split_tp = self.tp if self.sequence_parallel else 1
-        if self.cp > 1:
-            multiple = self.cp * local_multiple(self.cp, split_tp)
-            why = f"--cp {self.cp} cuts each sequence into 2 x {self.cp} equal chunks"
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> "TrainConfig":
+        """The TrainConfig of ``settings`` named as fsdp8 train's flags (parsed, or a checkpoint's
+        saved ``settings()``): the layout flags make ``parallel``, the others are fields."""
+        return cls(parallel=parallel_from_flags(settings),
+                   **{name: value for name, value in settings.items() if name not in LAYOUT_DEFAULTS})
+
+    def settings(self) -> dict:
+        """Every setting by fsdp8 train's flag names, the layout's in its flags' words: what a
+        checkpoint saves for a resume to take back (``from_settings``), and summary.json shows."""
+        values = {}
+        for f in fields(self):
+            values.update(flags_of(self.parallel) if f.name == "parallel" else {f.name: getattr(self, f.name)})
+        return values
+
+    def _check_sequence_split(self) -> None:
+        """--seq-len against the layout's cuts of a sequence (the world size is ``check_run``'s)."""
+        p = self.parallel
+        split_tp = p.tp if p.sequence_parallel else 1
+        if p.cp > 1:
+            multiple = p.cp * local_multiple(p.cp, split_tp)
+            why = f"--cp {p.cp} cuts each sequence into 2 x {p.cp} equal chunks"
             if split_tp > 1:
-                why += f" and --sequence-parallel splits each rank's part over --tp {self.tp}"
+                why += f" and --sequence-parallel splits each rank's part over --tp {p.tp}"
         else:
-            multiple, why = split_tp, f"--sequence-parallel splits each sequence over --tp {self.tp}"
+            multiple, why = split_tp, f"--sequence-parallel splits each sequence over --tp {p.tp}"
         if self.seq_len % multiple:
             raise ValueError(f"--seq-len {self.seq_len} is not a multiple of {multiple}: {why}; pass --seq-len "
                              f"{max(multiple, self.seq_len - self.seq_len % multiple)}")
-        try:  # what parallelize itself refuses, should it refuse more than the checks above
-            self.parallel_config(cuda=False)
-        except (TypeError, ValueError, NotImplementedError) as e:
-            raise ValueError(str(e)) from None
 
     @property
     def hf_dir(self) -> str:
@@ -150,17 +128,6 @@ class TrainConfig:
     @property
     def model_name(self) -> str:
         return self.model or f"preset {self.preset}"
-
-    def parallel_config(self, cuda: bool) -> ParallelConfig:
-        """What ``parallelize`` is given: the layout, and the precision on GPUs (``cuda``) or CPUs."""
-        fp8 = recipe_from_name(self.precision) if self.precision.startswith("fp8") else None
-        bf16 = fp8 is not None or self.precision == "bf16" or (self.precision == "auto" and cuda)
-        return ParallelConfig(
-            dp_replicate=self.dp_replicate, cp=self.cp, tp=self.tp, sequence_parallel=self.sequence_parallel,
-            loss_parallel=self.loss_parallel, activation_checkpointing=self.ac, compile=self.compile, fp8=fp8,
-            precision=Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else Precision(),
-            strategy=self.strategy, outer_strategy=self.outer_strategy,
-            offload=None if self.offload == "none" else self.offload)
 
 
 def _hf_config(directory: str):
@@ -188,17 +155,18 @@ def check_run(cfg: TrainConfig, world: int) -> None:
     themselves: the layout against the ``world`` size, the data file, the model directory, the
     tensor-parallel shapes, and the data's vocabulary against the model's. Raises ValueError
     saying what to change."""
-    degree = cfg.dp_replicate * cfg.cp * cfg.tp
+    p = cfg.parallel
+    degree = p.dp_replicate * p.cp * p.tp
     if world % degree:
-        raise ValueError(f"{world} worker processes do not divide into groups of --dp-replicate {cfg.dp_replicate} x "
-                         f"--cp {cfg.cp} x --tp {cfg.tp} = {degree}; run a multiple of {degree} workers (--nproc), or "
+        raise ValueError(f"{world} worker processes do not divide into groups of --dp-replicate {p.dp_replicate} x "
+                         f"--cp {p.cp} x --tp {p.tp} = {degree}; run a multiple of {degree} workers (--nproc), or "
                          "change those degrees")
     if cfg.data:
         check_text_file(cfg.data)
     vocab = preset(cfg.preset).vocab_size
     if cfg.model:
         vocab = _check_hf_dir(cfg).vocab_size
-    if cfg.tp > 1:
+    if p.tp > 1:
         _check_tensor_parallel(cfg)
     if cfg.model and weight_files(cfg.hf_dir) and not cfg.resume:
         _check_weights(cfg)
@@ -280,13 +248,13 @@ def _check_hf_dir(cfg: TrainConfig):
 def _check_tensor_parallel(cfg: TrainConfig) -> None:
     """The model's tensor-parallel plan against --tp, on a meta-device copy (what parallelize checks
     in every worker, here in one line before they start)."""
-    model = build_model(cfg)
+    model, p = build_model(cfg), cfg.parallel
     try:
-        family = adapter_for(model).tp_plan(model, cfg.sequence_parallel, cfg.loss_parallel)
+        family = adapter_for(model).tp_plan(model, p.sequence_parallel, p.loss_parallel)
         if family is None:
             raise ValueError(f"{type(model).__name__} has no automatic tensor-parallel plan (its config has no "
                              "base_model_tp_plan); use --tp 1")
         modules = dict(model.named_modules())
-        check_shapes(modules, resolve_plan([name for name in modules if name], family.styles, None), cfg.tp, family)
+        check_shapes(modules, resolve_plan([name for name in modules if name], family.styles, None), p.tp, family)
     except ValueError as e:
-        raise ValueError(f"--tp {cfg.tp}: {e}") from None
+        raise ValueError(f"--tp {p.tp}: {e}") from None

@@ -8,7 +8,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Dict, List, Optional
 
 import torch
@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ...checkpoint import wait_for_saves
+from ...config import resolve_precision
 from ...data import TokenCorpus
 from ...distributed.process_group import current_device, init_distributed
 from ...engine.grads import clip_grad_norm_
@@ -49,7 +50,7 @@ def _rank_batch(model, corpus: TokenCorpus, step: int, cfg: TrainConfig, seed: i
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     # Hugging Face models shift their labels themselves; the built-in Llama takes next-token targets.
     batch = {"input_ids": x, "labels": x} if cfg.model else {"tokens": x, "targets": y}
-    return cut_sequences(batch, model.device_mesh, cfg.sequence_parallel) if cfg.cp > 1 else batch
+    return cut_sequences(batch, model.device_mesh, cfg.parallel.sequence_parallel) if cfg.parallel.cp > 1 else batch
 
 
 def micro_batches(batch: Dict[str, object], n: int) -> List[Dict[str, object]]:
@@ -75,7 +76,7 @@ def _value(loss: torch.Tensor) -> torch.Tensor:
 
 def _loss_context(cfg: TrainConfig):
     # Vocabulary-sharded logits: the loss and its backward go through torch's parallel cross-entropy.
-    return loss_parallel() if cfg.loss_parallel else contextlib.nullcontext()
+    return loss_parallel() if cfg.parallel.loss_parallel else contextlib.nullcontext()
 
 
 def _evaluate(model, corpus: TokenCorpus, cfg: TrainConfig, device) -> float:
@@ -113,18 +114,17 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
     device = current_device()
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    parallel = cfg.parallel_config(cuda=device.type == "cuda")
     hf = bool(cfg.model)
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg)  # never held in full: materialized shard by shard
     n_params = sum(p.numel() for p in model.parameters())
-    model = parallelize(model, parallel)
+    model = parallelize(model, cfg.parallel)
     if hf and not cfg.resume and weight_files(cfg.hf_dir):
         load_weights(model, cfg)
     # Offloaded main weights live in host memory, where CUDA's fused AdamW cannot step them.
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                            fused=device.type == "cuda" and cfg.offload == "none")
+                            fused=device.type == "cuda" and cfg.parallel.offload is None)
     tokens, data_id, tokenized = load_data(cfg)
     train_data, val_data = TokenCorpus(tokens, split="train"), TokenCorpus(tokens, split="val")
     tokens_per_step = cfg.batch_size * cfg.seq_len * model.dp_size
@@ -133,8 +133,8 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
     ckpt_dir = os.path.join(cfg.out, "checkpoints")
     # Saved with every checkpoint: a resumed run keeps the schedule it started with, and finds
     # its data file from any directory (and checks it is the one it trained on: data_id).
-    saved_config = asdict(replace(cfg, lr_decay_steps=cfg.lr_decay_steps or cfg.steps,
-                                  data=os.path.abspath(cfg.data) if cfg.data else ""))
+    saved_config = replace(cfg, lr_decay_steps=cfg.lr_decay_steps or cfg.steps,
+                           data=os.path.abspath(cfg.data) if cfg.data else "").settings()
     first_step, resumed_from = 0, None
     if cfg.resume:
         resumed_from = find_checkpoint(cfg.resume)
@@ -144,7 +144,8 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
     log = None
     if rank == 0:
         log = RunLog(cfg, history_of(resumed_from, first_step) if resumed_from else [])
-        compute = cfg.precision if parallel.fp8 else ("bf16" if parallel.precision.param_dtype else "fp32")
+        fp8 = cfg.parallel.fp8
+        compute = f"fp8-{fp8.name}" if fp8 else resolve_precision(cfg.parallel.precision, device.type).label
         print(startup_lines(cfg, model, params=n_params, world=world, device=device.type, layout=layout,
                             compute=compute, tokens_per_step=tokens_per_step, tokenized=tokenized,
                             train_tokens=len(train_data), val_tokens=len(val_data), resumed_from=resumed_from,
@@ -221,7 +222,7 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
         wait_for_saves()
     summary = None
     if log:
-        summary = log.finish({"config": asdict(cfg), "world_size": world, "layout": layout,
+        summary = log.finish({"config": cfg.settings(), "world_size": world, "layout": layout,
                               "tokens_per_step": tokens_per_step, "device": device.type, "params": n_params,
                               "steps_done": step_done, "resumed_from": resumed_from,
                               "elapsed_s": time.perf_counter() - start}, stopped_by)

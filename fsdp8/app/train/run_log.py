@@ -200,7 +200,7 @@ class RunLog:
             return None
         val_series = [self.val.get(s, float("nan")) for s in self.steps]
         save_line_plot(os.path.join(cfg.out, "loss.png"), self.steps, {"train": self.losses, "val": val_series},
-                       title=f"fsdp8 {cfg.model_name} {cfg.strategy}", xlabel="step", ylabel="loss")
+                       title=f"fsdp8 {cfg.model_name} {cfg.parallel.strategy.label}", xlabel="step", ylabel="loss")
         final_val = self.val[max(self.val)] if self.val else None
         stopped = signal.Signals(stopped_by).name if stopped_by else None
         summary = dict(summary, first_loss=self.losses[0], final_loss=self.losses[-1], final_val_loss=final_val,

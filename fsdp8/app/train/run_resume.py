@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Collection, List, Optional, Tuple
 
 from ...checkpoint.store import METADATA, MARKER, complete_checkpoints, extra_path
@@ -186,14 +186,15 @@ def resumed_config(cfg: TrainConfig, given: Collection[str], resume: Resume) -> 
             again = f"--model {was}" if was else f"--preset {saved['preset']}"
             raise ValueError(f"--resume: {checkpoint} holds {held}, not {cfg.model or repr(cfg.preset)}; drop "
                              f"--model and --preset or pass {again}")
-    remembered = {k: v for k, v in saved.items()
-                  if k in {f.name for f in fields(TrainConfig)} - PER_INVOCATION - set(given)}
-    if "tp" in given and cfg.tp == 1:  # a layout without tensor parallelism: the switches of tp go with it
+    settings = cfg.settings()
+    # The saved settings are TrainConfig.settings() (flag names), as every fsdp8 train has saved them.
+    remembered = {k: v for k, v in saved.items() if k in set(settings) - PER_INVOCATION - set(given)}
+    if "tp" in given and cfg.parallel.tp == 1:  # a layout without tensor parallelism: the switches of tp go with it
         for name in ("sequence_parallel", "loss_parallel"):
             remembered.pop(name, None)
     data, notes = _data(cfg, given, resume)
     try:
-        cfg = replace(cfg, resume=checkpoint, data=data, **remembered)
+        cfg = TrainConfig.from_settings(dict(settings, resume=checkpoint, data=data, **remembered))
     except TypeError as e:
         raise ValueError(f"--resume: the settings saved in {extra_path(checkpoint, 0)} are not valid ({e})") from None
     step = resume.extra.get("step", 0)

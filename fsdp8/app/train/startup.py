@@ -21,9 +21,9 @@ def startup_lines(cfg: TrainConfig, model: nn.Module, *, params: int, world: int
     fp8 precision) and the data. ``model`` is the parallelized model; ``tokenized`` whether the
     data was read with the model's tokenizer (else as bytes)."""
     lines = [f"fsdp8 train: {cfg.model_name} ({params / 1e6:.2f}M params), {world} x {device} as {layout}, "
-             f"strategy {cfg.strategy}, {compute} compute, {tokens_per_step} tokens/step",
+             f"strategy {cfg.parallel.strategy.label}, {compute} compute, {tokens_per_step} tokens/step",
              f"  weights: {_weights(cfg, resumed_from, first_step)}"]
-    if cfg.precision.startswith("fp8"):
+    if cfg.parallel.fp8 is not None:
         lines.append(f"  fp8: {_fp8_layers(model)}")
     data = f"--data {cfg.data}" if cfg.data else "the packaged corpus"
     reader = f"tokenized with the tokenizer of {cfg.model}" if tokenized else "read as bytes"
