@@ -68,16 +68,19 @@ def fp8_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, recipe: Recipe, f
         raise ValueError(f"fp8_mm takes row-major (contiguous) operands, got strides {a.data.stride()} and "
                          f"{b.data.stride()}")
     if not native_ok(a, b, recipe, out_dtype):
-        # Emulation: exact dequantization, then one matmul (bf16 for MX on CUDA: power-of-two
-        # scales keep the dequantized values exact in bf16; fp32 otherwise, as the FP8 GEMMs
-        # accumulate). A model computing in fp64 gets fp64 products, each of two dequantized
+        # Emulation: exact dequantization, then one matmul (bf16 for MX on CUDA, as the native
+        # MX GEMM writes: power-of-two scales keep the dequantized values exact in bf16; fp32
+        # otherwise, as the FP8 GEMMs accumulate). A model computing in fp64 gets fp64 products
+        # on every device and recipe, each of two dequantized
         # FP8 values nearly exact, so its result does not depend on the order of the sum (a
         # compiled graph or another BLAS kernel gives the same bytes: the compiled-block tests
         # run so, where an fp32 ulp of difference could flip an FP8 byte downstream).
-        if a.data.is_cuda and a.granularity is Granularity.MX_1x32:
-            dtype = torch.bfloat16
+        if out_dtype == torch.float64:
+            dtype = torch.float64
+        elif a.data.is_cuda and a.granularity is Granularity.MX_1x32:
+            dtype = torch.bfloat16  # as the native MX GEMM, which writes bf16
         else:
-            dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
+            dtype = torch.float32
         return (a.dequantize(dtype) @ b.dequantize(dtype).t()).to(out_dtype)
     mat_b = b.data.t()  # column-major (K, N) view of the row-major (N, K) operand
     if a.granularity is Granularity.TENSOR:
