@@ -187,6 +187,14 @@ class ParallelConfig:
       adapter (the built-in Llama's, Hugging Face models', a registered family's), or is the
       whole plan of other models. With ``loss_parallel`` compute the loss and call
       ``backward()`` inside ``torch.distributed.tensor.parallel.loss_parallel()``.
+    - ``ep``: expert parallelism for a mixture-of-experts model (``fsdp8.parallel.ep``): each
+      expert on one of ``ep`` ranks borrowed from ``dp_shard`` (which it must divide; they
+      still see different rows), tokens sent to their experts' ranks and back with
+      all-to-all, every routed token computed (no capacity limit, so results equal one
+      process), the experts then sharded like other weights over the ``dp_shard / ep``
+      ranks left (and ``dp_replicate``, ``cp``). The model's adapter says where its experts
+      are (``fsdp8.models.adapter_for(model).experts(model)``); tp > 1 with ep > 1 is not
+      supported yet.
     - ``activation_checkpointing``: ``"none"``; ``"full"`` (each unit's activations are
       recomputed in backward: least memory, one more forward); ``"selective"`` (an op-level
       policy: matmul outputs except every second one, attention outputs, reduce-scatter
@@ -214,6 +222,7 @@ class ParallelConfig:
     dp_shard: int = -1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
     sequence_parallel: bool = False
     loss_parallel: bool = False
     tp_plan: Optional[Mapping[str, Any]] = None
@@ -237,6 +246,7 @@ class ParallelConfig:
         object.__setattr__(self, "strategy", Strategy.parse(self.strategy))
         object.__setattr__(self, "outer_strategy", OuterStrategy.parse(self.outer_strategy))
         self._check_tensor_parallel()
+        self._check_expert_parallel()
         if self.outer_strategy is not OuterStrategy.NO_SHARD and self.dp_replicate == 1:
             raise LayoutError(
                 "outer_without_replicas",
@@ -272,6 +282,16 @@ class ParallelConfig:
             raise ValueError(
                 f"only one mesh size may be -1 (inferred), got {' and '.join(inferred)}; dp_shard defaults to -1, "
                 "so give it a size when another one is -1"
+            )
+
+    def _check_expert_parallel(self) -> None:
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"ParallelConfig.ep must be a positive int (the expert-parallel ranks), got {self.ep!r}")
+        if self.ep > 1 and self.tp != 1:
+            raise LayoutNotSupported(
+                "ep_with_tp",
+                f"ep={self.ep} with tp={self.tp}: expert parallelism beside tensor parallelism is not supported yet; "
+                "use tp=1 (the experts then take the ranks tp would), or ep=1",
             )
 
     def _check_tensor_parallel(self) -> None:

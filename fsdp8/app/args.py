@@ -86,7 +86,7 @@ def flags_of(parallel: ParallelConfig) -> dict:
     (``--precision fp8-NAME``): what parallel_from_flags takes back."""
     p = parallel
     precision = f"fp8-{p.fp8.name}" if p.fp8 is not None else "auto" if p.precision is None else p.precision.label
-    return {"strategy": p.strategy.label, "precision": precision, "tp": p.tp, "dp_replicate": p.dp_replicate,
+    return {"strategy": p.strategy.label, "precision": precision, "tp": p.tp, "ep": p.ep, "dp_replicate": p.dp_replicate,
             "outer_strategy": p.outer_strategy.label, "cp": p.cp, "sequence_parallel": p.sequence_parallel,
             "loss_parallel": p.loss_parallel, "ac": p.activation_checkpointing, "compile": p.compile,
             "offload": p.offload or "none"}
@@ -102,7 +102,7 @@ def parallel_from_flags(flags: Mapping[str, Any]) -> ParallelConfig:
     ParallelConfig, with what it refuses said in terms of the flags. ``--precision auto`` leaves
     the choice to ``resolve_precision`` where the model runs; FP8 layers compute in bf16."""
     f = dict(LAYOUT_DEFAULTS, **{name: value for name, value in flags.items() if name in LAYOUT_DEFAULTS})
-    for name in ("tp", "dp_replicate", "cp"):
+    for name in ("tp", "ep", "dp_replicate", "cp"):
         if f[name] < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {f[name]}")
     precision, fp8 = f["precision"], f["fp8"]
@@ -122,7 +122,7 @@ def parallel_from_flags(flags: Mapping[str, Any]) -> ParallelConfig:
         raise ValueError(f"--offload {f['offload']} does not work with {fp8_flag} yet (FP8 weights are quantized from "
                          f"the main weights on the device); {fix}, or no --offload")
     try:
-        return ParallelConfig(dp_replicate=f["dp_replicate"], cp=f["cp"], tp=f["tp"],
+        return ParallelConfig(dp_replicate=f["dp_replicate"], cp=f["cp"], tp=f["tp"], ep=f["ep"],
                               sequence_parallel=f["sequence_parallel"], loss_parallel=f["loss_parallel"],
                               activation_checkpointing=f["ac"], compile=f["compile"],
                               fp8=recipe_from_name(f"fp8-{fp8}") if fp8 != "none" else None,
@@ -151,6 +151,9 @@ def _in_flags(rule: str, f: dict) -> Optional[str]:
                 "context-parallel attention's causal mask); use --ac full")
     if rule == "offload":
         return f"--offload must be one of {', '.join(OFFLOAD_MODES)}, got {f['offload']!r}"
+    if rule == "ep_with_tp":
+        return (f"--ep {f['ep']} with --tp {f['tp']}: expert parallelism beside tensor parallelism is not supported "
+                "yet; drop --tp (the experts then take those ranks) or --ep")
     if rule == "offload_without_sharding":
         return ("--offload optim moves the sharded main weights and optimizer state to the host, but --strategy "
                 "no_shard shards nothing; use --strategy optim or higher")

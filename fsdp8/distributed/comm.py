@@ -49,7 +49,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import time
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -218,3 +218,16 @@ def all_reduce(tensor: torch.Tensor, group, op, label: str) -> None:
         return
     _run("all_reduce", label, group, tensor.is_cuda,
          lambda async_op: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: List[int], in_splits: List[int], group,
+               label: str) -> None:
+    """Send rows ``in_splits[j]`` of ``inp`` (in order) to rank ``j`` of ``group`` and receive
+    ``out_splits[j]`` rows from it into ``out`` (rank-major): expert parallelism's dispatch.
+    Runs on the caller's stream: its input is the compute just before it, and the compute
+    right after it needs its output."""
+    if group_size(group) == 1:
+        out.copy_(inp)
+        return
+    _run("all_to_all", label, group, out.is_cuda,
+         lambda async_op: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op))

@@ -76,9 +76,45 @@ def make_mesh(dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 
     return mesh
 
 
+def make_expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The experts' view of the world mesh: its ``dp_shard`` dim split into ``(efsdp, ep)``.
+
+    Expert parallelism borrows ``ep`` ranks from the data-parallel shard dim, as torchtitan and
+    Megatron do: each expert lives on one rank of every ``ep`` group (neighbouring ranks, inside
+    one node where the world allows), and is sharded by the engine over the ``efsdp`` ranks
+    that remain (``efsdp x cp``, and replicated or sharded over ``dp_replicate`` as the dense
+    parameters are). Rank ``(r, s, c, t)`` of the world is rank ``(r, s // ep, s % ep, c, t)``
+    here, so the two meshes cover the same ranks in the same order. ``data_parallel_mesh``
+    of the result is what the experts are sharded over."""
+    names = _dim_names(mesh)
+    if "dp_shard" not in names:
+        raise ValueError(f"make_expert_mesh takes the world mesh of fsdp8.make_mesh, got dims {names}")
+    sizes = dict(zip(names, mesh.shape))
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or sizes["dp_shard"] % ep:
+        raise ValueError(
+            f"ep={ep!r} must be a positive divisor of dp_shard={sizes['dp_shard']} (expert parallelism borrows its "
+            "ranks from the data-parallel shard dim); choose ep among "
+            f"{[d for d in range(1, sizes['dp_shard'] + 1) if sizes['dp_shard'] % d == 0]}"
+        )
+    dims: dict[str, int] = {}
+    for name, size in sizes.items():
+        if name == "dp_shard":
+            dims["efsdp"], dims["ep"] = size // ep, ep
+        else:
+            dims[name] = size
+    expert = init_device_mesh(mesh.device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    if "cp" in dims:
+        expert["efsdp", "cp"]._flatten("efsdp_cp")
+    return expert
+
+
+def _shard_dim(names: tuple[str, ...]) -> str:
+    return "efsdp" if "efsdp" in names else "dp_shard"
+
+
 def _dim_names(mesh: DeviceMesh) -> tuple[str, ...]:
     names = tuple(mesh.mesh_dim_names or ())
-    if "dp_shard" not in names:
+    if "dp_shard" not in names and "efsdp" not in names:
         raise ValueError(
             f"mesh with dimensions {names or tuple(mesh.shape)} has no 'dp_shard' dimension; "
             "build the world mesh with fsdp8.make_mesh(dp_replicate=, dp_shard=, cp=, tp=)"
@@ -93,14 +129,15 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     parallelism the shard dim is the flattened ``dp_shard_cp`` (cp ranks hold different
     tokens of the same sequences, so they share parameter shards like dp ranks)."""
     names = _dim_names(mesh)
+    shard = _shard_dim(names)  # the experts' mesh shards over efsdp (make_expert_mesh)
     if "cp" not in names:
-        wanted = tuple(name for name in ("dp_replicate", "dp_shard") if name in names)
+        wanted = tuple(name for name in ("dp_replicate", shard) if name in names)
         return mesh if names == wanted else mesh[wanted]
     if "dp_replicate" in names:
-        return mesh["dp_replicate", "dp_shard_cp"]
+        return mesh["dp_replicate", f"{shard}_cp"]
     # Flattening again returns the view make_mesh created (torch >= 2.11 deprecates
     # slicing a flattened dim from the root mesh).
-    return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh[shard, "cp"]._flatten(f"{shard}_cp")
 
 
 def tp_mesh(mesh: DeviceMesh) -> Optional[DeviceMesh]:

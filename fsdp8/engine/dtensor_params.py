@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -89,13 +89,15 @@ class InnerSpec:
         return f"tp{tuple(self.mesh.shape)} {', '.join(map(str, self.placements))} global {self.shape}"
 
 
-def inner_mesh_of(params: Iterable[Tuple[str, torch.Tensor]], device_type: str) -> Optional[DeviceMesh]:
-    """The one model-parallel mesh the DTensor parameters live on (None: no DTensors).
+def inner_meshes_of(params: Iterable[Tuple[str, torch.Tensor]], device_type: str) -> List[DeviceMesh]:
+    """The model-parallel meshes the DTensor parameters live on, in order of first use (empty:
+    no DTensors). Meshes of different root meshes may mix (the tp slice of the world mesh and
+    the ep slice of the experts' mesh: see [Note: meshes of their own] in model.py); two of one
+    root may not.
 
-    Raises on what the engine cannot shard: parameters on different meshes, or placements
-    other than Shard/Replicate."""
-    found: Optional[DeviceMesh] = None
-    first = ""
+    Raises on what the engine cannot shard: placements other than Shard/Replicate, or two
+    meshes of one root."""
+    found: Dict[int, Tuple[DeviceMesh, str]] = {}  # id(root) -> (mesh, first parameter on it)
     for name, p in params:
         if not isinstance(p, DTensor):
             continue
@@ -106,16 +108,20 @@ def inner_mesh_of(params: Iterable[Tuple[str, torch.Tensor]], device_type: str) 
                     "with Shard(dim) or Replicate() on a tensor-parallel mesh (apply tensor parallelism before "
                     "fully_shard, and fully_shard a model only once)"
                 )
-        if found is None:
-            found, first = p.device_mesh, name
-        elif p.device_mesh != found:
+        root = id(p.device_mesh._get_root_mesh())
+        if root not in found:
+            if p.device_mesh.device_type != device_type:
+                raise ValueError(f"the tensor-parallel mesh is on {p.device_mesh.device_type!r} but fully_shard runs "
+                                 f"on {device_type!r}")
+            found[root] = (p.device_mesh, name)
+        elif p.device_mesh != found[root][0]:
+            first = found[root][1]
             raise ValueError(
-                f"parameters {first!r} and {name!r} are DTensors on different meshes ({found} and {p.device_mesh}); "
-                "place every tensor-parallel parameter on the same tp mesh (e.g. fsdp8.make_mesh(tp=N)['tp'])"
+                f"parameters {first!r} and {name!r} are DTensors on different meshes ({found[root][0]} and "
+                f"{p.device_mesh}); place every tensor-parallel parameter on the same tp mesh (e.g. "
+                "fsdp8.make_mesh(tp=N)['tp'])"
             )
-    if found is not None and found.device_type != device_type:
-        raise ValueError(f"the tensor-parallel mesh is on {found.device_type!r} but fully_shard runs on {device_type!r}")
-    return found
+    return [mesh for mesh, _ in found.values()]
 
 
 def concatenate(meshes: Sequence[DeviceMesh]) -> DeviceMesh:

@@ -37,25 +37,17 @@ def clip_grad_norm_(
     if norm_type <= 0 and not math.isinf(norm_type):
         raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
     engine = model._fsdp8
-    topology = engine.topology
-    # Under TP a tp-replicated weight's gradient is on every tp rank: count it on one of them
-    # for sums (a max does not care).
-    skip = set()
-    if topology.inner_mesh is not None and not math.isinf(norm_type) and topology.inner_mesh.get_local_rank() != 0:
-        skip = engine.tp_replicated
-    grads: List[torch.Tensor] = [_local(p.grad) for p in model.parameters() if p.grad is not None and id(p) not in skip]
-    clipped: List[torch.Tensor] = [_local(p.grad) for p in model.parameters() if p.grad is not None]
     device = engine.all_units[0].device if engine.all_units else torch.device("cpu")
-    grads = [g for g in grads if g.numel() > 0]
-    if grads:
-        norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
-        # Offloaded gradients are on the host; the collective runs on the compute device.
-        local = (norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()).to(device)
-    else:
-        local = torch.zeros((), dtype=torch.float32, device=device)
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-    comm.all_reduce(local, topology.main_group, op, "grad_norm")
-    comm.all_reduce(local, topology.inner_group, op, "grad_norm/tp")
+    clipped: List[torch.Tensor] = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    # Each topology's shards are distinct over its own groups (one for a model without
+    # parameters on meshes of their own): reduce each there, then add the topologies up.
+    local = None
+    for topology in engine.topologies:
+        part = _local_norm(_grads_of(engine, topology, norm_type), norm_type, device)
+        comm.all_reduce(part, topology.main_group, op, "grad_norm")
+        comm.all_reduce(part, topology.inner_group, op, "grad_norm/tp")
+        local = part if local is None else (torch.maximum(local, part) if math.isinf(norm_type) else local + part)
     total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         check_finite(model)  # names the parameters and ranks
@@ -65,6 +57,25 @@ def clip_grad_norm_(
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_(clipped, coef.to(clipped[0].device))
     return total
+
+
+def _grads_of(engine, topology, norm_type: float) -> List[torch.Tensor]:
+    """The local gradients of the parameters ``topology`` shards, each counted once."""
+    mains = [s.main for u in engine.all_units if u.topology is topology for s in u.slots]
+    # Under TP a tp-replicated weight's gradient is on every tp rank: count it on one of them
+    # for sums (a max does not care).
+    skip = set()
+    if topology.inner_mesh is not None and not math.isinf(norm_type) and topology.inner_mesh.get_local_rank() != 0:
+        skip = engine.tp_replicated
+    return [g for g in (_local(p.grad) for p in mains if p.grad is not None and id(p) not in skip) if g.numel() > 0]
+
+
+def _local_norm(grads: List[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
+    # Offloaded gradients are on the host; the collective runs on the compute device.
+    return (norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()).to(device)
 
 
 def nonfinite_grads(model: nn.Module) -> Dict[str, List[int]]:

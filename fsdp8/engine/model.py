@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, Optional, Union
 
 import torch
@@ -19,7 +20,7 @@ from ..fp8.recipes import Recipe
 from .fp8_scales import ScaleAgreement, delayed_states_of
 from .fp8_unit import Float8Unit
 from .grads import check_finite as check_finite_grads
-from .dtensor_params import InnerSpec, inner_mesh_of
+from .dtensor_params import InnerSpec, inner_meshes_of
 from .layout import plan_unit
 from .materialize import materialize_and_load, meta_leftovers, rng_fingerprint
 from .schedule import Schedule
@@ -42,6 +43,7 @@ def fully_shard(
     fp8_filter: Optional[Callable[[str, nn.Linear], bool]] = None,
     check_finite: bool = False,
     offload: Optional[str] = None,
+    expert_mesh: Optional[DeviceMesh] = None,
 ) -> ShardedModel:
     """Shard ``module`` in place over the data-parallel ranks and return it as a ShardedModel.
 
@@ -51,7 +53,10 @@ def fully_shard(
     each synced backward and raises NonFiniteGradError naming parameters and ranks (one
     all-gather and a host synchronization per step). ``offload="optim"`` keeps main weights,
     their gradients and so the optimizer state in (pinned) host memory: the optimizer steps
-    on the CPU, and the GPU holds only compute copies and activations."""
+    on the CPU, and the GPU holds only compute copies and activations. ``expert_mesh``: the
+    experts' mesh of ``fsdp8.distributed.mesh.make_expert_mesh``, when some parameters are
+    DTensors on its ``ep`` dim (``fsdp8.parallel.ep.expert_parallel``): those are sharded over
+    its data-parallel dims (see [Note: meshes of their own])."""
     if isinstance(module, ShardedModel):
         raise RuntimeError(f"{type(module).__name__} is already sharded by fsdp8.fully_shard; wrap a model only once")
     if not isinstance(module, nn.Module):
@@ -69,7 +74,8 @@ def fully_shard(
         raise TypeError(f"precision must be fsdp8.Precision, got {type(precision).__name__}")
     init_distributed()
     device_type = mesh.device_type if isinstance(mesh, DeviceMesh) else default_device_type()
-    inner_mesh = inner_mesh_of(module.named_parameters(), device_type)
+    inner_mesh, own_meshes = _split_meshes(inner_meshes_of(module.named_parameters(), device_type), mesh,
+                                           expert_mesh)
     mesh = resolve_mesh(mesh, device_type, outer, inner_mesh)
     device = torch.device(device) if device is not None else current_device(device_type)
     if device.type != device_type:
@@ -86,10 +92,15 @@ def fully_shard(
         warn_tp_kept(tp_kept)
     recipe = _model_recipe(module, fp8)
     per_unit, originals = collect_slots(module, unit_modules)
+    own_mesh_of = {name: _own_mesh(name, slots, own_meshes) for name, slots in per_unit.items()}
+    for name, slots in per_unit.items():
+        for s in slots:
+            if own_mesh_of[name] is not None:  # the given root's own slice (see the Note)
+                s.inner = dataclasses.replace(s.inner, mesh=own_mesh_of[name])
     if inner_mesh is not None:
-        for slots in per_unit.values():
+        for name, slots in per_unit.items():
             for s in slots:
-                if s.inner is None:  # a plain parameter beside TP ones: replicated over tp
+                if s.inner is None and own_mesh_of[name] is None:  # plain beside TP ones: replicated over tp
                     s.inner = InnerSpec.replicated(inner_mesh, originals[id(s)].shape)
     has_meta = any(p.is_meta for p in originals.values())
     header = [
@@ -108,6 +119,8 @@ def fully_shard(
     )
 
     topology = Topology(mesh, strategy, outer, inner_mesh)
+    own_topologies = [Topology(resolve_mesh(m._get_root_mesh(), device_type, outer, m), strategy, outer, m)
+                      for m in own_meshes]
     streams = comm.Streams(device)
     built: Dict[str, ShardedUnit] = {}
     for (name, unit_module) in [("", module)] + unit_modules:
@@ -115,10 +128,12 @@ def fully_shard(
         if not slots:
             continue
         shapes = [local_shape(s, originals[id(s)]) for s in slots]
-        layout = plan_unit(shapes, sum(s.requires_grad for s in slots), topology.plan.num_chunks)
+        own = own_mesh_of[name]
+        unit_topology = topology if own is None else next(t for t in own_topologies if t.inner_mesh == own)
+        layout = plan_unit(shapes, sum(s.requires_grad for s in slots), unit_topology.plan.num_chunks)
         for s, p in zip(slots, layout.params):
             s.layout = p
-        args = (name, unit_module, slots, layout, topology, precision, device, streams)
+        args = (name, unit_module, slots, layout, unit_topology, precision, device, streams)
         fp8_slots = [s for s in slots if _fp8_weight_owner(s) is not None]
         if fp8_slots:
             delayed = {id(s): _fp8_weight_owner(s).delayed_state(device) for s in fp8_slots if recipe.delayed}
@@ -137,7 +152,7 @@ def fully_shard(
     root_unit = built.get("")
     units_list = [built[n] for n, _ in unit_modules if n in built]
     schedule = Schedule(module, root_unit, units_list, precision.param_dtype if precision.casts_inputs else None)
-    engine = Engine(topology, precision, units_list, root_unit, schedule)
+    engine = Engine(topology, precision, units_list, root_unit, schedule, own_topologies)
     fp8_units = [u for u in built.values() if isinstance(u, Float8Unit)]
     if fp8_units:
         states = delayed_states_of(fp8_units)
@@ -185,3 +200,51 @@ def _fp8_weight_owner(slot: ParamSlot) -> Optional[Float8Linear]:
         if isinstance(module, Float8Linear) and attr == "weight" and len(slot.layout.shape) == 2:
             return module
     return None
+
+
+# [Note: meshes of their own]
+# Parameters may be DTensors on a slice of another root mesh than the world mesh the model
+# is sharded over: a mixture-of-experts model's experts are split over the ``ep`` dim of the
+# experts' mesh (fsdp8.distributed.mesh.make_expert_mesh), which cuts the world's data-parallel
+# ranks differently. That mesh gets a Topology of its own: its parameters are sharded over
+# the data-parallel dims of the experts' mesh, and only the world mesh's model-parallel slice
+# is the usual one (tp, with plain parameters replicated over it). A unit holds parameters of
+# one topology, so such parameters form units of their own. The caller names the experts'
+# mesh (``expert_mesh=``): a parameter's own mesh cannot say which root it came from, since
+# torch shares equal meshes between DTensors (the ``ep`` slices of two experts' meshes of
+# different layouts are equal), so the engine takes the given root's slice equal to it.
+def _split_meshes(meshes, mesh: Optional[DeviceMesh], expert_mesh: Optional[DeviceMesh]):
+    """(the model-parallel mesh of the world's root, the slices of ``expert_mesh`` that
+    parameters live on)."""
+    own = []
+    if expert_mesh is not None:
+        names = set(expert_mesh.mesh_dim_names or ())
+        for m in meshes:
+            dims = tuple(m.mesh_dim_names or ())
+            if dims and set(dims) <= names and "ep" in dims and expert_mesh[dims] == m:
+                own.append(expert_mesh[dims])
+    world = [m for m in meshes if not any(m == o for o in own)]
+    if len(world) > 1:
+        raise ValueError(
+            f"parameters are DTensors on different meshes ({world[0]} and {world[1]}); place every tensor-parallel "
+            "parameter on the same tp mesh (e.g. fsdp8.make_mesh(tp=N)['tp'])"
+        )
+    return (world[0] if world else None), own
+
+
+def _own_mesh(unit_name: str, slots, own_meshes) -> Optional[DeviceMesh]:
+    """The mesh of another root that the unit's parameters live on (None: the world's)."""
+    if not own_meshes:
+        return None
+    own = [m for m in own_meshes if any(s.inner is not None and s.inner.mesh == m for s in slots)]
+    if not own:
+        return None
+    first = next(s.fqn for s in slots if s.inner is not None and s.inner.mesh == own[0])
+    others = [s.fqn for s in slots if s.inner is None or s.inner.mesh != own[0]]
+    if others:
+        raise ValueError(
+            f"unit {unit_name or '<root>'!r} holds {first!r} (a DTensor on {own[0]}) beside {others[0]!r}, which is "
+            "placed otherwise; a unit's parameters must share one mesh: make the module that holds the first its "
+            "own unit (units=...)"
+        )
+    return own[0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -62,8 +62,10 @@ class MemoryReport:
 class Engine:
     """Everything fully_shard built for one model."""
 
-    def __init__(self, topology: Topology, precision: Precision, units: List[ShardedUnit], root_unit, schedule: Schedule):
-        self.topology = topology
+    def __init__(self, topology: Topology, precision: Precision, units: List[ShardedUnit], root_unit, schedule: Schedule,
+                 own_topologies: Sequence[Topology] = ()):
+        self.topology = topology  # the world mesh's; units on meshes of their own have theirs (model.py)
+        self.topologies = [topology, *own_topologies]
         self.precision = precision
         self.units = units
         self.root_unit = root_unit

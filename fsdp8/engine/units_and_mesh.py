@@ -105,7 +105,7 @@ def local_shape(slot: ParamSlot, param: torch.Tensor) -> Tuple[int, ...]:
     return slot.inner.local_region()[0] if slot.inner is not None else tuple(param.shape)
 
 
-MODEL_PARALLEL_DIMS = ("cp", "tp")
+MODEL_PARALLEL_DIMS = ("cp", "tp", "ep")
 
 
 def resolve_mesh(mesh: Optional[DeviceMesh], device_type: str, outer: OuterStrategy,

@@ -32,14 +32,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..config import ParallelConfig, check_checkpointing_with_cp, resolve_precision
-from ..distributed.mesh import make_mesh, mesh_dims, tp_mesh
+from ..distributed.mesh import make_expert_mesh, make_mesh, mesh_dims, tp_mesh
 from ..distributed.process_group import init_distributed, mesh_device
 from ..engine.model import fully_shard
 from ..engine.sharded import ShardedModel
+from ..engine.units_and_mesh import find_units
 from ..models.adapter import ModelAdapter, adapter_for
 from .auto import auto_choice, describe_choice
 from .checkpointing import checkpoint_units
 from .cp import context_parallel, loss_divisor, shard_sequence
+from .ep import check_expert_parallel, expert_parallel
 from .tp import tensor_parallel
 
 
@@ -186,6 +188,7 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
             f"of {type(model).__name__}; use cp=1, or build the world mesh yourself and call "
             "fsdp8.parallel.cp.ContextAttention from your model's attention"
         )
+    experts = _check_expert_parallel(model, config.ep, sizes["dp_shard"])
     offload = _offload_kwargs(config)
 
     mesh = make_mesh(config.dp_replicate, config.dp_shard, config.cp, config.tp)
@@ -195,10 +198,18 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
         context_parallel(model, mesh, config.sequence_parallel)
     precision = resolve_precision(config.precision, mesh.device_type)
     units = config.units if config.units is not None else adapter.units(model)
+    expert_mesh = make_expert_mesh(mesh, config.ep) if experts else None
+    if experts:
+        expert_parallel(model, expert_mesh)
+        units = _units_and_experts(model, units, experts)
     sharded = fully_shard(model, mesh=mesh, units=units, strategy=config.strategy,
                           outer_strategy=config.outer_strategy, precision=precision,
-                          reshard_after_forward=config.reshard_after_forward, fp8=config.fp8, **offload)
-    unit_modules = [unit.module for unit in sharded._fsdp8.units]
+                          reshard_after_forward=config.reshard_after_forward, fp8=config.fp8, expert_mesh=expert_mesh,
+                          **offload)
+    # Experts modules are units of their own (their mesh differs) inside the decoder layers,
+    # which checkpointing and compiling already cover.
+    expert_ids = {id(m) for m in experts.values()}
+    unit_modules = [unit.module for unit in sharded._fsdp8.units if id(unit.module) not in expert_ids]
     if config.activation_checkpointing != "none":
         checkpoint_units(unit_modules, config.activation_checkpointing, adapter.checkpoint_filter(model))
     if config.compile is not False:  # True, or a dict of torch.compile options ({} too)
@@ -248,6 +259,24 @@ def _check_tensor_parallel(model: nn.Module, config: ParallelConfig, tp: int, ad
             "ParallelConfig(tp_plan={'module pattern': ParallelStyle, ...}) with torch's ColwiseParallel / "
             "RowwiseParallel styles, or use tp=1"
         )
+
+
+def _check_expert_parallel(model: nn.Module, ep: int, dp_shard: int) -> Dict[str, nn.Module]:
+    """The experts modules ep > 1 splits ({} for ep = 1), after every check that needs no mesh."""
+    if ep == 1:
+        return {}
+    if dp_shard % ep:
+        raise ValueError(
+            f"ep={ep} must divide dp_shard={dp_shard}: expert parallelism borrows its ranks from the data-parallel "
+            f"shard dim; choose ep among {[d for d in range(1, dp_shard + 1) if dp_shard % d == 0]}, or change dp_shard"
+        )
+    return check_expert_parallel(model, ep)
+
+
+def _units_and_experts(model: nn.Module, units, experts: Dict[str, nn.Module]):
+    """The units ``units`` selects, plus every experts module as a unit of its own."""
+    names = {name for name, _ in find_units(model, units)} | set(experts)
+    return lambda name, module: name in names
 
 
 def _apply_tensor_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> None:

@@ -94,6 +94,12 @@ def test_overwrite_deletes_the_earlier_run_and_says_so(tmp_path, capsys, launche
     (["--nproc", "2", "--tp", "2", "--sequence-parallel", "--seq-len", "33"], "--seq-len 33 is not a multiple of 2"),
     (["--loss-parallel"], "--loss-parallel needs tensor parallelism: pass --tp N"),
     (["--tp", "0"], "--tp must be >= 1, got 0"),
+    (["--ep", "0"], "--ep must be >= 1, got 0"),
+    (["--nproc", "4", "--ep", "3", "--preset", "moe-tiny"], "--ep 3 must divide the 4 data-parallel shard ranks"),
+    (["--nproc", "2", "--ep", "2"], "--ep 2: ep=2 splits the experts of a mixture-of-experts model, but Llama has "
+                                    "none (its adapter found no experts module); use ep=1 for a dense model; a "
+                                    "built-in mixture-of-experts model is --preset moe-tiny"),
+    (["--nproc", "2", "--ep", "2", "--tp", "2"], "--ep 2 with --tp 2: expert parallelism beside tensor parallelism"),
     (["--outer-strategy", "optim"], "--outer-strategy optim shards across HSDP replicas, but there are none"),
     (["--nproc", "4", "--cp", "2", "--ac", "selective"], "--ac selective does not work with --cp 2 yet"),
     (["--offload", "optim", "--strategy", "no_shard"], "--strategy no_shard shards nothing"),

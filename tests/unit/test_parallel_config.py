@@ -30,6 +30,9 @@ def test_defaults_and_normalised_strategies():
 
 
 BAD = [
+    (dict(ep=0), ValueError, "ParallelConfig.ep must be a positive int (the expert-parallel ranks), got 0"),
+    (dict(ep=True), ValueError, "ParallelConfig.ep must be a positive int"),
+    (dict(ep=2, tp=2), NotImplementedError, "ep=2 with tp=2: expert parallelism beside tensor parallelism is not"),
     (dict(tp=0), ValueError, "ParallelConfig.tp must be a positive int or -1 (inferred), got 0"),
     (dict(dp_replicate=-2), ValueError, "dp_replicate must be a positive int or -1"),
     (dict(tp=True), ValueError, "ParallelConfig.tp must be a positive int"),

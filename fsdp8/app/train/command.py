@@ -63,6 +63,8 @@ def add_parser(sub) -> None:
                              "(main weights and optimizer state too)", choices=("no_shard", "optim"))
     flag("--cp", "context-parallel degree: each sequence cut over N ranks, which share a batch (--seq-len a "
                  "multiple of 2 x N)", type=int)
+    flag("--ep", "expert-parallel degree of a mixture-of-experts model (--preset moe-*): its experts split over N "
+                 "of the data-parallel ranks, tokens sent to them and back with all-to-all", type=int)
     switch("--sequence-parallel", "with --tp: norms and residuals on sequence shards (--seq-len a multiple of tp)")
     switch("--loss-parallel", "with --tp: keep the logits vocabulary-sharded through the loss")
     flag("--ac", "activation checkpointing of each block: none, selective (op-level policy; not with --cp) or "

@@ -23,6 +23,7 @@ from ...models.adapter import adapter_for
 from ...models.hf_dir import config_file, import_transformers, read_config
 from ...models.llama import Llama, preset
 from ...parallel.cp import local_multiple
+from ...parallel.ep import check_expert_parallel
 from ...parallel.tp import check_shapes, resolve_plan
 from ..args import LAYOUT_DEFAULTS, flags_of, parallel_from_flags
 
@@ -168,6 +169,8 @@ def check_run(cfg: TrainConfig, world: int) -> None:
         vocab = _check_hf_dir(cfg).vocab_size
     if p.tp > 1:
         _check_tensor_parallel(cfg)
+    if p.ep > 1:
+        _check_expert_parallel(cfg, world // degree)
     if cfg.model and weight_files(cfg.hf_dir) and not cfg.resume:
         _check_weights(cfg)
     if cfg.resume:
@@ -243,6 +246,20 @@ def _check_hf_dir(cfg: TrainConfig):
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the {positions} positions of {cfg.model} "
                          f"(max_position_embeddings); pass --seq-len {positions} or less")
     return text_config
+
+
+def _check_expert_parallel(cfg: TrainConfig, dp_shard: int) -> None:
+    """--ep against the data-parallel shard ranks and the model's experts, on a meta-device copy
+    (what parallelize checks in every worker, here in one line before they start)."""
+    ep = cfg.parallel.ep
+    if dp_shard % ep:
+        raise ValueError(f"--ep {ep} must divide the {dp_shard} data-parallel shard ranks (--nproc / (--dp-replicate x "
+                         "--cp x --tp)), from which expert parallelism borrows its ranks; change --ep or --nproc")
+    try:
+        check_expert_parallel(build_model(cfg), ep)
+    except ValueError as e:
+        hint = "; a built-in mixture-of-experts model is --preset moe-tiny" if not cfg.model else ""
+        raise ValueError(f"--ep {ep}: {e}{hint}") from None
 
 
 def _check_tensor_parallel(cfg: TrainConfig) -> None:

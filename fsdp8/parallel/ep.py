@@ -1,0 +1,183 @@
+"""Expert parallelism: a mixture-of-experts model's experts split over ``ep`` ranks, each token sent
+to its experts' ranks and back with all-to-all.
+
+[Note: expert parallelism]
+An experts module (found by the model's adapter, ``experts(model)``) holds its experts as 3-D
+parameters, ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], and is called with
+transformers' experts signature ``(hidden_states [T, H], top_k_index [T, k], top_k_weights
+[T, k])`` after the model's own router chose the experts. ``expert_parallel`` makes both
+parameters DTensors ``Shard(0)`` on the ``ep`` dim of the experts' mesh
+(``fsdp8.distributed.mesh.make_expert_mesh``), so ep rank ``j`` holds experts
+``[j * E / ep, (j + 1) * E / ep)``, and replaces the module's forward by one that:
+
+1. sorts this rank's (token, slot) pairs by expert (``fsdp8.models.moe.permute_by_expert``), so
+   the rows for ep rank ``j`` are one contiguous block;
+2. exchanges the per-expert row counts (an all-to-all of E integers), then the rows
+   themselves (``all_to_all_single`` with those splits; its split sizes are the one host
+   value per layer: NCCL takes them as host integers);
+3. regroups what arrived (source-rank-major) by local expert and computes every local expert
+   as one grouped GEMM per projection (``fsdp8.models.moe.expert_mlp``);
+4. sends the results back the same way, and sums each token's slots weighted by its routing
+   weights, in the order one process sums them.
+
+Nothing is dropped (no capacity factor), and the routing is the model's own, so each
+token's result equals one process's. The backward of each all-to-all is the opposite
+all-to-all (torch.autograd).
+
+Gradients: the engine shards the experts over the data-parallel ranks of the experts' mesh
+(``efsdp``, with ``dp_replicate`` and ``cp`` as for dense weights) and averages their
+gradients over those ranks, while a dense weight's gradient is averaged over all of
+``dp_shard``. An expert's gradient on its rank already holds the contributions of every
+rank of its ep group (the backward all-to-all brought them), so averaging over ``efsdp``
+alone would count ``ep`` ranks' worth of data against a divisor ``ep`` times too small: the
+forward scales the experts' gradients by ``1 / ep`` (``_ScaleGrad``), which makes them the
+data-parallel mean that one process over the global batch computes.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from ..distributed import comm
+from ..models.adapter import adapter_for
+from ..models.moe import expert_mlp, permute_by_expert
+
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """The ep group one experts module is split over."""
+
+    group: dist.ProcessGroup
+    size: int
+    num_experts: int
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.size
+
+
+class _AllToAll(torch.autograd.Function):
+    """``comm.all_to_all`` of rows; its backward sends the gradients back the opposite way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: List[int], in_splits: List[int], group, label: str):
+        ctx.splits, ctx.group, ctx.label = (out_splits, in_splits), group, label
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        comm.all_to_all(out, x.contiguous(), out_splits, in_splits, group, label)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+        comm.all_to_all(back, grad.contiguous(), in_splits, out_splits, ctx.group, f"{ctx.label} backward")
+        return back, None, None, None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The identity, whose backward multiplies the gradient by ``factor`` (see the Note)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def check_expert_parallel(model: nn.Module, ep: int) -> Dict[str, nn.Module]:
+    """The experts modules of ``model``, after checking that ``ep`` can split them; raises a
+    ValueError naming ``ep`` and the fix otherwise (before anything is communicated)."""
+    experts = adapter_for(model).experts(model)
+    if not experts:
+        raise ValueError(
+            f"ep={ep} splits the experts of a mixture-of-experts model, but {type(model).__name__} has none (its "
+            "adapter found no experts module); use ep=1 for a dense model"
+        )
+    for name, module in experts.items():
+        missing = [p for p in EXPERT_PARAMS if not isinstance(getattr(module, p, None), torch.Tensor)]
+        if missing:
+            raise ValueError(f"experts module {name!r} ({type(module).__name__}) has no 3-D {missing[0]!r} parameter; "
+                             "expert parallelism splits experts stored as gate_up_proj [E, 2I, H] and down_proj [E, H, I]")
+        count = module.gate_up_proj.shape[0]
+        if count % ep:
+            raise ValueError(
+                f"ep={ep} does not divide the {count} experts of {name!r}; choose ep among "
+                f"{[d for d in range(1, count + 1) if count % d == 0]}"
+            )
+    return experts
+
+
+def expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> nn.Module:
+    """Split ``model``'s experts over ``expert_mesh["ep"]`` and dispatch tokens to them with
+    all-to-all (see [Note: expert parallelism]); returns ``model``. Call before
+    ``fully_shard``, on every rank (``fsdp8.parallelize(model, ParallelConfig(ep=N))`` does)."""
+    ep_mesh = expert_mesh["ep"]
+    experts = check_expert_parallel(model, ep_mesh.size())
+    for module in experts.values():
+        for name in EXPERT_PARAMS:
+            param = getattr(module, name)
+            placed = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
+        group = ExpertGroup(ep_mesh.get_group(), ep_mesh.size(), module.gate_up_proj.shape[0])
+        module.forward = types.MethodType(_dispatching_forward(group), module)
+    return model
+
+
+def _dispatching_forward(group: ExpertGroup):
+    def forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return dispatch_and_compute(module, group, hidden_states, top_k_index, top_k_weights)
+
+    return forward
+
+
+def dispatch_and_compute(module: nn.Module, group: ExpertGroup, hidden_states: torch.Tensor,
+                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts' output for this rank's tokens, each computed on its expert's ep rank."""
+    k = top_k_index.shape[-1]
+    order, counts = permute_by_expert(top_k_index, group.num_experts)
+    token_of_row = order // k
+    rows = hidden_states[token_of_row]
+    # counts[e] rows go to expert e; experts are laid out rank-major, so row j of this
+    # [ep, local] matrix is what rank j receives.
+    sent = counts.view(group.size, group.local_experts)
+    received = torch.empty_like(sent)  # received[j, e]: rows rank j sends to local expert e
+    comm.all_to_all(received, sent, [1] * group.size, [1] * group.size, group.group, "ep token counts")
+    in_splits, out_splits = torch.stack([sent.sum(1), received.sum(1)]).tolist()  # the one host sync
+    arrived = _AllToAll.apply(rows, out_splits, in_splits, group.group, "ep dispatch")
+    regroup = _by_local_expert(received, sum(out_splits))
+    scale = 1.0 / group.size
+    gate_up = _ScaleGrad.apply(_local(module.gate_up_proj), scale)
+    down = _ScaleGrad.apply(_local(module.down_proj), scale)
+    computed = expert_mlp(arrived[regroup], received.sum(0), gate_up, down, module.act_fn)
+    restored = computed[torch.argsort(regroup)]  # back to arrival order
+    returned = _AllToAll.apply(restored, in_splits, out_splits, group.group, "ep combine")
+    weighted = returned * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(returned.dtype)
+    return torch.zeros_like(hidden_states).index_add_(0, token_of_row, weighted.to(hidden_states.dtype))
+
+
+def _by_local_expert(received: torch.Tensor, rows: int) -> torch.Tensor:
+    """The permutation that sorts rows that arrived source-rank-major (``received[j, e]`` rows
+    of local expert ``e`` from rank ``j``) by local expert, keeping the source order within
+    each expert: computed on the device from the counts."""
+    sources, local = received.shape
+    expert_of_block = torch.arange(local, device=received.device).repeat(sources)
+    expert_of_row = torch.repeat_interleave(expert_of_block, received.reshape(-1), output_size=rows)
+    return torch.argsort(expert_of_row, stable=True)

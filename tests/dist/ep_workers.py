@@ -1,0 +1,167 @@
+"""Expert parallelism on every rank: functions run by tests/dist/test_ep.py (module level, so workers import them).
+
+Every run is compared with the same model trained in one process with data-parallel
+semantics: a forward per data-parallel rank's rows (the router's load-balancing loss is a
+per-batch quantity, so each rank's rows make one batch, as under DDP), the losses averaged.
+SGD with momentum (Adam would turn a near-zero gradient's rounding into a whole step).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fsdp8
+
+from . import common
+
+VOCAB, SEQ, ROWS_PER_RANK, STEPS, LR = 64, 8, 2, 3, 0.1
+FP32 = fsdp8.Precision()
+BUILTIN_EXPERTS = {"builtin": 8, "builtin6": 6, "dense": 0}  # the built-in Llama's variants: experts
+
+
+def build(family: str) -> nn.Module:
+    """A tiny mixture-of-experts model (8 experts, top 2, hidden 32), the same on every rank."""
+    torch.manual_seed(0)
+    if family in BUILTIN_EXPERTS:
+        from fsdp8.models.llama import Llama, LlamaConfig
+
+        model = Llama(LlamaConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                                  max_seq_len=16, num_experts=BUILTIN_EXPERTS[family], num_experts_per_tok=2,
+                                  moe_ffn_dim=16, router_aux_loss_coef=0.01))
+    else:
+        import transformers
+
+        common_fields = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=32, num_experts_per_tok=2,
+                             output_router_logits=True, router_aux_loss_coef=0.01, attn_implementation="sdpa")
+        if family == "qwen3_moe":
+            config = transformers.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=8,
+                                                 head_dim=8, **common_fields)
+            model = transformers.Qwen3MoeForCausalLM(config)
+        else:
+            config = transformers.MixtralConfig(intermediate_size=16, num_local_experts=8, head_dim=8, **common_fields)
+            model = transformers.MixtralForCausalLM(config)
+    return model.to(common.device())
+
+
+def batch(family: str, step: int, rows: int) -> Dict[str, torch.Tensor]:
+    x, y = common.global_batch(step, rows, SEQ, VOCAB)
+    if family in BUILTIN_EXPERTS:
+        return {"tokens": x, "targets": y}
+    return {"input_ids": x, "labels": x}  # HF shifts the labels itself
+
+
+def loss_of(model: nn.Module, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+    out = model(**{k: v.to(common.device()) for k, v in inputs.items()})
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return common.full_tensor(t).detach().float().cpu()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def reference_run(model: nn.Module, family: str, dp: int, clip: float) -> dict:
+    """One process: each step a forward per data-parallel rank's rows, losses averaged."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    out = {"loss": [], "grads": [], "norm": []}
+    for step in range(STEPS):
+        global_batch = batch(family, step, ROWS_PER_RANK * dp)
+        total = 0.0
+        for r in range(dp):
+            loss = loss_of(model, {k: common.rank_slice(v, r, dp) for k, v in global_batch.items()}) / dp
+            loss.backward()
+            total += float(loss.detach())
+        out["loss"].append(total)
+        out["grads"].append({n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()})
+        out["norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+    out["weights"] = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def parity(family: str, layout: dict, clip: float = 0.5) -> dict:
+    """``family`` parallelized by ``ParallelConfig(**layout)`` against one process: worst
+    relative errors of loss, gradients, the clipped norm and the final weights, and what each
+    rank holds of the experts."""
+    initial = build(family)
+    config = fsdp8.ParallelConfig(**layout, precision=FP32)
+    model = fsdp8.parallelize(copy.deepcopy(initial), config)
+    reference = reference_run(initial, family, model.dp_size, clip)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    worst = {"loss": 0.0, "grad": 0.0, "norm": 0.0, "weight": 0.0}
+    for step in range(STEPS):
+        loss = loss_of(model, model.shard_batch(batch(family, step, ROWS_PER_RANK * model.dp_size)))
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        worst["loss"] = max(worst["loss"], abs(float(total) / dist.get_world_size() - reference["loss"][step])
+                            / abs(reference["loss"][step]))
+        for name, p in model.named_parameters():
+            worst["grad"] = max(worst["grad"], _rel(_full(p.grad), reference["grads"][step][name]))
+        norm = float(fsdp8.clip_grad_norm_(model, clip))
+        worst["norm"] = max(worst["norm"], abs(norm - reference["norm"][step]) / reference["norm"][step])
+        opt.step()
+        opt.zero_grad()
+    for name, p in model.named_parameters():
+        worst["weight"] = max(worst["weight"], _rel(_full(p), reference["weights"][name]))
+    # How each expert weight is placed: {mesh dim: placement}.
+    experts = {name: dict(zip(p.device_mesh.mesh_dim_names, map(str, p.placements)))
+               for name, p in model.named_parameters() if name.endswith(("gate_up_proj", "down_proj"))}
+    return {"errors": worst, "experts": experts, "dp": (model.dp_rank, model.dp_size)}
+
+
+def bad_config(family: str, layout: dict) -> str:
+    """The error parallelize raises for ``layout`` (every rank must raise it, before any collective)."""
+    try:
+        fsdp8.parallelize(build(family), fsdp8.ParallelConfig(**layout, precision=FP32))
+    except (ValueError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _snapshot(model, opt) -> Dict[str, torch.Tensor]:
+    """Full weights and AdamW moments, by name."""
+    out = {f"model/{n}": _full(p) for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, state in opt.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                out[f"optim/{names[id(p)]}/{key}"] = _full(value)
+    return out
+
+
+def checkpoint_hop(family: str, path_in, path_out: str, layout: dict, first_step: int = 0) -> tuple:
+    """Load ``path_in`` (if given) into ``family`` laid out by ``layout`` (a model from another
+    seed: everything must come from the file), snapshot, train two AdamW steps, save."""
+    torch.manual_seed(1 if path_in is None else 100)
+    model = fsdp8.parallelize(build(family) if path_in is None else _reseeded(family),
+                              fsdp8.ParallelConfig(**layout, precision=FP32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loaded = None
+    if path_in is not None:
+        first_step = int(fsdp8.load(path_in, model, opt)["step"])
+        loaded = _snapshot(model, opt)
+    for step in range(first_step, first_step + 2):
+        loss_of(model, model.shard_batch(batch(family, step, ROWS_PER_RANK * model.dp_size))).backward()
+        opt.step()
+        opt.zero_grad()
+    fsdp8.save(path_out, model, opt, extra={"step": first_step + 2})
+    return loaded, _snapshot(model, opt)
+
+
+def _reseeded(family: str) -> nn.Module:
+    model = build(family)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(generator=torch.Generator(device=p.device).manual_seed(7))
+    return model

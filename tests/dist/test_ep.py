@@ -1,0 +1,82 @@
+"""Expert parallelism (ParallelConfig(ep=N)) against one process (gloo, 4 ranks): the built-in
+MoE Llama and Hugging Face's Qwen3-MoE and Mixtral, every strategy, HSDP.
+
+Tolerances, derived: the parallel run computes each token's experts on another rank, with
+the same routing and the same fp32 operations, but its grouped GEMMs see other groupings of
+rows and its gradients are summed in another order (the all-to-all's backward brings an
+expert's contributions from every rank, then the engine averages over the rest). As in
+test_parallelize.py, two fp32 runs with differently ordered sums stay within 4e-6 relative
+on gradients and SGD weights, 1e-6 on the loss. The clipped norm is one more reduction of
+those gradients: 4e-6.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist import ep_workers as workers
+from tests.harness import run_on_ranks
+
+FP32_TOL = 4e-6
+LOSS_TOL = 1e-6
+
+
+def _check(results, ep: int):
+    for out in results:
+        errors = out["errors"]
+        assert errors["loss"] <= LOSS_TOL and errors["grad"] <= FP32_TOL and errors["norm"] <= FP32_TOL, errors
+        assert errors["weight"] <= FP32_TOL, errors
+        # The experts are split over ep (their engine shards over efsdp are a level below).
+        placed = out["experts"]
+        assert placed and all(p.get("ep") == "S(0)" for p in placed.values()), placed
+        assert all(any("efsdp" in dim for dim in p) for p in placed.values()), placed
+    assert [out["dp"] for out in results] == [(r, len(results)) for r in range(len(results))]
+
+
+@pytest.mark.parametrize("family", ["builtin", "qwen3_moe", "mixtral"])
+def test_ep2_parity(family):
+    pytest.importorskip("transformers") if family != "builtin" else None
+    _check(run_on_ranks(4, workers.parity, family, {"ep": 2}), 2)
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+def test_ep4_strategies(strategy):
+    _check(run_on_ranks(4, workers.parity, "builtin", {"ep": 4, "strategy": strategy}), 4)
+
+
+def test_ep4_hugging_face():
+    pytest.importorskip("transformers")
+    _check(run_on_ranks(4, workers.parity, "mixtral", {"ep": 4}), 4)
+
+
+@pytest.mark.parametrize("outer", ["no_shard", "optim"])
+def test_ep_hsdp(outer):
+    _check(run_on_ranks(4, workers.parity, "qwen3_moe", {"ep": 2, "dp_replicate": 2, "outer_strategy": outer}), 2)
+
+
+@pytest.mark.parametrize("family,layout,expected", [
+    ("builtin", {"ep": 3}, "ep=3 must divide dp_shard=4"),
+    ("builtin", {"ep": 2, "dp_shard": 2, "dp_replicate": 2}, None),
+    ("dense", {"ep": 2}, "has none"),
+    ("builtin6", {"ep": 4}, "ep=4 does not divide the 6 experts"),
+])
+def test_bad_ep_raises_on_every_rank(family, layout, expected):
+    results = run_on_ranks(4, workers.bad_config, family, layout)
+    if expected is None:
+        assert results == ["no error"] * 4
+    else:
+        assert len(set(results)) == 1 and expected in results[0], results
+
+
+def test_checkpoint_across_ep_degrees(tmp_path):
+    # ep 2 -> ep 4 -> dp 4 without ep -> HSDP 2 x 2 with ep 2: weights and AdamW moments come
+    # back bit for bit at every hop (torch.distributed.checkpoint reshards the experts).
+    hops = [{"ep": 2}, {"ep": 4, "strategy": "optim"}, {}, {"ep": 2, "dp_replicate": 2}]
+    path_in, saved = None, None
+    for i, layout in enumerate(hops):
+        path_out = str(tmp_path / f"hop{i}")
+        loaded, new_saved = run_on_ranks(4, workers.checkpoint_hop, "qwen3_moe", path_in, path_out, layout)[0]
+        if saved is not None:
+            assert set(loaded) == set(saved)
+            assert [k for k in saved if not (loaded[k] == saved[k]).all()] == [], f"hop {i} {layout}"
+        path_in, saved = path_out, new_saved
