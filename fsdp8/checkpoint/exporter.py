@@ -59,11 +59,12 @@ def export(checkpoint: str, out: str, dtype: Optional[torch.dtype] = None, *, ll
     checking the checkpoint as ``load`` does; returns that file's path.
 
     The built-in Llama (of an ``fsdp8 train`` run, which saves its settings, or given as
-    ``llama``) is written as transformers' ``LlamaForCausalLM``: its names, and a
-    ``config.json`` beside them. A run that trained a Hugging Face model (``--model hf:DIR``)
-    gets DIR's ``config.json`` and tokenizer files beside the weights. Any other model's
-    tensors keep the names they were saved under. ``dtype`` casts floating weights. ``out``
-    must be empty or new unless ``overwrite``, which replaces the files an export writes."""
+    ``llama``) is written as transformers' ``LlamaForCausalLM`` (with experts,
+    ``MixtralForCausalLM``): its names, and a ``config.json`` beside them. A run that trained a
+    Hugging Face model (``--model hf:DIR``) gets DIR's ``config.json`` and tokenizer files beside
+    the weights. Any other model's tensors keep the names they were saved under. ``dtype`` casts
+    floating weights. ``out`` must be empty or new unless ``overwrite``, which replaces the files
+    an export writes."""
     found = _checked(checkpoint)
     run = _run_settings(checkpoint)
     model, preset_name = run.get("model"), run.get("preset")

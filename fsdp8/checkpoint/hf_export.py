@@ -5,7 +5,9 @@ trained a Hugging Face model (``--model hf:DIR``), that model's config.json and 
 The built-in Llama is the same network as transformers' Llama: RMSNorm in fp32, SwiGLU
 (w1 = gate, w3 = up, w2 = down), causal SDPA with grouped kv heads (head h uses kv head
 h // group), and rotary embeddings that pair dimension i with i + head_dim / 2 (HF's
-rotate_half), so the q and k weights need no permutation, only new names.
+rotate_half), so the q and k weights need no permutation, only new names. With experts
+(``num_experts`` > 0) and renormalised top-k weights it is transformers' ``MixtralForCausalLM``
+(transformers 5's layout: each layer's experts as ``mlp.experts.gate_up_proj`` and ``down_proj``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ _BLOCK_NAMES = {
     "ffn.w1.weight": "mlp.gate_proj.weight",
     "ffn.w3.weight": "mlp.up_proj.weight",
     "ffn.w2.weight": "mlp.down_proj.weight",
+    # a mixture-of-experts layer (MixtralSparseMoeBlock)
+    "ffn.gate.weight": "mlp.gate.weight",
+    "ffn.experts.gate_up_proj": "mlp.experts.gate_up_proj",
+    "ffn.experts.down_proj": "mlp.experts.down_proj",
 }
 _TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "head.weight": "lm_head.weight"}
@@ -51,6 +57,10 @@ def llama_tensors(tensors: Dict[str, torch.Tensor], config: LlamaConfig, source:
     """The built-in Llama's ``tensors`` (of ``source``, for messages) under transformers' names,
     after checking they are exactly that model's at ``config``. FP8 scaling state (fp8_*
     buffers) is training state, not weights, and stays behind; a tied head is written once."""
+    if config.num_experts and not config.norm_topk_prob:
+        raise CheckpointError(f"{source} holds a mixture-of-experts Llama with norm_topk_prob=False, which export "
+                              "cannot write: its form in transformers, Mixtral, always renormalises the top-k "
+                              "weights; read its tensors with fsdp8.checkpoint.read_full_model_state instead")
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in Llama(config).state_dict().items()}
     if config.tie_embeddings:
@@ -68,15 +78,17 @@ def llama_tensors(tensors: Dict[str, torch.Tensor], config: LlamaConfig, source:
 
 
 def _describe(config: LlamaConfig) -> str:
+    ffn = (f"{config.num_experts} experts of {config.expert_ffn_dim} (top {config.num_experts_per_tok})"
+           if config.num_experts else f"ffn {config.ffn_dim}")
     return (f"{config.n_layers} layers, dim {config.dim}, {config.n_heads} heads ({config.n_kv_heads} kv), "
-            f"ffn {config.ffn_dim}, vocab {config.vocab_size}")
+            f"{ffn}, vocab {config.vocab_size}")
 
 
 def llama_config_json(config: LlamaConfig, dtype: torch.dtype) -> dict:
     """A transformers config.json of the built-in Llama at ``config``, weights in ``dtype``.
     The rotary base is written both ways transformers has read it (``rope_theta`` before
-    version 5, ``rope_parameters`` since)."""
-    return {
+    version 5, ``rope_parameters`` since). With experts, a Mixtral's."""
+    dense = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": config.vocab_size,
@@ -97,6 +109,12 @@ def llama_config_json(config: LlamaConfig, dtype: torch.dtype) -> dict:
         "initializer_range": config.init_std,
         "dtype": str(dtype).replace("torch.", ""),
     }
+    if not config.num_experts:
+        return dense
+    return {**dense, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "intermediate_size": config.expert_ffn_dim, "num_local_experts": config.num_experts,
+            "num_experts_per_tok": config.num_experts_per_tok, "router_aux_loss_coef": config.router_aux_loss_coef,
+            "router_jitter_noise": 0.0, "sliding_window": None}
 
 
 def write_json(path: str, obj: dict) -> None:

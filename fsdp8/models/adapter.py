@@ -6,9 +6,10 @@
 any model the same way; what differs between families is a handful of facts: which modules are
 the units, the tensor-parallel plan, how to route attention through context parallelism, what a
 checkpointed unit must not see again, the sizes the planner predicts from, which MLPs run as one
-FP8 function, and (next) where the experts are. A family answers those here, as torchtitan gives
-each model its own parallelize and transformers puts the plan in the model's config
-(``base_model_tp_plan``); parallel/ and fp8/ ask, and never import a model class or branch on one.
+FP8 function, and where the experts of mixture-of-experts layers are. A family answers those here,
+as torchtitan gives each model its own parallelize and transformers puts the plan in the model's
+config (``base_model_tp_plan``); parallel/ and fp8/ ask, and never import a model class or branch
+on one.
 
 A family's adapter subclasses ModelAdapter, overrides ``claims`` and what it knows, and is
 registered once with ``register_adapter``; the methods it leaves are the generic answers, those
@@ -108,7 +109,10 @@ class ModelAdapter:
 
     def experts(self, model: nn.Module) -> Dict[str, nn.Module]:
         """The modules holding ``model``'s mixture-of-experts experts, by name: what expert
-        parallelism will split. Empty: a dense model (every family fsdp8 knows so far)."""
+        parallelism will split. Each has transformers' experts form, which
+        fsdp8.models.moe.experts_forward computes: 3-D ``gate_up_proj`` [E, 2I, H] and ``down_proj``
+        [E, H, I] parameters, ``act_fn``, and ``forward(hidden_states, top_k_index, top_k_weights)``.
+        Empty: a dense model."""
         return {}
 
     def skip_packed_sequence_check(self, model: nn.Module) -> Callable[[], None]:

@@ -1,7 +1,8 @@
 """Hugging Face causal LMs as a ModelAdapter: decoder layers (``_no_split_modules``) as units, the
 plan from ``base_model_tp_plan`` (hf_tp.py), context parallelism through transformers' attention
 registry (hf_cp.py), the KV cache kept out of checkpointed calls, sizes from the config, the
-``LlamaMLP`` form as a SwiGLU MLP, and the packed-sequence checks removed on request.
+``LlamaMLP`` form as a SwiGLU MLP, the experts of mixture-of-experts layers, and the packed-sequence
+checks removed on request.
 
 Nothing here imports transformers unless the model is one of its models.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch.nn as nn
 
@@ -55,6 +56,9 @@ class HFAdapter(ModelAdapter):
 
     def swiglu_names(self, module: nn.Module) -> Optional[Tuple[str, str, str]]:
         return swiglu_form(module)
+
+    def experts(self, model: nn.Module) -> Dict[str, nn.Module]:
+        return {name: m for name, m in model.named_modules() if is_experts(m)}
 
     def skip_packed_sequence_check(self, model: nn.Module) -> Callable[[], None]:
         return skip_packed_sequence_check
@@ -151,6 +155,33 @@ def _replace(module, name: str, answer: Callable) -> None:
     replacement = functools.wraps(original)(answer)
     replacement.fsdp8_never_packed = True
     setattr(module, name, replacement)
+
+
+_EXPERTS_ARGS = ["hidden_states", "top_k_index", "top_k_weights"]
+# The layout flags of transformers' experts classes (integrations/moe.py use_experts_implementation)
+# and the values of the layout fsdp8.models.moe computes: [gate; up] concatenated, [E, out, in]
+# (not transposed), no biases.
+_EXPERTS_LAYOUT = {"is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True}
+
+
+def is_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds mixture-of-experts experts as transformers' ``Qwen3MoeExperts`` and
+    ``MixtralExperts`` do (fsdp8.models.moe.experts_forward computes its forward): 3-D
+    ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] parameters, a forward taking
+    (hidden_states, top_k_index, top_k_weights), and no layout flag saying otherwise."""
+    gate_up, down = module._parameters.get("gate_up_proj"), module._parameters.get("down_proj")
+    if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+        return False
+    experts, two_hidden, dim = gate_up.shape
+    if tuple(down.shape) != (experts, dim, two_hidden // 2) or two_hidden % 2:
+        return False
+    if any(getattr(module, flag, value) != value for flag, value in _EXPERTS_LAYOUT.items()):
+        return False
+    try:  # inspect follows functools.wraps to the forward that transformers' dispatch wraps
+        params = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return params[:3] == _EXPERTS_ARGS
 
 
 def _swiglu_forward(self, x):  # Hugging Face's LlamaMLP.forward, token for token

@@ -1,4 +1,5 @@
-"""The built-in reference model: a plain Llama (RMSNorm, rotary, GQA attention, SwiGLU)."""
+"""The built-in reference model: a plain Llama (RMSNorm, rotary, GQA attention, SwiGLU), or with
+mixture-of-experts feed-forward layers (moe.py) when ``num_experts`` > 0."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
+
+from .moe import Experts, MoE
+
+_IGNORE_INDEX = -100  # F.cross_entropy's: targets that count for no loss
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,14 @@ class LlamaConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     checkpoint_activations: bool = False
+    # Mixture of experts (0 experts: every feed-forward layer dense). With experts, every layer's
+    # feed-forward is an MoE of num_experts SwiGLU experts of moe_ffn_dim (0: ffn_dim), each
+    # token routed to num_experts_per_tok of them.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_ffn_dim: int = 0
+    router_aux_loss_coef: float = 0.001
+    norm_topk_prob: bool = True
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
@@ -47,10 +60,33 @@ class LlamaConfig:
             raise ValueError(
                 f"head_dim = dim / n_heads = {self.head_dim} must be even for rotary embeddings"
             )
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        for name in ("num_experts", "moe_ffn_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"LlamaConfig.{name} must be an int >= 0, got {value!r}")
+        k = self.num_experts_per_tok
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"LlamaConfig.num_experts_per_tok must be a positive int, got {k!r}")
+        if self.num_experts and k > self.num_experts:
+            raise ValueError(f"num_experts_per_tok={k} routes each token to more experts than the "
+                             f"num_experts={self.num_experts} there are; pass num_experts_per_tok <= "
+                             f"{self.num_experts}")
+        if not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"LlamaConfig.router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"LlamaConfig.norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        """Each expert's hidden size."""
+        return self.moe_ffn_dim or self.ffn_dim
 
 
 PRESETS: dict[str, LlamaConfig] = {
@@ -62,6 +98,13 @@ PRESETS: dict[str, LlamaConfig] = {
                       ffn_dim=8192, max_seq_len=2048),
     "8b": LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                       ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0),
+    # Mixtures of experts. "moe-tiny": "tiny" with 8 experts of 128 (top-2) per layer, 1.84 M parameters
+    # (0.66 M active per token). "moe-1b": 16 layers of 1024, 64 experts of 256 (top-8) each, 0.91 B
+    # parameters (0.21 B active per token).
+    "moe-tiny": LlamaConfig(vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                            max_seq_len=256, num_experts=8, num_experts_per_tok=2, moe_ffn_dim=128),
+    "moe-1b": LlamaConfig(vocab_size=32000, dim=1024, n_layers=16, n_heads=16, n_kv_heads=4, ffn_dim=256,
+                          max_seq_len=2048, num_experts=64, num_experts_per_tok=8, moe_ffn_dim=256),
 }
 
 
@@ -246,16 +289,22 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(config.dim, config.norm_eps)
         self.attn = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.ffn = FeedForward(config)
+        self.ffn = MoE(config) if config.num_experts else FeedForward(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The block's output; with an MoE feed-forward, (the output, its load-balancing loss)."""
         if self.checkpoint_activations:
             # Non-reentrant: works with hooks and with inputs that do not require grad.
             return checkpoint(self._body, x, cos, sin, use_reentrant=False)
         return self._body(x, cos, sin)
 
-    def _body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         h = x + self.attn(self.attn_norm(x), cos, sin)
+        if isinstance(self.ffn, MoE):
+            # Returned, not kept on the module: under checkpointing the recomputation's aux loss
+            # goes nowhere, so each layer's counts once.
+            out, aux_loss = self.ffn(self.ffn_norm(h))
+            return h + out, aux_loss
         return h + self.ffn(self.ffn_norm(h))
 
 
@@ -281,13 +330,23 @@ class Llama(nn.Module):
         context parallelism fills in this rank's). The loss is the mean over the targets
         that are not -100, or with ``num_items_in_batch`` (as Hugging Face's loss keyword)
         their sum divided by it (fsdp8.parallel.cp.loss_divisor gives the divisor that
-        makes the ranks' average the global batch's token mean)."""
+        makes the ranks' average the global batch's token mean).
+
+        With experts, the loss adds ``router_aux_loss_coef`` x the sum over the layers of each
+        layer's load-balancing loss on this call's tokens (moe.load_balancing_loss: 1 when
+        balanced). With ``num_items_in_batch`` that term is weighted like the cross-entropy, by
+        this call's counted targets / ``num_items_in_batch``, so the calls whose losses add up to
+        a step's add up to its token-weighted mean of the aux loss too."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
         x = self.embed(tokens)
         cos, sin = self.rotary(tokens.shape[1], x.dtype, positions)
+        aux_losses = []
         for layer in self.layers:
             x = layer(x, cos, sin)
+            if isinstance(x, tuple):
+                x, aux_loss = x
+                aux_losses.append(aux_loss)
         logits = self.head(self.norm(x))
         if targets is None:
             return logits
@@ -298,9 +357,20 @@ class Llama(nn.Module):
             )
         # Under loss_parallel() a vocabulary-sharded DTensor goes through torch's
         # vocabulary-parallel cross-entropy: no rank gathers the full logits.
+        flat_logits, flat_targets = logits.float().flatten(0, 1), targets.flatten()
         if num_items_in_batch is None:
-            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / num_items_in_batch
+            loss = F.cross_entropy(flat_logits, flat_targets)
+        else:
+            loss = F.cross_entropy(flat_logits, flat_targets, reduction="sum") / num_items_in_batch
+        return loss + self._aux_term(aux_losses, targets, num_items_in_batch) if aux_losses else loss
+
+    def _aux_term(self, aux_losses: list[torch.Tensor], targets: torch.Tensor,
+                  num_items_in_batch: float | torch.Tensor | None) -> torch.Tensor:
+        """The layers' load-balancing losses in the loss, weighted as ``forward`` says."""
+        aux = self.config.router_aux_loss_coef * torch.stack(aux_losses).sum()
+        if num_items_in_batch is None:
+            return aux
+        return aux * (targets != _IGNORE_INDEX).sum() / num_items_in_batch
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Number of distinct parameters; a tied head counts once, as the embedding."""
@@ -309,14 +379,22 @@ class Llama(nn.Module):
             n -= self.embed.weight.numel()
         return n
 
+    def num_active_params(self, exclude_embedding: bool = False) -> int:
+        """``num_params`` less the experts a token does not run: of each MoE layer's
+        ``num_experts`` experts, ``num_experts_per_tok`` count (all of a dense model's count)."""
+        c = self.config
+        experts = sum(p.numel() for m in self.modules() if isinstance(m, Experts) for p in m.parameters())
+        unused = experts // c.num_experts * (c.num_experts - c.num_experts_per_tok) if c.num_experts else 0
+        return self.num_params(exclude_embedding) - unused
+
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6 * N + 12 * n_layers * dim * seq_len.
 
-        N counts the parameters used in matmuls (all but the embedding table, counting the
-        head even when tied); 6 = forward (2) + backward (4) per multiply-add. The second
-        term is attention scores and values, counted as if not causal (the PaLM convention
-        used for MFU).
+        N counts the parameters a token's matmuls use (all but the embedding table, counting
+        the head even when tied; of the experts, those it is routed to: ``num_active_params``);
+        6 = forward (2) + backward (4) per multiply-add. The second term is attention scores
+        and values, counted as if not causal (the PaLM convention used for MFU).
         """
         c = self.config
-        n = self.num_params(exclude_embedding=True) + (c.vocab_size * c.dim if c.tie_embeddings else 0)
+        n = self.num_active_params(exclude_embedding=True) + (c.vocab_size * c.dim if c.tie_embeddings else 0)
         return 6 * n + 12 * c.n_layers * c.dim * seq_len

@@ -1,10 +1,10 @@
 """The built-in Llama (llama.py) as a ModelAdapter: its blocks as units, the Megatron tensor-parallel
-plan, context parallelism by swapping each attention's ``attend``, its sizes for the planner and
-its FeedForward as a SwiGLU MLP."""
+plan, context parallelism by swapping each attention's ``attend``, its sizes for the planner, its
+FeedForward as a SwiGLU MLP and its MoE layers' experts."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import (
 
 from .adapter import CPAttention, ModelAdapter, register_adapter
 from .llama import Attention, FeedForward, Llama, causal_attention
+from .moe import Experts
 from .spec import ModelSpec, llama_spec
 from .tp_plan import FamilyPlan, Plan, ReplicateParallel
 
@@ -30,6 +31,9 @@ class LlamaAdapter(ModelAdapter):
         return isinstance(model, Llama)
 
     def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> Optional[FamilyPlan]:
+        if model.config.num_experts:
+            raise ValueError(f"tensor parallelism has no plan for the built-in Llama's mixture-of-experts layers "
+                             f"yet ({model.config.num_experts} experts per layer); use tp=1")
         return llama_plan(model.config, sequence_parallel, loss_parallel)
 
     def supports_context_parallel(self, model: nn.Module) -> bool:
@@ -52,6 +56,9 @@ class LlamaAdapter(ModelAdapter):
     def swiglu_names(self, module: nn.Module) -> Optional[Tuple[str, str, str]]:
         # The exact class: a subclass may compute something else with the same children.
         return ("w1", "w3", "w2") if type(module) is FeedForward else None
+
+    def experts(self, model: nn.Module) -> Dict[str, nn.Module]:
+        return {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
 
 
 def _pre_forward(attention: CPAttention, max_seq_len: int):

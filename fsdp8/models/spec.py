@@ -139,6 +139,11 @@ def hf_spec_of(config: dict, name: str = "", where: str = "the model's config") 
 
 
 def llama_spec(config, name: str) -> ModelSpec:
-    """The ModelSpec of the built-in Llama with ``config`` (its LlamaConfig)."""
+    """The ModelSpec of the built-in Llama with ``config`` (its LlamaConfig); a mixture of experts
+    has none yet (a ModelSpec's layer is dense)."""
     c = config
+    if c.num_experts:
+        raise ValueError(f"the planner does not know mixture-of-experts models yet ({name}: {c.num_experts} experts "
+                         "per layer); choose the layout yourself: pass a fsdp8.ParallelConfig (fsdp8 train: the "
+                         "layout flags)")
     return ModelSpec(name, c.n_layers, c.dim, c.ffn_dim, c.n_heads, c.n_kv_heads, c.vocab_size, tied=c.tie_embeddings)

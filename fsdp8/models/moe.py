@@ -1,0 +1,240 @@
+"""Mixture-of-experts building blocks, on one process: the grouped GEMM, the permutation of routed
+tokens by expert, the SwiGLU experts on sorted tokens, and the built-in Llama's MoE layer (router,
+experts, load-balancing loss).
+
+[Note: the pieces of an MoE layer]
+A layer routes each of its T tokens to k of E experts, then runs every expert on its tokens:
+
+- ``permute_by_expert``: the order that sorts the T * k (token, slot) pairs by expert, and how
+  many went to each;
+- ``expert_mlp``: the experts' SwiGLU on rows already sorted by expert (``grouped_mm``: one GEMM
+  per expert over its contiguous rows);
+- ``experts_forward``: the whole local computation, with transformers' experts signature
+  (permute, gather, ``expert_mlp``, weight and sum back per token).
+
+Expert parallelism keeps the first two and puts its all-to-all exchanges around ``expert_mlp``.
+The weights have Hugging Face's names and layout (``Qwen3MoeExperts``, ``MixtralExperts``):
+``gate_up_proj`` [E, 2I, H] (the gate's rows, then the up projection's) and ``down_proj`` [E, H, I].
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Callable, Dict, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -- grouped GEMM ----------------------------------------------------------------------------------
+# Whether torch._grouped_mm and its backward work for (device type, dtype): probed once each.
+_OP_WORKS: Dict[Tuple[str, torch.dtype], bool] = {}
+# torch._grouped_mm reads its operands with vector loads: rows and base pointers on 16-byte boundaries.
+_ALIGN = 16
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of group g of ``x`` [T, K] times ``weight[g]``.T, for ``weight`` [G, N, K] (nn.Linear's
+    layout): [T, N]. ``offs`` int32 [G]: the groups' cumulative row ends (``offs[-1] == T``); a
+    group may be empty. torch's grouped GEMM where it runs, else one GEMM per group (which reads
+    the group sizes on the host: one synchronisation)."""
+    if _op_fits(x, weight):
+        return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs))
+    return _grouped_mm_loop(x, weight, offs)
+
+
+def _grouped_mm_loop(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        # As llama.Linear: torch's CPU bf16 GEMM is many times slower than the fp32 one, and an fp32
+        # GEMM of bf16 values rounded once is what a bf16 GEMM computes.
+        return _grouped_mm_loop(x.float(), weight.float(), offs).to(torch.bfloat16)
+    sizes = torch.diff(offs.long(), prepend=offs.new_zeros(1, dtype=torch.long)).tolist()
+    return torch.cat([F.linear(rows, w) for rows, w in zip(torch.split(x, sizes), weight.unbind(0))])
+
+
+def _op_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm can take these operands (its dtypes, alignment, a working kernel)."""
+    if x.dtype != weight.dtype or x.dim() != 2 or weight.dim() != 3 or not hasattr(torch, "_grouped_mm"):
+        return False
+    if not (type(x) in _PLAIN and type(weight) in _PLAIN):
+        return False  # DTensor and other subclasses: the per-group GEMMs go through their dispatch
+    size = x.element_size()
+    if not (x.is_contiguous() and weight.is_contiguous() and x.shape[1] * size % _ALIGN == 0
+            and weight.shape[1] * size % _ALIGN == 0 and x.data_ptr() % _ALIGN == 0
+            and weight.data_ptr() % _ALIGN == 0):
+        return False
+    key = (x.device.type, x.dtype)
+    if key not in _OP_WORKS:
+        # Out of the trace; torch.compiler.disable imports dynamo (seconds): only when tracing.
+        probe = torch.compiler.disable(_probe_apart) if torch.compiler.is_compiling() else _probe_apart
+        _OP_WORKS[key] = probe(x.device, x.dtype)
+    return _OP_WORKS[key]
+
+
+def _probe_apart(device: torch.device, dtype: torch.dtype) -> bool:
+    """``_probe`` on a thread of its own. The first call may come inside an activation-checkpointed
+    region, whose saved-tensor hooks and dispatch modes (selective checkpointing) would record the
+    probe's tensors and ops as the region's, which its recomputation then lacks; those contexts,
+    grad mode and autocast are the calling thread's, and a new thread starts without them."""
+    works = []
+    thread = threading.Thread(target=lambda: works.append(_probe(device, dtype)), name="fsdp8-grouped-mm-probe")
+    thread.start()
+    thread.join()
+    return bool(works and works[0])
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm gives the per-group GEMMs' values and gradients on ``device`` in
+    ``dtype`` (it exists for some dtypes, devices and GPU generations only), on a tiny problem
+    with an empty group."""
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(6, 16, generator=g).to(device, dtype).requires_grad_()
+        w = torch.randn(3, 16, 16, generator=g).to(device, dtype).requires_grad_()
+        offs = torch.tensor([2, 2, 6], dtype=torch.int32, device=device)
+        out = _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+        got = (out, *torch.autograd.grad(out.sum(), (x, w)))
+        xr, wr = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+        ref = _grouped_mm_loop(xr, wr, offs)
+        want = (ref, *torch.autograd.grad(ref.sum(), (xr, wr)))
+        # The same (rounded) operands both ways: the tolerance is for a bf16 or fp16 result's rounding.
+        return all(torch.allclose(a.float(), b, rtol=2e-2, atol=2e-2) for a, b in zip(got, want))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: torch._grouped_mm's backward
+    refuses the stride-0 gradients of a sum or an expand."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+# -- routing and experts ---------------------------------------------------------------------------
+def permute_by_expert(top_k_index: torch.Tensor, num_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``order`` [T * k]: the flattened (token, slot) pairs of ``top_k_index`` [T, k] sorted by
+    expert, ties in token order; ``counts`` [num_experts] int64: the pairs of each expert. No host
+    synchronisation (a scatter, not bincount, which reads its maximum on the host on CUDA)."""
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return order, counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+
+
+def expert_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+               act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The experts' SwiGLU, ``down(act(gate x) * up x)``, on ``x_sorted`` [T', H] whose first
+    ``counts[0]`` rows go to expert 0, the next ``counts[1]`` to expert 1, and so on."""
+    offs = counts.cumsum(0).to(torch.int32)
+    gate, up = grouped_mm(x_sorted, gate_up_proj, offs).chunk(2, dim=-1)
+    return grouped_mm(act_fn(gate) * up, down_proj, offs)
+
+
+def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """What transformers' ``Qwen3MoeExperts.forward`` computes, with grouped GEMMs instead of a
+    loop over experts: each token's ``hidden_states`` [T, H] row through its experts
+    ``top_k_index`` [T, k], weighted by ``top_k_weights`` [T, k] and summed. Reads ``experts``'
+    ``gate_up_proj``, ``down_proj`` and ``act_fn``."""
+    k = top_k_index.shape[-1]
+    order, counts = permute_by_expert(top_k_index, experts.gate_up_proj.shape[0])
+    token = order // k
+    out = expert_mlp(hidden_states[token], counts, experts.gate_up_proj, experts.down_proj, experts.act_fn)
+    # As transformers: weighted in the product's dtype, summed in the hidden states'.
+    out = out * top_k_weights.reshape(-1)[order, None]
+    return torch.zeros_like(hidden_states).index_add_(0, token, out.to(hidden_states.dtype))
+
+
+def load_balancing_loss(router_probs: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss of one layer's routing, E * sum_e f_e * P_e: f_e the
+    fraction of the T * k routed slots that went to expert e, P_e the mean of ``router_probs``
+    [T, E] for e over the T tokens. 1 when the routing is uniform, E at worst. (transformers'
+    ``load_balancing_loss_func`` counts f_e per token, which is k times this.)"""
+    num_experts = router_probs.shape[-1]
+    flat = top_k_index.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=router_probs.dtype, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=router_probs.dtype))
+    return num_experts * torch.sum(counts / flat.numel() * router_probs.mean(0))
+
+
+# -- the built-in Llama's MoE layer ----------------------------------------------------------------
+# Each takes the model's LlamaConfig (fsdp8.models.llama), whose MoE fields size it. As llama.py's
+# [Note: initialisation lives in leaf modules only], every draw happens in the reset_parameters()
+# of the module owning the parameter; MoE itself has none.
+class Router(nn.Module):
+    """Top-k routing as transformers' ``Qwen3MoeTopKRouter``: softmax (in fp32) of the logits
+    ``weight`` x, the k most probable experts, their probabilities renormalised to sum to 1 when
+    ``norm_topk_prob``, cast back to the logits' dtype."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k, self.norm_topk_prob, self.std = config.num_experts_per_tok, config.norm_topk_prob, config.init_std
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For ``x`` [T, H]: the router probabilities [T, E] (fp32), the top-k weights [T, k] and
+        their experts [T, k]."""
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top_k_weights, top_k_index = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
+        return probs, top_k_weights.to(logits.dtype), top_k_index
+
+    def extra_repr(self) -> str:
+        return f"experts={self.weight.shape[0]}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as two 3-D parameters (transformers' names and layout, see [Note: the
+    pieces of an MoE layer]); initialised as llama.FeedForward: the down projection's std is
+    scaled by 1 / sqrt(2 n_layers), as every output projection into the residual stream."""
+
+    def __init__(self, config):
+        super().__init__()
+        experts, dim, hidden = config.num_experts, config.dim, config.expert_ffn_dim
+        self.std, self.out_std = config.init_std, config.init_std / math.sqrt(2 * config.n_layers)
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * hidden, dim))
+        self.down_proj = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.act_fn = F.silu
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.gate_up_proj, mean=0.0, std=self.std)
+        nn.init.normal_(self.down_proj, mean=0.0, std=self.out_std)
+
+    forward = experts_forward
+
+    def extra_repr(self) -> str:
+        experts, dim, hidden = self.down_proj.shape
+        return f"experts={experts}, dim={dim}, hidden={hidden}, std={self.std:.3g}, out_std={self.out_std:.3g}"
+
+
+class MoE(nn.Module):
+    """The MoE feed-forward: route each token (``gate``), run its experts (``experts``)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate = Router(config)  # before the experts: construction draws in modules() order
+        self.experts = Experts(config)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``x`` [..., H] -> (the output, shaped as ``x``; this call's load-balancing loss, fp32).
+        The loss is returned, not kept: a checkpointed block's recomputation repeats the forward,
+        and only the first call's return value reaches the model's loss."""
+        flat = x.reshape(-1, x.shape[-1])
+        probs, top_k_weights, top_k_index = self.gate(flat)
+        out = self.experts(flat, top_k_index, top_k_weights)
+        return out.view(x.shape), load_balancing_loss(probs, top_k_index)
