@@ -25,6 +25,9 @@ LinearFilter = Callable[[str, nn.Module], bool]
 _DIMS = "linear layer(s) in high precision, dimensions not multiples of 16 (FP8 GEMMs need them)"
 _NOT_LINEAR = ("layer(s) with a 2-D weight in high precision, neither nn.Linear nor transformers Conv1D (fsdp8 "
                "cannot tell how they use the weight; make them nn.Linear to run them in FP8)")
+_GROUPED = ("mixture-of-experts layer(s) in high precision: their grouped expert GEMMs do not run in FP8 yet "
+            "(only nn.Linear and transformers Conv1D layers do)")
+_ROUTER = "router(s) in high precision (the experts they choose must not change with FP8 rounding)"
 _OUTSIDE = ("projection layer(s) in high precision outside the units (fully_shard converts layers inside units "
             "only; select such a layer as a unit through units= to convert it)")
 
@@ -62,15 +65,33 @@ def _features(module: nn.Module) -> Tuple[int, int]:
 
 
 def _detail(module: nn.Module, kind: str) -> str:
-    """How a kept layer is named beside its name: ``in x out``, or the class fsdp8 does not know."""
+    """How a kept layer is named beside its name: ``in x out``, the class fsdp8 does not know, or
+    the shapes of its grouped weights."""
+    if kind == "grouped":
+        return ", ".join(f"{n} {'x'.join(map(str, p.shape))}" for n, p in _grouped_weights(module))
     return type(module).__name__ if kind == "other" else "x".join(map(str, _features(module)))
+
+
+def _is_router(module: nn.Module) -> bool:
+    """A mixture-of-experts router (transformers' ``*TopKRouter``, fsdp8's ``Router``): its 2-D
+    weight scores experts, and it stays in high precision by design."""
+    return "Router" in type(module).__name__
+
+
+def _grouped_weights(module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    """The 3-D (or higher) floating-point weights ``module`` holds itself: a group of matrices,
+    as the experts of a mixture-of-experts layer are stored."""
+    return [(n, p) for n, p in module._parameters.items() if p is not None and p.dim() >= 3 and p.is_floating_point()]
 
 
 def _kind(module: nn.Module, conv1d: Optional[type]) -> Optional[str]:
     """"linear" and "conv1d" can be converted; "other" is a projection-like layer fsdp8 does
-    not know (a 2-D weight outside nn.Linear, Conv1D and embeddings); None is anything else."""
+    not know (a 2-D weight outside nn.Linear, Conv1D and embeddings); "grouped" holds groups of
+    matrices (experts); None is anything else."""
     if isinstance(module, Float8Linear):
         return None
+    if _grouped_weights(module):
+        return "grouped"
     if isinstance(module, nn.Linear):
         return "linear"
     if conv1d is not None and type(module) is conv1d:
@@ -118,7 +139,7 @@ def convert_units_to_fp8(root: nn.Module, units: Sequence[Tuple[str, nn.Module]]
         kind = _kind(module, conv1d)
         if id(module) not in inside and kind is not None:
             kept.append(KeptLayer(name, _detail(module, kind), _OUTSIDE))
-    warn_skipped(kept, root)
+    warn_skipped(list({layer.name: layer for layer in kept}.values()), root)  # nested units see layers twice
     return converted
 
 
@@ -136,8 +157,9 @@ def convert_linears(model: nn.Module, recipe: Recipe, filter: Optional[LinearFil
         if kind is None:
             continue
         full = f"{prefix}{name}" if name else prefix.rstrip(".")
-        if kind == "other":
-            kept.append(KeptLayer(full, type(module).__name__, _NOT_LINEAR))
+        if kind in ("other", "grouped"):
+            reason = _GROUPED if kind == "grouped" else _ROUTER if _is_router(module) else _NOT_LINEAR
+            kept.append(KeptLayer(full, _detail(module, kind), reason))
         elif accept(full, module):
             if kind == "conv1d":
                 _convert_conv1d(module, recipe)

@@ -21,7 +21,10 @@ from . import common
 
 VOCAB, SEQ, ROWS_PER_RANK, STEPS, LR = 64, 8, 2, 3, 0.1
 FP32 = fsdp8.Precision()
-BUILTIN_EXPERTS = {"builtin": 8, "builtin6": 6, "dense": 0}  # the built-in Llama's variants: experts
+# The built-in Llama's variants: (experts, router_aux_loss_coef). Under cp each rank's
+# load-balancing loss covers its own chunk of the tokens (a per-batch quantity of another
+# batch than one process's per-dp-rank rows), so the cp parity runs without it.
+BUILTIN_EXPERTS = {"builtin": (8, 0.01), "builtin6": (6, 0.01), "dense": (0, 0.01), "builtin_noaux": (8, 0.0)}
 
 
 def build(family: str) -> nn.Module:
@@ -31,8 +34,8 @@ def build(family: str) -> nn.Module:
         from fsdp8.models.llama import Llama, LlamaConfig
 
         model = Llama(LlamaConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                                  max_seq_len=16, num_experts=BUILTIN_EXPERTS[family], num_experts_per_tok=2,
-                                  moe_ffn_dim=16, router_aux_loss_coef=0.01))
+                                  max_seq_len=16, num_experts=BUILTIN_EXPERTS[family][0], num_experts_per_tok=2,
+                                  moe_ffn_dim=16, router_aux_loss_coef=BUILTIN_EXPERTS[family][1]))
     else:
         import transformers
 

@@ -21,7 +21,7 @@ FP32_TOL = 4e-6
 LOSS_TOL = 1e-6
 
 
-def _check(results, ep: int):
+def _check(results, ep: int, cp: int = 1):
     for out in results:
         errors = out["errors"]
         assert errors["loss"] <= LOSS_TOL and errors["grad"] <= FP32_TOL and errors["norm"] <= FP32_TOL, errors
@@ -30,7 +30,7 @@ def _check(results, ep: int):
         placed = out["experts"]
         assert placed and all(p.get("ep") == "S(0)" for p in placed.values()), placed
         assert all(any("efsdp" in dim for dim in p) for p in placed.values()), placed
-    assert [out["dp"] for out in results] == [(r, len(results)) for r in range(len(results))]
+    assert [out["dp"] for out in results] == [(r // cp, len(results) // cp) for r in range(len(results))]
 
 
 @pytest.mark.parametrize("family", ["builtin", "qwen3_moe", "mixtral"])
@@ -47,6 +47,11 @@ def test_ep4_strategies(strategy):
 def test_ep4_hugging_face():
     pytest.importorskip("transformers")
     _check(run_on_ranks(4, workers.parity, "mixtral", {"ep": 4}), 4)
+
+
+def test_ep_with_context_parallelism():
+    # dp_shard 2 x cp 2: the experts split over the two dp_shard ranks of each cp index.
+    _check(run_on_ranks(4, workers.parity, "builtin_noaux", {"ep": 2, "cp": 2}), 2, cp=2)
 
 
 @pytest.mark.parametrize("outer", ["no_shard", "optim"])
