@@ -156,3 +156,18 @@ def test_hf_model_directory_with_weights_tokenizer_and_data(tmp_path):
         expected = float(model(input_ids=x, labels=x).loss)
     assert losses[0][1] == pytest.approx(expected, rel=1e-5)
     assert losses[-1][1] < losses[0][1] - 0.3  # it learns (measured: 5.77 -> 5.18)
+
+
+def test_moe_preset_with_expert_parallelism_trains_as_data_parallel_and_resumes_without_it(runs):
+    """--preset moe-tiny --ep 2 on 2 ranks: each expert on one rank, tokens dispatched with
+    all-to-all; interrupted at step 4 and resumed without expert parallelism, every logged
+    loss equals the plain data-parallel run's (the checkpoint reshards the experts)."""
+    moe = ["--preset", "moe-tiny", *COMMON]
+    reference = runs / "moe-reference"
+    _train(reference, "--nproc", "2", *moe)
+    out = runs / "moe-ep"
+    first = _train(out, "--nproc", "2", "--ep", "2", "--save-every", "4", "--stop-at", "4", *moe)
+    assert "2 x cpu as dp_shard 2 (experts over ep 2 of dp_shard)" in first
+    resumed = _train(out, "--resume", "--nproc", "2", "--ep", "1")
+    assert "resumed at step 4" in resumed and "experts over ep" not in resumed
+    _same_losses(out, reference)

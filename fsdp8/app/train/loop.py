@@ -130,6 +130,8 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
     tokens_per_step = cfg.batch_size * cfg.seq_len * model.dp_size
     mesh = model.device_mesh
     layout = " x ".join(f"{name} {size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape))
+    if cfg.parallel.ep > 1:
+        layout += f" (experts over ep {cfg.parallel.ep} of dp_shard)"
     ckpt_dir = os.path.join(cfg.out, "checkpoints")
     # Saved with every checkpoint: a resumed run keeps the schedule it started with, and finds
     # its data file from any directory (and checks it is the one it trained on: data_id).
