@@ -13,6 +13,7 @@ import torch.nn as nn
 from ..engine.state_dict import StateDictError, describe_mismatch
 from ..fp8.convert import Float8Conv1D
 from . import safetensors
+from .fused_experts import FusedExperts, find_fused, model_path
 
 
 KeyMap = Union[None, Mapping[str, str], Callable[[str], str]]
@@ -29,6 +30,7 @@ class _Target:
     unit: object = None  # the ShardedUnit and ParamSlot of a sharded parameter
     slot: object = None
     file_name: Optional[str] = None
+    fused: Optional[FusedExperts] = None  # experts the files store one at a time (fused_experts.py)
 
 
 def load_pretrained(model: nn.Module, path: str, key_map: KeyMap = None, strict: bool = True) -> List[str]:
@@ -56,14 +58,13 @@ def load_pretrained(model: nn.Module, path: str, key_map: KeyMap = None, strict:
     files, found, hf_layout, missing = _match(model, path, key_map, strict)
     with torch.no_grad():
         for target in found:
-            file = files.file_of(target.file_name)
             flip = target.transposed and hf_layout  # the file holds the transpose of the model's tensor
             if target.unit is None:
-                value = file.read(target.file_name)
+                value = _read(files, target)
                 target.tensor.copy_(value.t() if flip else value)
                 continue
             region = _rank_region(target)
-            value = file.read(target.file_name, region[::-1] if flip else region)
+            value = _read(files, target, region[::-1] if flip else region)
             target.unit.main_view(target.slot).copy_(value.t() if flip else value)
             target.unit.mark_stale()
     return missing
@@ -87,9 +88,11 @@ def _match(model: nn.Module, path: str, key_map: KeyMap, strict: bool):
     for target in targets:
         target.file_name = lookup(target.names)
         if target.file_name is None:
+            target.fused = find_fused(target.names, files)
+        if target.file_name is None and target.fused is None:
             asked = _asked(key_map, target.names[0])
             missing.append(target.names[0] if asked is None else f"{target.names[0]} (as {asked})")
-    found = [t for t in targets if t.file_name is not None]
+    found = [t for t in targets if t.file_name is not None or t.fused is not None]
     hf_layout = all(_file_shape(files, t) == tuple(t.tensor.shape)[::-1] for t in found if t.transposed)
     mis_shaped = []
     for target in found:
@@ -99,7 +102,7 @@ def _match(model: nn.Module, path: str, key_map: KeyMap, strict: bool):
             note = " (a converted Conv1D, stored (out, in))" if target.transposed else ""
             mis_shaped.append(f"{target.names[0]}: file {_file_shape(files, target)} vs model {want}{note}")
     if mis_shaped or (strict and missing):
-        used = {t.file_name for t in found}
+        used = {t.file_name for t in found} | {n for t in found if t.fused for part in t.fused.parts for n in part}
         unused = [n for n in files.names() if n not in used]
         message = describe_mismatch(missing, [], mis_shaped)
         if unused:
@@ -123,7 +126,15 @@ def _rank_region(target: _Target) -> List[Tuple[int, int]]:
 
 
 def _file_shape(files, target: _Target) -> Tuple[int, ...]:
+    if target.fused is not None:
+        return target.fused.shape(files)
     return tuple(files.file_of(target.file_name).shape(target.file_name))
+
+
+def _read(files, target: _Target, region=None) -> torch.Tensor:
+    if target.fused is not None:
+        return target.fused.read(files, region)
+    return files.file_of(target.file_name).read(target.file_name, region)
 
 
 def _asked(key_map: KeyMap, name: str) -> Optional[str]:
@@ -166,7 +177,7 @@ def _hf_names(model: nn.Module) -> Callable[[str], List[str]]:
     has_base = bool(prefix) and isinstance(getattr(model, prefix, None), nn.Module)
 
     def names(file_name: str) -> List[str]:
-        name = file_name
+        name = model_path(file_name)
         for pattern, replacement in renames.items():
             name, count = re.subn(pattern, replacement, name)
             if count:

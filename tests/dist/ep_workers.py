@@ -168,3 +168,17 @@ def _reseeded(family: str) -> nn.Module:
         for p in model.parameters():
             p.normal_(generator=torch.Generator(device=p.device).manual_seed(7))
     return model
+
+
+def load_pretrained_under_ep(family: str, path: str, layout: dict) -> Dict[str, float]:
+    """A Hugging Face MoE checkpoint at ``path`` (rank 0 wrote it with save_pretrained) read by
+    load_pretrained into a model of another init laid out by ``layout``: each rank reads its
+    experts' rows. Returns the largest difference per weight against the file's model (0 is
+    bit for bit)."""
+    if dist.get_rank() == 0:
+        build(family).save_pretrained(path)
+    dist.barrier()
+    saved = {n: p.detach().float().cpu() for n, p in build(family).named_parameters()}
+    model = fsdp8.parallelize(_reseeded(family), fsdp8.ParallelConfig(**layout, precision=FP32))
+    fsdp8.load_pretrained(model, path)
+    return {n: float((_full(p) - saved[n]).abs().max()) for n, p in model.named_parameters()}

@@ -85,3 +85,11 @@ def test_checkpoint_across_ep_degrees(tmp_path):
             assert set(loaded) == set(saved)
             assert [k for k in saved if not (loaded[k] == saved[k]).all()] == [], f"hop {i} {layout}"
         path_in, saved = path_out, new_saved
+
+
+@pytest.mark.parametrize("family,layout", [("qwen3_moe", {"ep": 4}), ("mixtral", {"ep": 2, "dp_replicate": 2})])
+def test_load_pretrained_reads_hugging_face_experts_into_their_ep_ranks(tmp_path, family, layout):
+    # save_pretrained writes the experts one at a time, as the Hub's checkpoints hold them.
+    pytest.importorskip("transformers")
+    for worst in run_on_ranks(4, workers.load_pretrained_under_ep, family, str(tmp_path / "hf"), layout):
+        assert any("experts" in name for name in worst) and max(worst.values()) == 0.0, worst
