@@ -73,9 +73,10 @@ def _detail(module: nn.Module, kind: str) -> str:
 
 
 def _is_router(module: nn.Module) -> bool:
-    """A mixture-of-experts router (transformers' ``*TopKRouter``, fsdp8's ``Router``): its 2-D
-    weight scores experts, and it stays in high precision by design."""
-    return "Router" in type(module).__name__
+    """A mixture-of-experts router (transformers' ``*TopKRouter``, fsdp8's ``Router``, which says
+    so with ``is_moe_router``): its 2-D weight scores experts, and it stays in high precision by
+    design."""
+    return getattr(module, "is_moe_router", False) is True or type(module).__name__.endswith("TopKRouter")
 
 
 def _grouped_weights(module: nn.Module) -> List[Tuple[str, torch.Tensor]]:

@@ -174,6 +174,8 @@ class Router(nn.Module):
     ``weight`` x, the k most probable experts, their probabilities renormalised to sum to 1 when
     ``norm_topk_prob``, cast back to the logits' dtype."""
 
+    is_moe_router = True  # FP8 conversion keeps it in high precision and says why
+
     def __init__(self, config):
         super().__init__()
         self.top_k, self.norm_topk_prob, self.std = config.num_experts_per_tok, config.norm_topk_prob, config.init_std
