@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Sequence, Tuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -97,7 +97,7 @@ def inner_meshes_of(params: Iterable[Tuple[str, torch.Tensor]], device_type: str
 
     Raises on what the engine cannot shard: placements other than Shard/Replicate, or two
     meshes of one root."""
-    found: Dict[int, Tuple[DeviceMesh, str]] = {}  # id(root) -> (mesh, first parameter on it)
+    found: List[Tuple[DeviceMesh, str]] = []  # (mesh, first parameter on it)
     for name, p in params:
         if not isinstance(p, DTensor):
             continue
@@ -108,20 +108,21 @@ def inner_meshes_of(params: Iterable[Tuple[str, torch.Tensor]], device_type: str
                     "with Shard(dim) or Replicate() on a tensor-parallel mesh (apply tensor parallelism before "
                     "fully_shard, and fully_shard a model only once)"
                 )
-        root = id(p.device_mesh._get_root_mesh())
-        if root not in found:
-            if p.device_mesh.device_type != device_type:
-                raise ValueError(f"the tensor-parallel mesh is on {p.device_mesh.device_type!r} but fully_shard runs "
-                                 f"on {device_type!r}")
-            found[root] = (p.device_mesh, name)
-        elif p.device_mesh != found[root][0]:
-            first = found[root][1]
+        # Equal meshes are one mesh: torch hands DTensors equal mesh objects of other roots.
+        mesh = p.device_mesh
+        if any(mesh == m for m, _ in found):
+            continue
+        sibling = next(((m, first) for m, first in found if m._get_root_mesh() == mesh._get_root_mesh()), None)
+        if sibling is not None:
             raise ValueError(
-                f"parameters {first!r} and {name!r} are DTensors on different meshes ({found[root][0]} and "
-                f"{p.device_mesh}); place every tensor-parallel parameter on the same tp mesh (e.g. "
-                "fsdp8.make_mesh(tp=N)['tp'])"
+                f"parameters {sibling[1]!r} and {name!r} are DTensors on different meshes ({sibling[0]} and {mesh}); "
+                "place every tensor-parallel parameter on the same tp mesh (e.g. fsdp8.make_mesh(tp=N)['tp'])"
             )
-    return [mesh for mesh, _ in found.values()]
+        if mesh.device_type != device_type:
+            raise ValueError(f"the tensor-parallel mesh is on {mesh.device_type!r} but fully_shard runs on "
+                             f"{device_type!r}")
+        found.append((mesh, name))
+    return [mesh for mesh, _ in found]
 
 
 def concatenate(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
