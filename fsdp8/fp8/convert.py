@@ -30,9 +30,11 @@ _NOT_LINEAR = ("layer(s) with a 2-D weight in high precision, neither nn.Linear 
 _GROUPED_FORWARD = ("mixture-of-experts layer(s) in high precision: their forward does not compute the experts with "
                     "fsdp8's FP8 grouped GEMMs (fsdp8.models.moe.experts_forward does; transformers' own experts "
                     "forward does not)")
-_GROUPED_DELAYED = ("mixture-of-experts layer(s) in high precision under delayed scaling, which fsdp8 has no per-expert "
-                    "amax histories for (Float8CurrentScaling, Float8BlockScaling and MXFP8BlockScaling run them in FP8)")
-_GROUPED_DIMS = "mixture-of-experts layer(s) in high precision, expert dimensions not multiples of 16 (FP8 GEMMs need them)"
+_GROUPED_DELAYED = ("mixture-of-experts layer(s) in high precision under delayed scaling, which fsdp8 has no "
+                    "per-expert amax histories for (Float8CurrentScaling, Float8BlockScaling and MXFP8BlockScaling "
+                    "run them in FP8)")
+_GROUPED_DIMS = ("mixture-of-experts layer(s) in high precision, expert dimensions not multiples of 16 (FP8 GEMMs "
+                 "need them)")
 _ROUTER = "router(s) in high precision (the experts they choose must not change with FP8 rounding)"
 _OUTSIDE = ("projection layer(s) in high precision outside the units (fully_shard converts layers inside units "
             "only; select such a layer as a unit through units= to convert it)")

@@ -186,7 +186,8 @@ def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, re
     groups' cumulative row ends (a group may be empty). Each expert is quantized as a dense FP8
     linear on its own rows, with its own scales (see [Note: FP8 experts])."""
     if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be an fsdp8 FP8 recipe (e.g. Float8CurrentScaling()), got {type(recipe).__name__}")
+        raise TypeError(f"recipe must be an fsdp8 FP8 recipe (e.g. Float8CurrentScaling()), got "
+                        f"{type(recipe).__name__}")
     if recipe.delayed:
         raise ValueError("fp8_grouped_mm has no delayed scaling (it would need per-expert amax histories); use "
                          "Float8CurrentScaling, Float8BlockScaling or MXFP8BlockScaling for FP8 experts")

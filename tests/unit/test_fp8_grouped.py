@@ -120,7 +120,8 @@ class LoopExperts(nn.Module):
 
 def test_experts_whose_forward_cannot_run_fp8_stay_in_high_precision_and_are_named():
     # A recipe on a module whose forward never reads it would be FP8 in name only.
-    mixed = nn.ModuleDict({"own": LoopExperts(), "odd": moe.Experts(moe_config(hidden=24)), "ok": moe.Experts(moe_config())})
+    mixed = nn.ModuleDict({"own": LoopExperts(), "odd": moe.Experts(moe_config(hidden=24)),
+                           "ok": moe.Experts(moe_config())})
     with pytest.warns(HighPrecisionLayerWarning) as caught:
         convert_to_fp8(mixed, Float8CurrentScaling())
     message = " ".join(str(w.message) for w in caught)
@@ -192,7 +193,8 @@ def test_a_converted_moe_llama_trains_close_to_fp32(recipe, monkeypatch):
         assert torch.isfinite(grad).all() and grad.abs().sum() > 0
 
     got, _ = train(model, batch, expert_grads_are_finite_and_non_zero)
-    assert calls and all(r is recipe for r in calls) and len(calls) == 2 * 2 * 2 * STEPS  # layers x GEMMs x forwards (logits, loss) x steps
+    # layers x GEMMs x forwards (logits, loss) x steps, all with the model's recipe
+    assert len(calls) == 2 * 2 * 2 * STEPS and all(r is recipe for r in calls)
     u_f, u_b = UNIT_ROUNDOFF[recipe.fwd_dtype], UNIT_ROUNDOFF[recipe.bwd_dtype]
     e_f, e_b = 1.5 * math.sqrt(2 * u_f**2 / 3), 1.5 * math.sqrt((u_f**2 + u_b**2) / 3)
     tokens = batch[:, 1:].numel()
