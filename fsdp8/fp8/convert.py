@@ -1,5 +1,6 @@
-"""Putting FP8 into a model: swap nn.Linear (and Hugging Face's Conv1D) for Float8Linear, and say
-which layers stay in high precision and why (tensor-parallel pieces that cannot run the recipe too)."""
+"""Putting FP8 into a model: swap nn.Linear (and Hugging Face's Conv1D) for Float8Linear, give
+mixture-of-experts experts a recipe for their grouped GEMMs (grouped.py), and say which layers stay
+in high precision and why (tensor-parallel pieces that cannot run the recipe too)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .grouped import runs_fp8_experts
 from .kernels import quantize
 from .linear import Float8Linear
 from .recipes import Recipe
@@ -25,8 +27,14 @@ LinearFilter = Callable[[str, nn.Module], bool]
 _DIMS = "linear layer(s) in high precision, dimensions not multiples of 16 (FP8 GEMMs need them)"
 _NOT_LINEAR = ("layer(s) with a 2-D weight in high precision, neither nn.Linear nor transformers Conv1D (fsdp8 "
                "cannot tell how they use the weight; make them nn.Linear to run them in FP8)")
-_GROUPED = ("mixture-of-experts layer(s) in high precision: their grouped expert GEMMs do not run in FP8 yet "
-            "(only nn.Linear and transformers Conv1D layers do)")
+_GROUPED_FORWARD = ("mixture-of-experts layer(s) in high precision: their forward does not compute the experts with "
+                    "fsdp8's FP8 grouped GEMMs (fsdp8.models.moe.experts_forward does; transformers' own experts "
+                    "forward does not)")
+_GROUPED_DELAYED = ("mixture-of-experts layer(s) in high precision under delayed scaling, which fsdp8 has no "
+                    "per-expert amax histories for (Float8CurrentScaling, Float8BlockScaling and MXFP8BlockScaling "
+                    "run them in FP8)")
+_GROUPED_DIMS = ("mixture-of-experts layer(s) in high precision, expert dimensions not multiples of 16 (FP8 GEMMs "
+                 "need them)")
 _ROUTER = "router(s) in high precision (the experts they choose must not change with FP8 rounding)"
 _OUTSIDE = ("projection layer(s) in high precision outside the units (fully_shard converts layers inside units "
             "only; select such a layer as a unit through units= to convert it)")
@@ -89,7 +97,7 @@ def _kind(module: nn.Module, conv1d: Optional[type]) -> Optional[str]:
     """"linear" and "conv1d" can be converted; "other" is a projection-like layer fsdp8 does
     not know (a 2-D weight outside nn.Linear, Conv1D and embeddings); "grouped" holds groups of
     matrices (experts); None is anything else."""
-    if isinstance(module, Float8Linear):
+    if isinstance(module, Float8Linear) or is_fp8_experts(module):
         return None
     if _grouped_weights(module):
         return "grouped"
@@ -104,6 +112,22 @@ def _kind(module: nn.Module, conv1d: Optional[type]) -> Optional[str]:
     return None
 
 
+def is_fp8_experts(module: nn.Module) -> bool:
+    """Whether conversion gave ``module``, an experts module, an FP8 recipe for its grouped GEMMs."""
+    return getattr(module, "fp8_recipe", None) is not None
+
+
+def _grouped_reason(module: nn.Module, recipe: Recipe) -> Optional[str]:
+    """Why an experts module stays in high precision under ``recipe``; None: it runs in FP8."""
+    if not runs_fp8_experts(module):
+        return _GROUPED_FORWARD
+    if recipe.delayed:
+        return _GROUPED_DELAYED
+    if any(d % 16 for _, p in _grouped_weights(module) for d in p.shape[-2:]):
+        return _GROUPED_DIMS
+    return None
+
+
 def fp8_friendly(name: str, linear: nn.Module) -> bool:
     """FP8 GEMMs need both dimensions to be multiples of 16."""
     in_features, out_features = _features(linear)
@@ -115,7 +139,9 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, filter: Optional[LinearFilt
     """Turn every ``nn.Linear`` and transformers ``Conv1D`` in ``model`` that
     ``filter(name, module)`` accepts into a Float8Linear (a Conv1D into a Float8Conv1D), in
     place, and return ``model`` (as torchao's ``convert_to_float8_training`` and
-    ``fully_shard`` do; the converted layers are its Float8Linear modules). ``prefix`` is put
+    ``fully_shard`` do; the converted layers are its Float8Linear modules). Mixture-of-experts
+    experts whose forward runs fsdp8's grouped GEMMs (``fsdp8.fp8.grouped``) get the recipe as
+    ``fp8_recipe`` (``filter`` is not asked: it takes linears). ``prefix`` is put
     before the names ``filter`` sees. One warning names the projection-like layers left in
     high precision (by the default filter, which skips dimensions that are not multiples of
     16, or because fsdp8 does not know the module), and another one says so when no layer of
@@ -158,9 +184,15 @@ def convert_linears(model: nn.Module, recipe: Recipe, filter: Optional[LinearFil
         if kind is None:
             continue
         full = f"{prefix}{name}" if name else prefix.rstrip(".")
-        if kind in ("other", "grouped"):
-            reason = _GROUPED if kind == "grouped" else _ROUTER if _is_router(module) else _NOT_LINEAR
-            kept.append(KeptLayer(full, _detail(module, kind), reason))
+        if kind == "grouped":
+            reason = _grouped_reason(module, recipe)
+            if reason is None:
+                module.fp8_recipe = recipe  # read by its forward (fsdp8.models.moe.experts_forward)
+                converted.append(full)
+            else:
+                kept.append(KeptLayer(full, _detail(module, kind), reason))
+        elif kind == "other":
+            kept.append(KeptLayer(full, _detail(module, kind), _ROUTER if _is_router(module) else _NOT_LINEAR))
         elif accept(full, module):
             if kind == "conv1d":
                 _convert_conv1d(module, recipe)
@@ -191,12 +223,12 @@ def _convert_conv1d(conv: nn.Module, recipe: Recipe) -> Float8Conv1D:
 
 def projection_layers(model: nn.Module) -> Tuple[List[str], List[str]]:
     """The names of ``model``'s projection-like layers (nn.Linear, transformers Conv1D, other
-    2-D weights outside embeddings) that run in FP8, and of those that do not, each as
-    ``name (in x out)`` or ``name (class)``."""
+    2-D weights outside embeddings, experts) that run in FP8, and of those that do not, each as
+    ``name (in x out)``, ``name (class)`` or ``name (its grouped weights)``."""
     conv1d = _conv1d_class()
     fp8, high = [], []
     for name, module in model.named_modules():
-        if isinstance(module, Float8Linear):
+        if isinstance(module, Float8Linear) or is_fp8_experts(module):
             fp8.append(name)
             continue
         kind = _kind(module, conv1d)
@@ -215,7 +247,7 @@ def warn_skipped(kept: List[KeptLayer], model: Optional[nn.Module] = None) -> No
         parts = [f"kept {len(names)} {reason}: {', '.join(names)}"
                  for reason, names in by_reason.items()]
         warnings.warn("fsdp8: " + "; ".join(parts), HighPrecisionLayerWarning, stacklevel=3)
-    if model is not None and not any(isinstance(m, Float8Linear) for m in model.modules()):
+    if model is not None and not any(isinstance(m, Float8Linear) or is_fp8_experts(m) for m in model.modules()):
         warnings.warn(f"fsdp8: FP8 was requested but no layer of {type(model).__name__} runs in FP8, so every "
                       "GEMM stays in high precision: no nn.Linear or transformers Conv1D was converted (there is "
                       "none, the filter rejected them, or the warning above names them)", stacklevel=3)

@@ -13,6 +13,9 @@ A layer routes each of its T tokens to k of E experts, then runs every expert on
   (permute, gather, ``expert_mlp``, weight and sum back per token).
 
 Expert parallelism keeps the first two and puts its all-to-all exchanges around ``expert_mlp``.
+FP8 conversion attaches its recipe to an experts module as ``fp8_recipe`` (fsdp8.fp8.convert; only
+to modules whose forward is marked ``fp8_experts_forward``, as ``experts_forward`` is), and
+``expert_mlp`` then runs both grouped GEMMs with ``fsdp8.fp8.grouped.fp8_grouped_mm``.
 The weights have Hugging Face's names and layout (``Qwen3MoeExperts``, ``MixtralExperts``):
 ``gate_up_proj`` [E, 2I, H] (the gate's rows, then the up projection's) and ``down_proj`` [E, H, I].
 """
@@ -21,11 +24,14 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ..fp8.grouped import fp8_experts_forward, fp8_grouped_mm
+from ..fp8.recipes import Recipe
 
 # -- grouped GEMM ----------------------------------------------------------------------------------
 # Whether torch._grouped_mm and its backward work for (device type, dtype): probed once each.
@@ -130,24 +136,32 @@ def permute_by_expert(top_k_index: torch.Tensor, num_experts: int) -> Tuple[torc
 
 
 def expert_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-               act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+               act_fn: Callable[[torch.Tensor], torch.Tensor], recipe: Optional[Recipe] = None) -> torch.Tensor:
     """The experts' SwiGLU, ``down(act(gate x) * up x)``, on ``x_sorted`` [T', H] whose first
-    ``counts[0]`` rows go to expert 0, the next ``counts[1]`` to expert 1, and so on."""
+    ``counts[0]`` rows go to expert 0, the next ``counts[1]`` to expert 1, and so on. With an FP8
+    ``recipe`` both grouped GEMMs run in FP8, each expert with its own scales (fsdp8.fp8.grouped)."""
     offs = counts.cumsum(0).to(torch.int32)
-    gate, up = grouped_mm(x_sorted, gate_up_proj, offs).chunk(2, dim=-1)
-    return grouped_mm(act_fn(gate) * up, down_proj, offs)
+    gate, up = _grouped(x_sorted, gate_up_proj, offs, recipe).chunk(2, dim=-1)
+    return _grouped(act_fn(gate) * up, down_proj, offs, recipe)
 
 
+def _grouped(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, recipe: Optional[Recipe]) -> torch.Tensor:
+    return grouped_mm(x, weight, offs) if recipe is None else fp8_grouped_mm(x, weight, offs, recipe)
+
+
+@fp8_experts_forward
 def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """What transformers' ``Qwen3MoeExperts.forward`` computes, with grouped GEMMs instead of a
     loop over experts: each token's ``hidden_states`` [T, H] row through its experts
     ``top_k_index`` [T, k], weighted by ``top_k_weights`` [T, k] and summed. Reads ``experts``'
-    ``gate_up_proj``, ``down_proj`` and ``act_fn``."""
+    ``gate_up_proj``, ``down_proj`` and ``act_fn``, and ``fp8_recipe`` if FP8 conversion attached
+    one (then the expert GEMMs run in FP8)."""
     k = top_k_index.shape[-1]
     order, counts = permute_by_expert(top_k_index, experts.gate_up_proj.shape[0])
     token = order // k
-    out = expert_mlp(hidden_states[token], counts, experts.gate_up_proj, experts.down_proj, experts.act_fn)
+    out = expert_mlp(hidden_states[token], counts, experts.gate_up_proj, experts.down_proj, experts.act_fn,
+                     getattr(experts, "fp8_recipe", None))
     # As transformers: weighted in the product's dtype, summed in the hidden states'.
     out = out * top_k_weights.reshape(-1)[order, None]
     return torch.zeros_like(hidden_states).index_add_(0, token, out.to(hidden_states.dtype))

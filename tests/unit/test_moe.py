@@ -390,23 +390,26 @@ def test_adapters_name_the_experts_and_refuse_what_they_cannot_plan():
         assert list(adapter_for(hf).experts(hf)) == ["model.layers.0.mlp.experts"]
 
 
-def test_fp8_conversion_names_routers_and_experts_kept_in_high_precision():
-    # FP8 recipes convert nn.Linear layers; the experts' grouped GEMMs and the routers stay in
-    # high precision, and one warning says which and why (never silently).
+def test_fp8_conversion_converts_experts_and_names_routers_kept_in_high_precision():
+    # FP8 recipes convert nn.Linear layers and give the experts a recipe for their grouped GEMMs;
+    # the routers stay in high precision, and one warning says which and why (never silently).
     import warnings
 
     import fsdp8
-    from fsdp8.fp8.convert import HighPrecisionLayerWarning, convert_to_fp8
+    from fsdp8.fp8.convert import HighPrecisionLayerWarning, convert_to_fp8, projection_layers
     from fsdp8.models.llama import Llama, preset
 
     model = Llama(preset("moe-tiny", n_layers=2))
+    recipe = fsdp8.Float8CurrentScaling()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        convert_to_fp8(model, fsdp8.Float8CurrentScaling())
+        convert_to_fp8(model, recipe)
     messages = [str(w.message) for w in caught if w.category is HighPrecisionLayerWarning]
     assert len(messages) == 1, messages
     assert "kept 2 router(s) in high precision" in messages[0]
-    assert ("kept 2 mixture-of-experts layer(s) in high precision: their grouped expert GEMMs do not run in FP8 yet"
-            in messages[0])
-    assert "layers.1.ffn.experts (gate_up_proj 8x256x128, down_proj 8x128x128)" in messages[0], messages[0]
+    assert "ffn.experts" not in messages[0] and "mixture-of-experts" not in messages[0], messages[0]
+    assert all(model.layers[i].ffn.experts.fp8_recipe is recipe for i in range(2))
     assert isinstance(model.layers[0].attn.wq, fsdp8.fp8.Float8Linear)
+    fp8, high = projection_layers(model)
+    assert "layers.1.ffn.experts" in fp8 and [h for h in high if "gate" in h] == [
+        "layers.0.ffn.gate (Router)", "layers.1.ffn.gate (Router)"], (fp8, high)
