@@ -21,7 +21,10 @@ parameters DTensors ``Shard(0)`` on the ``ep`` dim of the experts' mesh
    weights, in the order one process sums them.
 
 Nothing is dropped (no capacity factor), and the routing is the model's own, so each
-token's result equals one process's. The backward of each all-to-all is the opposite
+token's result equals one process's. With an FP8 recipe (``module.fp8_recipe``, set by FP8
+conversion) the grouped GEMMs run in FP8 with scales per expert; an expert's current-scaling
+amax then covers every row that arrived from its ep group, the rows one process would give it
+for the whole group's batch (not one rank's). The backward of each all-to-all is the opposite
 all-to-all (torch.autograd).
 
 Gradients: the engine shards the experts over the data-parallel ranks of the experts' mesh
@@ -47,6 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..distributed import comm
+from ..fp8.grouped import fp8_experts_forward
 from ..models.adapter import adapter_for
 from ..models.moe import expert_mlp, permute_by_expert
 
@@ -141,6 +145,7 @@ def expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> nn.Module:
 
 
 def _dispatching_forward(group: ExpertGroup):
+    @fp8_experts_forward  # it passes the module's FP8 recipe on (fsdp8.fp8.grouped)
     def forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         return dispatch_and_compute(module, group, hidden_states, top_k_index, top_k_weights)
@@ -166,7 +171,8 @@ def dispatch_and_compute(module: nn.Module, group: ExpertGroup, hidden_states: t
     scale = 1.0 / group.size
     gate_up = _ScaleGrad.apply(_local(module.gate_up_proj), scale)
     down = _ScaleGrad.apply(_local(module.down_proj), scale)
-    computed = expert_mlp(arrived[regroup], received.sum(0), gate_up, down, module.act_fn)
+    computed = expert_mlp(arrived[regroup], received.sum(0), gate_up, down, module.act_fn,
+                          recipe=getattr(module, "fp8_recipe", None))
     restored = computed[torch.argsort(regroup)]  # back to arrival order
     returned = _AllToAll.apply(restored, in_splits, out_splits, group.group, "ep combine")
     weighted = returned * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(returned.dtype)

@@ -182,3 +182,34 @@ def load_pretrained_under_ep(family: str, path: str, layout: dict) -> Dict[str, 
     model = fsdp8.parallelize(_reseeded(family), fsdp8.ParallelConfig(**layout, precision=FP32))
     fsdp8.load_pretrained(model, path)
     return {n: float((_full(p) - saved[n]).abs().max()) for n, p in model.named_parameters()}
+
+
+def fp8_block_parity(family: str, layout: dict) -> dict:
+    """One step of 128-block FP8 scaling under expert parallelism against the same recipe in one
+    process fed each data-parallel rank's rows (fp64 compute: common.FP8_PARITY_PRECISION).
+    Row blocks of activations and gradients and each expert's 128x128 weight blocks do not
+    depend on which rows share an expert's GEMM, so the loss and every gradient but the
+    experts' weight gradients (whose token blocks follow the rows an expert received from its
+    ep group) equal one process's up to fp64 rounding."""
+    recipe = fsdp8.Float8BlockScaling()
+    initial = build(family)
+    reference = copy.deepcopy(initial).to(torch.float64)
+    model = fsdp8.parallelize(initial, fsdp8.ParallelConfig(**layout, fp8=recipe,
+                                                            precision=common.FP8_PARITY_PRECISION))
+    for unit in model._fsdp8.units:  # the engine converts inside its units only (not the head)
+        fsdp8.convert_to_fp8(dict(reference.named_modules())[unit.name], recipe)
+    global_batch = batch(family, 0, ROWS_PER_RANK * model.dp_size)
+    loss = loss_of(model, model.shard_batch(global_batch))
+    loss.backward()
+    ref_loss = 0.0
+    for r in range(model.dp_size):
+        part = loss_of(reference, {k: common.rank_slice(v, r, model.dp_size) for k, v in global_batch.items()})
+        (part / model.dp_size).backward()
+        ref_loss += float(part.detach()) / model.dp_size
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    ref_grads = {n: p.grad.detach().float().cpu() for n, p in reference.named_parameters()}
+    grads = {n: _rel(_full(p.grad), ref_grads[n]) for n, p in model.named_parameters()}
+    converted = sorted(n for n, m in model.named_modules() if getattr(m, "fp8_recipe", None) is not None)
+    return {"loss": abs(float(total) / dist.get_world_size() - ref_loss) / abs(ref_loss), "grads": grads,
+            "converted": converted}
