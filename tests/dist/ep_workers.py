@@ -18,6 +18,7 @@ import torch.nn as nn
 import fsdp8
 
 from . import common
+from .parallelize_workers import _full, _rel, loss_of
 
 VOCAB, SEQ, ROWS_PER_RANK, STEPS, LR = 64, 8, 2, 3, 0.1
 FP32 = fsdp8.Precision()
@@ -57,19 +58,6 @@ def batch(family: str, step: int, rows: int) -> Dict[str, torch.Tensor]:
     if family in BUILTIN_EXPERTS:
         return {"tokens": x, "targets": y}
     return {"input_ids": x, "labels": x}  # HF shifts the labels itself
-
-
-def loss_of(model: nn.Module, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
-    out = model(**{k: v.to(common.device()) for k, v in inputs.items()})
-    return out if isinstance(out, torch.Tensor) else out.loss
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return common.full_tensor(t).detach().float().cpu()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
 def reference_run(model: nn.Module, family: str, dp: int, clip: float) -> dict:
