@@ -2,8 +2,9 @@
 
 The pieces: ``model.py`` (the model's sizes and each unit's parameters), ``setup.py`` (the
 configuration asked about), ``memory.py`` (persistent memory exactly as ``memory_report()``
-counts it, the peak by formula), ``time.py`` (compute roofline, collectives, the overlap
-schedule), ``hardware.py`` (GPUs, cluster, efficiencies), ``candidates.py`` (``search``: the
+counts it, the peak by formula), ``activations.py`` (what a layer keeps for backward),
+``compute.py`` (the compute roofline), ``time.py`` (collectives, the overlap schedule, the
+step), ``hardware.py`` (GPUs, cluster, efficiencies), ``candidates.py`` (``search``: the
 configurations that fit, fastest first). docs/PLANNING.md writes the model out.
 """
 

@@ -1,5 +1,5 @@
-"""Step time: compute at a roofline of the GPU, each collective at the bandwidth of the link its group
-spans, and what of the communication the engine's overlap schedule leaves exposed.
+"""Step time: compute at a roofline of the GPU (compute.py), each collective at the bandwidth of the link
+its group spans, and what of the communication the engine's overlap schedule leaves exposed.
 
 [Note: the overlap model]
 Ranks are laid out row-major over ``(dp_replicate, dp_shard, cp, tp)`` and nodes hold
