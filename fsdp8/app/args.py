@@ -54,6 +54,9 @@ def layout_flags(p) -> None:
     p.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (default: %(default)s)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel degree (default: %(default)s)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: %(default)s)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree of a mixture-of-experts model: its experts split over N of the "
+                        "dp_shard ranks, tokens sent to them with all-to-all (default: %(default)s)")
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism with tp (default: off)")
     p.add_argument("--loss-parallel", action="store_true",
                    help="keep the logits vocabulary-sharded over tp (default: off, they are gathered)")

@@ -30,8 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="compute dtype (default: %(default)s)")
     layout_flags(p)
     p.add_argument("--search", action="store_true",
-                   help="rank every configuration that fits (strategies, HSDP, tp, AC, micro batch, offload) instead; "
-                        "with --cp N also every context-parallel degree dividing N")
+                   help="rank every configuration that fits (strategies, HSDP, tp, AC, micro batch, offload, and ep for "
+                        "a mixture of experts) instead; with --cp N also every context-parallel degree dividing N")
     p.add_argument("--top", type=int, default=10, help="configurations --search prints (default: %(default)s)")
 
 
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         if args.search:
             # The search lays out every configuration itself: of the layout flags it takes the
             # precision, the FP8 recipe, --loss-parallel (wherever tp > 1) and with --cp N every
-            # context-parallel degree that divides N (default 1: none).
+            # context-parallel degree that divides N (default 1: none); it weighs every ep itself.
             fixed = parallel_from_flags({"precision": args.precision, "fp8": args.fp8})
             cps = tuple(d for d in range(1, args.cp + 1) if args.cp % d == 0) or (args.cp,)  # (cp,): its error
             found = search(args.model, top=args.top, loss_parallel=args.loss_parallel, cps=cps,
@@ -71,16 +71,18 @@ def run(args: argparse.Namespace) -> int:
 
 def _search_table(found) -> str:
     first = found[0].plan
+    ep_column = "ep  " if first.spec.experts else ""  # a mixture of experts: its ep column
     lines = [f"fsdp8 plan --search: {first.spec.describe()}",
              f"  on {first.setup.cluster.describe()} = {first.setup.cluster.world} GPUs, seq {first.setup.seq_len}, "
              f"global batch {first.setup.global_batch}; the {len(found)} fastest distinct configurations that fit",
-             f"{'#':>3} {'tokens/s/GPU':>12} {'MFU':>6} {'GiB':>6}  {'R x S x cp x tp':<16}{'strategy':<19}{'outer':<9}"
-             f"{'AC':<10}{'offload':<8}{'SP':<4}{'micro x acc':>11}"]
+             f"{'#':>3} {'tokens/s/GPU':>12} {'MFU':>6} {'GiB':>6}  {'R x S x cp x tp':<16}{ep_column}"
+             f"{'strategy':<19}{'outer':<9}{'AC':<10}{'offload':<8}{'SP':<4}{'micro x acc':>11}"]
     for i, c in enumerate(found, 1):
         p = c.parallel
         mesh = f"{p.dp_replicate}x{p.dp_shard}x{p.cp}x{p.tp}"
+        ep = f"{p.ep:<4}" if ep_column else ""
         lines.append(f"{i:>3} {c.tokens_per_s_per_gpu:>12,.0f} {c.plan.mfu:>6.1%} {c.plan.memory.total / 2**30:>6.1f}  "
-                     f"{mesh:<16}{p.strategy.label:<19}{p.outer_strategy.label:<9}{p.activation_checkpointing:<10}"
+                     f"{mesh:<16}{ep}{p.strategy.label:<19}{p.outer_strategy.label:<9}{p.activation_checkpointing:<10}"
                      f"{p.offload or 'none':<8}{'yes' if p.sequence_parallel else 'no':<4}"
                      f"{f'{c.micro_batch} x {c.accumulation}':>11}")
     return "\n".join(lines)

@@ -31,7 +31,8 @@ def describe_choice(best: Candidate, on_gpus: bool) -> str:
     """The line that says which layout "auto" took and why."""
     s, p = best.plan.setup, best.parallel
     layout = [f"dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} x cp {p.cp} x tp {p.tp}",
-              f"strategy {p.strategy.label}", f"outer strategy {p.outer_strategy.label}" if p.dp_replicate > 1 else "",
+              f"ep {p.ep}" if p.ep > 1 else "", f"strategy {p.strategy.label}",
+              f"outer strategy {p.outer_strategy.label}" if p.dp_replicate > 1 else "",
               "sequence parallel" if p.sequence_parallel else "",
               f"activation checkpointing {p.activation_checkpointing}" if p.activation_checkpointing != "none" else "",
               f"offload {p.offload}" if p.offload else ""]

@@ -43,6 +43,14 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def expert_degrees(spec: ModelSpec, dp_shard: int, tp: int) -> List[int]:
+    """The ep a layout can take: 1, and for a mixture of experts without tensor parallelism every
+    divisor of dp_shard that splits the experts evenly (what fsdp8.parallelize accepts)."""
+    if not spec.experts or tp > 1:
+        return [1]
+    return [d for d in _divisors(dp_shard) if spec.experts % d == 0]
+
+
 def _plans(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, precision: Optional[Precision],
            fp8: Optional[FP8Recipe], efficiency: Optional[Efficiency], strategies: Sequence[str], tps: Iterable[int],
            cps: Iterable[int], ac_modes: Sequence[str], offloads: Sequence[Optional[str]], max_micro_batch: int,
@@ -61,10 +69,11 @@ def _plans(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, p
             if micro > max_micro_batch or global_batch % (micro * dp):
                 continue
             outers = ("no_shard", "optim") if replicate > 1 else ("no_shard",)
-            for strategy, outer, ac, offload, sp in itertools.product(strategies, outers, ac_modes, offloads,
-                                                                      (False, True) if tp > 1 else (False,)):
+            eps = expert_degrees(spec, dp // replicate, tp)
+            for strategy, outer, ac, offload, sp, ep in itertools.product(strategies, outers, ac_modes, offloads,
+                                                                          (False, True) if tp > 1 else (False,), eps):
                 try:
-                    parallel = ParallelConfig(dp_replicate=replicate, cp=cp, tp=tp, sequence_parallel=sp,
+                    parallel = ParallelConfig(dp_replicate=replicate, cp=cp, tp=tp, ep=ep, sequence_parallel=sp,
                                               loss_parallel=loss_parallel and tp > 1, activation_checkpointing=ac,
                                               fp8=fp8, precision=precision, strategy=strategy, outer_strategy=outer,
                                               offload=offload)
@@ -87,7 +96,8 @@ def search(model: Union[str, ModelSpec, None] = None, *, gpu: Union[str, GPU] = 
     """The configurations of ``model`` on the cluster that fit, fastest (predicted tokens/s/GPU)
     first: strategies x outer strategies x dp_replicate x tp x cp x activation checkpointing x
     micro-batch (within ``global_batch``, default one sequence per GPU) x offload x sequence
-    parallelism; of those that predict the same speed and differ only in how the data-parallel
+    parallelism, and for a mixture of experts x ep (the divisors of dp_shard that split its
+    experts; tp = 1, which fsdp8 requires beside ep and has no plan for experts without); of those that predict the same speed and differ only in how the data-parallel
     ranks shard, the one with the least memory (and the fewest replicas). ``tps`` defaults to
     the divisors of gpus_per_node (TP inside a node), ``cps`` to 1: pass context-parallel
     degrees to weigh them too (worth it for long sequences, whose activations or attention
@@ -120,8 +130,8 @@ def _rank(p: Plan):
     """Fastest first; among equals (meshes the engine treats alike), the least memory, then the
     simplest: fewer replicas, less tensor parallelism, no offload."""
     s = p.setup.parallel
-    return (-p.tokens_per_s_per_gpu, p.memory.total, s.dp_replicate, s.outer_strategy, s.tp, s.sequence_parallel,
-            s.offload is not None)
+    return (-p.tokens_per_s_per_gpu, p.memory.total, s.dp_replicate, s.outer_strategy, s.tp, s.ep,
+            s.sequence_parallel, s.offload is not None)
 
 
 def _distinct(ranked: List[Plan]) -> List[Plan]:
@@ -133,7 +143,7 @@ def _distinct(ranked: List[Plan]) -> List[Plan]:
     seen, kept = set(), []
     for p in ranked:
         s = p.setup.parallel
-        key = (f"{p.tokens_per_s_per_gpu:.6g}", s.cp, s.tp, s.sequence_parallel, s.loss_parallel,
+        key = (f"{p.tokens_per_s_per_gpu:.6g}", s.cp, s.tp, s.ep, s.sequence_parallel, s.loss_parallel,
                s.activation_checkpointing, s.offload, p.setup.micro_batch)
         if key not in seen:
             seen.add(key)
@@ -172,7 +182,7 @@ def _changed(spec: ModelSpec, setup: Setup, cluster: Cluster, **change) -> Setup
 
 # fsdp8 plan's flag for each setting a fix may change.
 _FLAGS = {"strategy": "--strategy", "activation_checkpointing": "--ac", "micro_batch": "--micro-batch", "tp": "--tp",
-          "sequence_parallel": "--sequence-parallel", "offload": "--offload"}
+          "sequence_parallel": "--sequence-parallel", "offload": "--offload", "ep": "--ep"}
 
 
 def fixes(p: Plan, limit: int = 3) -> List[str]:
@@ -183,6 +193,7 @@ def fixes(p: Plan, limit: int = 3) -> List[str]:
     changes = [{"strategy": "optim_grads_params"}, {"activation_checkpointing": "selective"},
                {"activation_checkpointing": "full"}, {"micro_batch": 1}]
     changes += [{"tp": t, "sequence_parallel": True} for t in _divisors(s.cluster.gpus_per_node) if t > s.parallel.tp]
+    changes += [{"ep": ep} for ep in expert_degrees(spec, s.parallel.dp_shard, s.parallel.tp) if ep > s.parallel.ep]
     if not s.fp8 and s.parallel.strategy.label != "no_shard":
         changes.append({"offload": "optim"})
     changes = [c for c in (_new_settings(s, c) for c in changes) if c]

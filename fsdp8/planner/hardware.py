@@ -134,10 +134,12 @@ class Efficiency:
     ``gemm``/``fp8_gemm``: dense GEMMs of transformer shapes; ``attention``: torch SDPA's
     flash/efficient kernels, forward and backward; ``hbm``: elementwise and copy kernels;
     ``link``: NCCL bus bandwidth against the per-direction peak (NVLink, network, PCIe alike).
-    ``latency_us``: the fixed cost of one collective. The host, which launches eager kernels
-    one by one: ``host_op_us`` per op, ``sac_op_us`` more per op of a forward pass under
-    selective checkpointing (its policy runs in Python), ``fp8_linear_host_ms`` per FP8 linear's
-    forward and backward. ``allocator``: the caching allocator's reserve above the peak of live
+    ``latency_us``: the fixed cost of one collective. ``host_sync_us``: one host synchronisation
+    (expert parallelism's, one per MoE layer and forward: the all-to-all's split sizes read on
+    the host, then the GPU idle until the host issues the next kernels; stated, not measured).
+    The host, which launches eager kernels one by one: ``host_op_us`` per op, ``sac_op_us`` more
+    per op of a forward pass under selective checkpointing (its policy runs in Python),
+    ``fp8_linear_host_ms`` per FP8 linear's forward and backward. ``allocator``: the caching allocator's reserve above the peak of live
     tensors; ``runtime_gib``: memory outside torch's allocator (CUDA context, cuBLAS workspaces,
     NCCL buffers). The defaults are fitted to one H200 (docs/PLANNING.md). ``host``: the host's
     cost measured on this machine, which replaces the three host figures above."""
@@ -148,6 +150,7 @@ class Efficiency:
     hbm: float = 0.70
     link: float = 0.80
     latency_us: float = 20.0
+    host_sync_us: float = 50.0
     host_op_us: float = 10.0
     sac_op_us: float = 110.0
     fp8_linear_host_ms: float = 0.8
@@ -171,18 +174,25 @@ class Efficiency:
 # attention, SwiGLU, residuals; counted in fsdp8.models.llama), of the root (embedding, final
 # norm, head, loss), and the engine's per unit and pass (gather, copy-out, pack, reduce, land).
 LAYER_OPS, ROOT_OPS, ENGINE_OPS = 48, 15, 10
+# Kernels an MoE layer's forward adds (fsdp8.models.moe: router, top-k and its renormalisation, the
+# load-balancing loss, the sort by expert, the gathered rows, two grouped GEMMs, SwiGLU, the
+# weighted sum back), and expert parallelism's dispatch adds to those (parallel/ep.py: the counts'
+# all-to-all, the split sizes, two all-to-alls, the regrouping and its inverse).
+MOE_OPS, EP_OPS = 30, 12
 
 
-def host_model(eff: Efficiency, ac: str, fp8_linears: int) -> HostCost:
+def host_model(eff: Efficiency, ac: str, fp8_linears: int, extra_ops: int = 0, units: int = 1) -> HostCost:
     """The host's time per pass when nothing measured it: it issues every op of forward,
     backward (two passes' worth) and recomputation; an FP8 linear costs more (its forward's
     share again when recomputed), and selective checkpointing's policy runs in Python for every
-    op of forward and of the recomputation."""
+    op of forward and of the recomputation. ``extra_ops``: kernels a layer issues beyond the
+    Llama block's; ``units``: the engine's units a layer gathers and reduces."""
     op, fp8 = eff.host_op_us * 1e-6, fp8_linears * eff.fp8_linear_host_ms * 1e-3
     recomputed = ac != "none"
-    sac = LAYER_OPS * eff.sac_op_us * 1e-6 if ac == "selective" else 0.0
-    return HostCost(layer_fwd=(LAYER_OPS + ENGINE_OPS) * op + fp8 / 3 + sac,
-                    layer_bwd=((2 + recomputed) * LAYER_OPS + ENGINE_OPS) * op + fp8 * (2 + recomputed) / 3 + sac,
+    layer_ops, engine_ops = LAYER_OPS + extra_ops, units * ENGINE_OPS
+    sac = layer_ops * eff.sac_op_us * 1e-6 if ac == "selective" else 0.0
+    return HostCost(layer_fwd=(layer_ops + engine_ops) * op + fp8 / 3 + sac,
+                    layer_bwd=((2 + recomputed) * layer_ops + engine_ops) * op + fp8 * (2 + recomputed) / 3 + sac,
                     root_fwd=(ROOT_OPS + ENGINE_OPS) * op, root_bwd=(2 * ROOT_OPS + ENGINE_OPS) * op)
 
 

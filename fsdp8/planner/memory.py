@@ -8,19 +8,29 @@ the FP8 wire layout of ``engine/fp8_unit.py`` with ``chunk_align=16``, the chunk
 (tests/dist/test_plan_memory.py). Everything else is a model of what is alive at the moments a
 step's memory can peak (end of forward, the loss's backward, the first and last unit's
 backward, the end of backward), written out in docs/PLANNING.md.
+
+[Note: the units of a mixture of experts]
+A mixture-of-experts layer is one unit with its experts while ep = 1. Under expert parallelism
+(fsdp8.parallelize with ep > 1) its experts module is a unit of its own inside it: each ep rank
+holds E/ep experts (``gate_up_proj`` [E/ep, 2I, H], ``down_proj`` [E/ep, H, I]), which the engine
+shards over the experts' mesh, ``efsdp = dp_shard / ep`` (x cp, and dp_replicate as the outer
+strategy says), while the layer's other weights and the dense ones are sharded over
+``dp_shard`` (x cp) as before. A ``LayerGroup`` is a kind of layer with its units; the peak
+takes each per-layer transient from the larger kind when a model mixes dense and MoE layers.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Mapping, Tuple, Union
 
 from ..config import OuterStrategy, Strategy
 from ..engine.layout import UnitLayout, plan_unit
 from ..engine.sharded import MemoryReport
 from ..engine.topology import ChunkPlan
-from .model import ModelSpec, Param, converts_to_fp8, local_shape
+from .activations import Activations
+from .model import ModelSpec, Param, converts_to_fp8, ep_shape, local_shape
 from .setup import Setup
 
 MAIN_BYTES = 4  # fp32 main weights, gradients and AdamW moments
@@ -45,15 +55,23 @@ class UnitPlan:
     scale_bytes: int  # the unit's persistent FP8 scale buffers
     aliased: bool  # ShardedUnit.aliased: one chunk, no dtype change, no offload: computes on the main buffer
     gathered_scale_bytes: int = 0  # MX scale_inv under ZeRO-3: allocated and freed with the unsharded parameters
+    experts: bool = False  # an experts module under ep > 1: sharded over the experts' mesh
 
     @property
     def unsharded_bytes(self) -> int:
         return self.wire.unsharded_numel * self.wire_bytes
 
+    @property
+    def chunks(self) -> int:
+        return self.layout.num_chunks
 
-def chunk_plan(setup: Setup) -> ChunkPlan:
+
+def chunk_plan(setup: Setup, experts: bool = False) -> ChunkPlan:
+    """How the engine chunks a unit: over dp_shard x cp, or an experts unit's over efsdp x cp
+    (fsdp8.distributed.mesh.make_expert_mesh), and dp_replicate with outer ``optim``."""
     p = setup.parallel
-    return ChunkPlan(replicate_size=p.dp_replicate, shard_size=p.dp_shard * p.cp, replicate_rank=0, shard_rank=0,
+    shard = p.dp_shard // p.ep if experts else p.dp_shard
+    return ChunkPlan(replicate_size=p.dp_replicate, shard_size=shard * p.cp, replicate_rank=0, shard_rank=0,
                      inner_sharded=p.strategy.shards_main, outer_sharded=p.outer_strategy is OuterStrategy.OPTIM)
 
 
@@ -72,9 +90,10 @@ def _scale_bytes(shapes: List[Tuple[int, int]], recipe: str) -> int:
     return buffers * 4 * floats + (3 * 4 * DELAYED_HISTORY * len(shapes) if recipe == "delayed" else 0)
 
 
-def _unit(name: str, count: int, params: List[Param], setup: Setup, tp_rank: int, in_unit: bool) -> UnitPlan:
-    chunks = chunk_plan(setup).num_chunks
-    shapes = [local_shape(p, setup.parallel.tp, tp_rank) for p in params]
+def _unit(name: str, count: int, params: List[Param], setup: Setup, tp_rank: int, in_unit: bool,
+          experts: bool = False) -> UnitPlan:
+    chunks = chunk_plan(setup, experts).num_chunks
+    shapes = [ep_shape(p, local_shape(p, setup.parallel.tp, tp_rank), setup.parallel.ep) for p in params]
     layout = plan_unit(shapes, len(shapes), chunks)
     fp8 = [in_unit and converts_to_fp8(p, setup.fp8, setup.parallel.tp, tp_rank) for p in params]
     e = setup.compute_bytes
@@ -95,13 +114,46 @@ def _unit(name: str, count: int, params: List[Param], setup: Setup, tp_rank: int
                     sum(math.prod(p.chunk_shape(0)) for p in layout.params), sum(math.prod(s) for s in fp8_shapes),
                     len(fp8_shapes), scales - gathered,
                     aliased=chunks == 1 and wire_bytes == MAIN_BYTES and setup.parallel.offload is None,
-                    gathered_scale_bytes=gathered)
+                    gathered_scale_bytes=gathered, experts=experts)
 
 
 def unit_plans(spec: ModelSpec, setup: Setup, tp_rank: int = 0) -> List[UnitPlan]:
-    """The root unit (embedding, final norm, head) and the decoder layers (one plan, ``layers`` units)."""
-    return [_unit("root", 1, spec.root_params(), setup, tp_rank, in_unit=False),
-            _unit("layer", spec.layers, spec.block_params(), setup, tp_rank, in_unit=True)]
+    """The root unit (embedding, final norm, head), then the decoder layers, one plan per kind
+    (``ModelSpec.layer_kinds``): ``layer`` for dense ones, ``moe layer`` for mixtures of experts,
+    followed under ep > 1 by their ``experts`` units (see [Note: the units of a mixture of experts])."""
+    units = [_unit("root", 1, spec.root_params(), setup, tp_rank, in_unit=False)]
+    own_experts = setup.parallel.ep > 1
+    for kind, count in spec.layer_kinds():
+        if kind == "dense":
+            units.append(_unit("layer", count, spec.block_params(), setup, tp_rank, in_unit=True))
+            continue
+        params = spec.moe_block_params() + ([] if own_experts else spec.expert_params())
+        units.append(_unit("moe layer", count, params, setup, tp_rank, in_unit=True))
+        if own_experts:
+            units.append(_unit("experts", count, spec.expert_params(), setup, tp_rank, in_unit=True, experts=True))
+    return units
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Decoder layers of one kind (``"dense"`` or ``"moe"``): ``count`` of them, each gathering and
+    reducing ``units`` (its own, then under ep > 1 its experts')."""
+
+    kind: str
+    count: int
+    units: Tuple[UnitPlan, ...]
+
+
+def layer_groups(units: List[UnitPlan]) -> List[LayerGroup]:
+    """``unit_plans``' layers (all but the root) as LayerGroups, in its order."""
+    groups: List[LayerGroup] = []
+    for u in units[1:]:
+        if u.experts:
+            last = groups[-1]
+            groups[-1] = LayerGroup(last.kind, last.count, last.units + (u,))
+        else:
+            groups.append(LayerGroup("dense" if u.name == "layer" else "moe", u.count, (u,)))
+    return groups
 
 
 def _persistent_compute(unit: UnitPlan, setup: Setup) -> int:
@@ -119,7 +171,6 @@ def memory_report(spec: ModelSpec, setup: Setup, tp_rank: int = 0) -> MemoryRepo
     """What ``model.memory_report()`` returns on a rank of tensor-parallel rank ``tp_rank``
     (data-parallel ranks all hold chunks of one size)."""
     units = unit_plans(spec, setup, tp_rank)
-    chunks = chunk_plan(setup).num_chunks
     grads_unsharded = setup.parallel.strategy in (Strategy.NO_SHARD, Strategy.OPTIM)
     largest = 0
     if setup.parallel.strategy.shards_params:
@@ -129,78 +180,11 @@ def memory_report(spec: ModelSpec, setup: Setup, tp_rank: int = 0) -> MemoryRepo
         main_weights=sum(u.count * u.layout.chunk_numel * MAIN_BYTES for u in units),
         grads=sum(u.count * u.layout.trainable_numel * MAIN_BYTES for u in units),
         compute_copies=sum(u.count * _persistent_compute(u, setup) for u in units),
-        grad_accumulation=sum(u.count * chunks * u.layout.trainable_numel * REDUCE_BYTES for u in units)
+        grad_accumulation=sum(u.count * u.chunks * u.layout.trainable_numel * REDUCE_BYTES for u in units)
         if grads_unsharded else 0,
         largest_unsharded_unit=largest,
         offloaded=setup.parallel.offload is not None,
     )
-
-
-def expands_kv(spec: ModelSpec) -> bool:
-    """Whether the attention repeats K and V to every query head before SDPA."""
-    return spec.family == "fsdp8" and spec.kv_heads != spec.heads
-
-
-# -- activations -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Activations:
-    """Bytes per token (of the rank's micro-batch) of one layer, and of the root."""
-
-    saved: float  # kept from forward to backward under the AC mode
-    layer_live: float  # one layer's full set, as during its backward (recomputed under AC)
-    backward_work: float  # gradients of activations alive inside one layer's backward
-    root: float  # final norm and head input, log-softmax output
-    loss_forward: float  # beyond ``root`` at the cross-entropy of forward
-    loss_backward: float  # beyond ``root`` at the cross-entropy's backward
-
-
-def activations(spec: ModelSpec, setup: Setup, fp8: Dict[str, bool]) -> Activations:
-    """Per-token activation bytes of the Llama block under ``setup`` (docs/PLANNING.md derives
-    each term from the tensors autograd saves). ``fp8``: which linears are Float8Linear."""
-    e, tp = setup.compute_bytes, setup.parallel.tp
-    d, q, kv, f, v = spec.hidden, spec.q_dim / tp, spec.kv_dim / tp, spec.ffn / tp, spec.vocab
-    dn = d / tp if setup.parallel.sequence_parallel else d  # the residual stream as norms see it
-    # RMSNorm: fsdp8's keeps x in fp32 and the normalized fp32 product; transformers' keeps x in
-    # fp32 and the normalized value in the compute dtype; both a fp32 rsqrt per token.
-    norm = (8 * dn if spec.family == "fsdp8" else (4 + e) * dn) + 4
-
-    def inputs(*names: str, width: float) -> float:
-        # A linear saves its input: in the compute dtype, or as FP8 bytes (shared by its siblings).
-        kinds = {fp8.get(n, False) for n in names}
-        return (e * width if False in kinds else 0) + (width if True in kinds else 0)
-
-    # SDPA keeps its inputs: under GQA fsdp8's Llama passes repeat_interleave copies, transformers
-    # (no attention mask) the kv heads themselves with enable_gqa. Under context parallelism they
-    # are the whole sequence's keys and values, gathered from the cp ranks.
-    k_saved = e * (q if expands_kv(spec) else kv) * setup.parallel.cp
-    attention = e * q + 2 * k_saved + e * q + 4 * spec.heads / tp  # q, k, v, output, logsumexp
-    wo_input = q if fp8.get("wo") else 0  # the output is kept for SDPA already; FP8 adds its bytes
-    qk_norm = ((4 + e) * (q + kv) + 8) if spec.qk_norm else 0
-    ffn = 3 * e * f + (f if fp8.get("w2") else e * f)  # w1 and w3 outputs, silu, the product
-    none = 2 * norm + inputs("wq", "wk", "wv", width=d) + attention + wo_input + qk_norm \
-        + inputs("w1", "w3", width=d) + ffn
-    x_in = e * dn  # the block input, which checkpointing keeps
-    if setup.parallel.activation_checkpointing == "full":
-        saved = x_in
-    elif setup.parallel.activation_checkpointing == "selective":
-        # Every second matmul's output (wq, wv, w1, w2), SDPA's outputs, reduce-scatter outputs;
-        # and FP8 linears' quantized inputs, which the policy does not drop (measured on H200:
-        # model A, fp8-current, kept 1.7 GiB more than bf16, these bytes).
-        saved = x_in + e * (q + kv + f + d) + e * q + 4 * spec.heads / tp
-        saved += (d if fp8.get("wq") else 0) + (q if fp8.get("wo") else 0) + (d if fp8.get("w1") else 0) \
-            + (f if fp8.get("w2") else 0)
-        if setup.parallel.sequence_parallel:
-            saved += 2 * e * dn
-    else:
-        saved = none
-    # Inside a layer's backward: SwiGLU's three F-wide gradients, or attention's dq/dk/dv with
-    # FA2's fp32 dq accumulator, or the norms' fp32 temporaries; plus the residual's gradient.
-    work = max(3 * e * f, (4 + 3 * e) * q, 12 * dn) + 2 * e * d
-    # Final norm, head input, log-softmax output (fp32; every vocabulary entry, or this rank's
-    # share of them under loss parallelism).
-    v_local = v / tp if setup.parallel.loss_parallel else v
-    root = norm + e * d + 4 * v_local
-    return Activations(saved, none, work, root, loss_forward=(e + 4) * v_local, loss_backward=8 * v_local)
 
 
 # -- the peak ------------------------------------------------------------------------------
@@ -216,12 +200,21 @@ class Peak:
         return sum(self.parts.values())
 
 
-def peaks(spec: ModelSpec, setup: Setup, report: MemoryReport, units: List[UnitPlan], acts: Activations) -> List[Peak]:
+def peaks(spec: ModelSpec, setup: Setup, report: MemoryReport, units: List[UnitPlan],
+          acts: Union[Activations, Mapping[str, Activations]]) -> List[Peak]:
     """The moments of a steady-state step at which memory can peak: optimizer state exists,
     gradients were freed by zero_grad(set_to_none=True) before the step's first forward (and
     ZeRO-2/3 carry them between micro-batches), ZeRO-3 gathers as schedule.py does (the root
-    and the last layer kept through forward into backward, one layer prefetched)."""
-    root, layer = units
+    and the last layer kept through forward into backward, one layer prefetched). ``acts``: each
+    kind of layer's activations (``activations.layer_activations``), or one for all."""
+    root, groups = units[0], layer_groups(units)
+    kinds = {g.kind: g for g in groups}
+    acts = acts if isinstance(acts, Mapping) else {g.kind: acts for g in groups}
+    # The layers whose place the moments name: the last (kept into backward), the one before it
+    # (prefetched in backward), the first and the second (their gradients meet in the reduction).
+    n = spec.layers
+    last, before_last = kinds[spec.layer_kind(n - 1)], kinds[spec.layer_kind(max(n - 2, 0))]
+    first, second = kinds[spec.layer_kind(0)], kinds[spec.layer_kind(min(1, n - 1))]
     device = not report.offloaded
     t = setup.micro_batch * setup.seq_len / setup.parallel.cp  # tokens of this rank's micro-batch
     e = setup.compute_bytes
@@ -234,48 +227,75 @@ def peaks(spec: ModelSpec, setup: Setup, report: MemoryReport, units: List[UnitP
     }
     grads = report.grads * device
     carried = grads if setup.accumulation > 1 and setup.parallel.strategy >= Strategy.OPTIM_GRADS else 0
-    layer_grads = layer.layout.trainable_numel * MAIN_BYTES * device
-    chunks = chunk_plan(setup).num_chunks
     zero3 = setup.parallel.strategy.shards_params
-    u_root = root.unsharded_bytes + root.gathered_scale_bytes if zero3 and not root.aliased else 0
-    u_layer = layer.unsharded_bytes + layer.gathered_scale_bytes if zero3 and not layer.aliased else 0
-    # Its unsharded buffer (and scales) and the gathered one.
-    prefetch = u_layer + (layer.unsharded_bytes if chunks > 1 and u_layer else 0)
+
+    def gathered(u: UnitPlan) -> int:  # its unsharded buffer (and MX scales) while gathered
+        return u.unsharded_bytes + u.gathered_scale_bytes if zero3 and not u.aliased else 0
+
+    def layer_grads(g: LayerGroup) -> int:  # one layer's gradient shards
+        return sum(u.layout.trainable_numel for u in g.units) * MAIN_BYTES * device
+
+    def in_flight(g: LayerGroup) -> int:
+        return sum(gathered(u) for u in g.units)
+
+    def prefetch(g: LayerGroup) -> int:
+        # A unit prefetched: its unsharded buffer (and scales) and the gathered one; one at a time.
+        return max(gathered(u) + (u.unsharded_bytes if u.chunks > 1 and gathered(u) else 0) for u in g.units)
+
     # Unsharded gradients from autograd (compute dtype), and their rank-major pack in the reduce
     # dtype (ZeRO-0/1 pack into their accumulator; one rank with nothing to add packs in place).
-    g_layer, g_root = layer.local_numel * e, root.local_numel * e
+    def unsharded_grads(g: LayerGroup) -> int:
+        return sum(u.local_numel for u in g.units) * e
+
+    def pack(u: UnitPlan) -> int:
+        in_place = report.grad_accumulation or (u.chunks == 1 and setup.parallel.dp_replicate == 1
+                                                and setup.accumulation == 1)
+        return 0 if in_place else u.chunks * REDUCE_BYTES * u.layout.trainable_numel
+
+    def transpose(g: LayerGroup) -> int:  # FP8 weights' transposes: made in backward, freed at reshard
+        return sum(u.fp8_numel for u in g.units)
+
+    u_root, g_root = gathered(root), root.local_numel * e
     # During the layers' backward the root holds the head's and the final norm's gradients;
     # an untied embedding's arrives last, when backward reaches the model's input.
     embed = next(p for p in spec.root_params() if p.name == "embed")
     embedding = 0 if spec.tied else math.prod(local_shape(embed, setup.parallel.tp, 0))
     g_head = g_root - embedding * e
-    in_place = report.grad_accumulation or (chunks == 1 and setup.parallel.dp_replicate == 1
-                                            and setup.accumulation == 1)
-    pack = 0 if in_place else chunks * REDUCE_BYTES
-    transpose = layer.fp8_numel  # FP8 weights' transposes: made in backward, freed at reshard
-    n, saved = spec.layers, acts.saved * t
-    live = (acts.layer_live + acts.backward_work) * t
+    saved = {g.kind: acts[g.kind].saved * t for g in groups}
+    all_saved = sum(g.count * saved[g.kind] for g in groups)
+    but_last = sum((g.count - (g is last)) * saved[g.kind] for g in groups)
+    all_grads = sum(g.count * layer_grads(g) for g in groups)
+
+    def live(g: LayerGroup) -> float:
+        return (acts[g.kind].layer_live + acts[g.kind].backward_work) * t
 
     def moment(name: str, gradients: float, transients: float, buffers: float, activations: float) -> Peak:
         parts = dict(base, **{"gradient shards": gradients, "gradient transients": transients,
                               "unit buffers in flight": buffers, "activations": activations})
         return Peak(name, {k: float(v) for k, v in parts.items()})
 
+    a_root = acts[last.kind]
     return [
-        moment("forward, last layer", carried, 0, u_root + u_layer + prefetch, n * saved),
-        moment("end of forward (loss)", carried, 0, u_root + u_layer, n * saved + (acts.root + acts.loss_forward) * t),
-        moment("loss backward", carried, 0, u_root + u_layer, n * saved + (acts.root + acts.loss_backward) * t),
-        moment("backward of the last layer", carried, g_head + g_layer, u_root + u_layer + prefetch + transpose,
-               (n - 1) * saved + live),
+        # Some layer computing while the next is prefetched (the largest such pair).
+        moment("forward, last layer", carried, 0, u_root + max(in_flight(g) + prefetch(g) for g in groups),
+               all_saved),
+        moment("end of forward (loss)", carried, 0, u_root + in_flight(last),
+               all_saved + (a_root.root + a_root.loss_forward) * t),
+        moment("loss backward", carried, 0, u_root + in_flight(last),
+               all_saved + (a_root.root + a_root.loss_backward) * t),
+        moment("backward of the last layer", carried, g_head + unsharded_grads(last),
+               u_root + in_flight(last) + prefetch(before_last) + transpose(last), but_last + live(last)),
         # A unit's reduction frees its unsharded parameters (and FP8 transposes) first, then
         # lands its gradients (a new shard) from their pack; the previous unit's unsharded
         # gradients stay until this reduction is issued (one reduction in flight).
-        moment("backward of the first layer", max(carried, (n - 1) * layer_grads), g_head + 2 * g_layer,
-               u_root + u_layer + transpose, live),
-        moment("reduction of the first layer", max(carried, n * layer_grads),
-               g_head + 2 * g_layer + pack * layer.layout.trainable_numel, u_root, 0),
-        moment("backward of the root", max(carried, n * layer_grads), g_root + g_layer, u_root, 0),
-        moment("end of backward", grads, g_root + g_layer + pack * root.layout.trainable_numel, 0, 0),
+        moment("backward of the first layer", max(carried, all_grads - layer_grads(first)),
+               g_head + unsharded_grads(first) + unsharded_grads(second),
+               u_root + in_flight(first) + transpose(first), live(first)),
+        moment("reduction of the first layer", max(carried, all_grads),
+               g_head + unsharded_grads(first) + unsharded_grads(second) + sum(pack(u) for u in first.units),
+               u_root, 0),
+        moment("backward of the root", max(carried, all_grads), g_root + unsharded_grads(first), u_root, 0),
+        moment("end of backward", grads, g_root + unsharded_grads(first) + pack(root), 0, 0),
     ]
 
 

@@ -1,6 +1,7 @@
 """The planner's model: a Llama-family decoder's sizes (models/spec.py's ModelSpec) from a preset, a Hugging
 Face config.json or flags, and the parameters each unit holds on one rank (tensor-parallel pieces, FP8 or
-not). A model instance gives its own through its adapter (``adapter_for(model).planner_spec(model)``)."""
+not, experts split over ep ranks). A model instance gives its own through its adapter
+(``adapter_for(model).planner_spec(model)``)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ def local_shape(param: Param, tp: int, rank: int) -> Tuple[int, ...]:
     return tuple(shape)
 
 
+def ep_shape(param: Param, shape: Tuple[int, ...], ep: int) -> Tuple[int, ...]:
+    """``shape`` of an expert parameter on one ep rank: its experts split evenly (ep divides them)."""
+    return (shape[0] // ep,) + tuple(shape[1:]) if param.expert else shape
+
+
 def converts_to_fp8(param: Param, recipe: Optional[str], tp: int, rank: int) -> bool:
     """Whether fully_shard(fp8=recipe) turns this layer into a Float8Linear: dimensions that are
     multiples of 16 (fp8.convert.fp8_friendly) and, under tensor parallelism, pieces whose dims are
@@ -53,11 +59,32 @@ def check_tp(spec: ModelSpec, tp: int) -> None:
     the vocabulary may split unevenly), as one ValueError."""
     if tp == 1:
         return
+    if spec.experts:
+        raise ValueError(f"tp={tp}: {spec.name} has mixture-of-experts layers, which fsdp8 has no tensor-parallel plan "
+                         "for; use tp=1, and ep to split the experts over ranks")
     counts = (("heads", spec.heads), ("kv_heads", spec.kv_heads), ("ffn", spec.ffn))
     problems = [f"{what}={count}" for what, count in counts if count % tp]
     if problems:
         options = [t for t in range(1, spec.kv_heads + 1) if all(count % t == 0 for _, count in counts)]
         raise ValueError(f"tp={tp} does not divide {', '.join(problems)} of {spec.name}; use tp in {tuple(options)}")
+
+
+def check_ep(spec: ModelSpec, ep: int, dp_shard: int) -> None:
+    """What fsdp8.parallelize refuses of expert parallelism (parallel/manager.py, parallel/ep.py),
+    as one ValueError naming ep and the fix: experts to split, ep ranks borrowed from dp_shard,
+    whole experts per rank."""
+    if ep == 1:
+        return
+    if not spec.experts:
+        raise ValueError(f"ep={ep} splits the experts of a mixture-of-experts model, but {spec.name} is dense; use "
+                         "ep=1")
+    options = [d for d in range(1, dp_shard + 1) if dp_shard % d == 0 and spec.experts % d == 0]
+    if dp_shard % ep:
+        raise ValueError(f"ep={ep} must divide dp_shard={dp_shard}: expert parallelism borrows its ranks from the "
+                         f"data-parallel shard dim; choose ep among {options}")
+    if spec.experts % ep:
+        raise ValueError(f"ep={ep} does not divide the {spec.experts} experts of {spec.name}; choose ep among "
+                         f"{options}")
 
 
 def hf_spec(path: str) -> ModelSpec:

@@ -2,8 +2,9 @@
 
 The pieces: ``model.py`` (the model's sizes and each unit's parameters), ``setup.py`` (the
 configuration asked about), ``memory.py`` (persistent memory exactly as ``memory_report()``
-counts it, the peak by formula), ``time.py`` (compute roofline, collectives, the overlap
-schedule), ``hardware.py`` (GPUs, cluster, efficiencies), ``candidates.py`` (``search``: the
+counts it, the peak by formula), ``activations.py`` (what a layer keeps for backward),
+``compute.py`` (the compute roofline), ``time.py`` (collectives, the overlap schedule, the
+step), ``hardware.py`` (GPUs, cluster, efficiencies), ``candidates.py`` (``search``: the
 configurations that fit, fastest first). docs/PLANNING.md writes the model out.
 """
 
@@ -16,7 +17,8 @@ from typing import List, Optional, Union
 from ..config import ParallelConfig
 from ..engine.sharded import MemoryReport
 from .hardware import GIB, GPU, Cluster, Efficiency, describe_gpu, gpu_named
-from .memory import Peak, activations, memory_report, optimizer_bytes, peaks, unit_plans
+from .activations import layer_activations
+from .memory import Peak, memory_report, optimizer_bytes, peaks, unit_plans
 from .model import ModelSpec, converts_to_fp8, model_spec
 from .setup import Setup, layout_fields, make_setup
 from .time import StepTime, step_time
@@ -68,7 +70,8 @@ class Plan:
     def to_dict(self) -> dict:
         m, t, s = self.memory, self.time, self.setup
         return {
-            "model": dataclasses.asdict(self.spec),
+            "model": dict(dataclasses.asdict(self.spec), params=self.spec.num_params,
+                          active_params=self.spec.num_active_params),
             "setup": {"seq_len": s.seq_len, "micro_batch": s.micro_batch, "global_batch": s.global_batch,
                       **layout_fields(s.parallel, s.precision), "dp_shard": s.parallel.dp_shard,
                       "accumulation": s.accumulation},
@@ -83,7 +86,7 @@ class Plan:
                                "overlapped": c.overlapped} for c in t.collectives],
             "time": {"compute": t.compute, "compute_forward": t.compute_fwd, "host": t.host, "host_forward": t.host_fwd,
                      "host_measured": self.setup.efficiency.host is not None, "model_parallel": t.model_parallel,
-                     "exposed": t.exposed, "optimizer": t.optimizer, "step": t.step},
+                     "exposed": t.exposed, "optimizer": t.optimizer, "host_syncs": t.syncs, "step": t.step},
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "mfu": self.mfu,
         }
@@ -96,8 +99,9 @@ def plan_setup(spec: ModelSpec, setup: Setup) -> Plan:
     """The prediction for a checked Setup."""
     units = unit_plans(spec, setup)
     report = memory_report(spec, setup)
-    fp8 = {p.name: converts_to_fp8(p, setup.fp8, setup.parallel.tp, 0) for p in spec.block_params()}
-    peak = max(peaks(spec, setup, report, units, activations(spec, setup, fp8)), key=lambda p: p.total)
+    params = spec.block_params() + spec.moe_block_params()
+    fp8 = {p.name: converts_to_fp8(p, setup.fp8, setup.parallel.tp, 0) for p in params}
+    peak = max(peaks(spec, setup, report, units, layer_activations(spec, setup, fp8)), key=lambda p: p.total)
     eff = setup.efficiency
     memory = Memory(report, optimizer_bytes(units), peak, peak.total * eff.allocator, eff.runtime_gib * GIB,
                     setup.cluster.gpu.memory_bytes)
@@ -171,6 +175,11 @@ def _comm_lines(p: Plan) -> List[str]:
                      f"{c.seconds * 1e3:>10.2f}")
     if not p.time.collectives:
         lines.append("  none (one data-parallel rank, no tensor or context parallelism)")
+    tokens = [c for c in p.time.collectives if c.op == "all_to_all"]
+    if tokens:  # expert parallelism: each call sends (ep - 1)/ep of its buffer away
+        sent = sum(c.calls * c.nbytes * (c.group.size - 1) / c.group.size for c in tokens)
+        lines.append(f"  expert-parallel all-to-all: {sent / GIB:.2f} GiB sent per rank and step, "
+                     f"{p.time.syncs * 1e3:.1f} ms of host synchronisations")
     return lines + [""]
 
 
@@ -184,7 +193,8 @@ def _time_lines(p: Plan) -> List[str]:
         ms(f"  other kernels at {eff.hbm:.0%} of {gpu.hbm_gbps:g} GB/s", t.compute),
         ms(f"host issuing the kernels ({'measured here' if eff.host else 'per-op model'})", t.host),
         ms("forward + backward, each waiting for the slower", t.issue_bound),
-        ms("TP/CP collectives (compute stream)", t.model_parallel),
+        ms("TP/CP/EP collectives (compute stream)", t.model_parallel),
+        *([ms(f"host synchronisations ({p.setup.efficiency.host_sync_us:g} us each)", t.syncs)] if t.syncs else []),
         ms("data-parallel communication left exposed", t.exposed),
         ms("optimizer step" + (" (on the host)" if p.setup.parallel.offload else ""), t.optimizer),
         ms("step", t.step),

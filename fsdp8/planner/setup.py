@@ -11,7 +11,7 @@ import torch
 from ..config import ParallelConfig, resolve_precision
 from ..distributed.mesh import mesh_dims
 from .hardware import Cluster, Efficiency
-from .model import FP8_RECIPES, ModelSpec, check_tp
+from .model import FP8_RECIPES, ModelSpec, check_ep, check_tp
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,8 @@ class Setup:
 
     def describe(self) -> str:
         p = self.parallel
-        mesh = f"dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} x cp {p.cp} x tp {p.tp}"
+        shard = f"dp_shard {p.dp_shard}" + (f" (ep {p.ep} x efsdp {p.dp_shard // p.ep})" if p.ep > 1 else "")
+        mesh = f"dp_replicate {p.dp_replicate} x {shard} x cp {p.cp} x tp {p.tp}"
         extra = [f"outer {p.outer_strategy.label}" if p.dp_replicate > 1 else "",
                  "sequence parallel" if p.sequence_parallel else "", "loss parallel" if p.loss_parallel else "",
                  f"offload {p.offload}" if p.offload else ""]
@@ -67,8 +68,8 @@ def layout_fields(parallel: ParallelConfig, precision: str) -> dict:
     strategies and the FP8 recipe by name, and ``precision`` naming the compute precision."""
     p = parallel
     return {"strategy": p.strategy.label, "outer_strategy": p.outer_strategy.label, "dp_replicate": p.dp_replicate,
-            "cp": p.cp, "tp": p.tp, "sequence_parallel": p.sequence_parallel, "loss_parallel": p.loss_parallel,
-            "precision": precision, "fp8": p.fp8.name if p.fp8 is not None else None,
+            "cp": p.cp, "tp": p.tp, "ep": p.ep, "sequence_parallel": p.sequence_parallel,
+            "loss_parallel": p.loss_parallel, "precision": precision, "fp8": p.fp8.name if p.fp8 is not None else None,
             "activation_checkpointing": p.activation_checkpointing, "offload": p.offload}
 
 
@@ -100,6 +101,7 @@ def make_setup(spec: ModelSpec, cluster: Cluster, parallel: Optional[ParallelCon
     parallel = _mesh_sizes(parallel or ParallelConfig(), cluster)
     cp, tp = parallel.cp, parallel.tp
     check_tp(spec, tp)
+    check_ep(spec, parallel.ep, parallel.dp_shard)
     if cp > 1 and seq_len % (2 * cp):
         raise ValueError(f"seq_len {seq_len} is not a multiple of 2 x cp = {2 * cp} (context parallelism gives each "
                          f"rank a head and a tail chunk); use a seq_len that is")

@@ -1,5 +1,5 @@
-"""Step time: compute at a roofline of the GPU, each collective at the bandwidth of the link its group
-spans, and what of the communication the engine's overlap schedule leaves exposed.
+"""Step time: compute at a roofline of the GPU (compute.py), each collective at the bandwidth of the link
+its group spans, and what of the communication the engine's overlap schedule leaves exposed.
 
 [Note: the overlap model]
 Ranks are laid out row-major over ``(dp_replicate, dp_shard, cp, tp)`` and nodes hold
@@ -12,17 +12,25 @@ collectives run one after another. What a unit's compute cannot hide is exposed,
 the root's gather at the start of each forward (and the first unit's, which only the
 embedding could hide) and the last reductions at the end of backward, which the optimizer
 waits for. Tensor- and context-parallel collectives run on the compute stream: all exposed.
+
+A model of dense and mixture-of-experts layers counts, for each layer, its own kind's compute
+against its neighbours' collectives. Under expert parallelism a layer gathers and reduces two
+units (its own over dp_shard x cp, its experts' over efsdp x cp, one after the other on each
+stream), and its dispatch and combine all-to-alls run on the compute stream (exposed), each
+forward (recomputation too) reading the split sizes on the host (one synchronisation, a stated
+fixed cost: ``Efficiency.host_sync_us``).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from ..config import OuterStrategy, Strategy
-from .hardware import HostCost, host_model
-from .memory import MAIN_BYTES, REDUCE_BYTES, UnitPlan, chunk_plan, expands_kv
-from .model import ModelSpec, converts_to_fp8, local_shape
+from .compute import compute
+from .memory import MAIN_BYTES, REDUCE_BYTES, LayerGroup, UnitPlan, layer_groups
+from .model import ModelSpec, converts_to_fp8
 from .setup import Setup
 
 ADAMW_BYTES = 28  # fused AdamW per fp32 element: reads weight, gradient and 2 moments, writes 3
@@ -49,6 +57,19 @@ def group(name: str, size: int, stride: int, gpus_per_node: int) -> Group:
     return Group(name, size, nodes, size // nodes)
 
 
+def mesh_group(name: str, mesh: Sequence[Tuple[str, int]], dims: Sequence[str], gpus_per_node: int) -> Group:
+    """Rank 0's group over ``dims`` of a row-major mesh of ``(dim, size)``s laid over the world's
+    ranks (an experts' mesh's groups are not evenly strided: efsdp x cp jumps over the ep ranks)."""
+    sizes, strides, stride = dict(mesh), {}, 1
+    for dim, size in reversed(mesh):
+        strides[dim], stride = stride, stride * size
+    ranks = [0]
+    for dim in dims:
+        ranks = [r + i * strides[dim] for r in ranks for i in range(sizes[dim])]
+    nodes = len({r // gpus_per_node for r in ranks})
+    return Group(name, len(ranks), nodes, len(ranks) // nodes)
+
+
 @dataclass(frozen=True)
 class Collective:
     """One kind of collective in a step: ``calls`` of ``nbytes`` each (the gathered output, the
@@ -70,12 +91,24 @@ def collective_seconds(op: str, nbytes: float, g: Group, setup: Setup) -> float:
     if g.size == 1:
         return 0.0
     gpu, eff = setup.cluster.gpu, setup.efficiency
+    if op == "all_to_all":
+        return eff.latency_us * 1e-6 + _all_to_all_seconds(nbytes, g, setup)
     factor = 2 if op == "all_reduce" else 1
     seconds = factor * (g.size - 1) / g.size * nbytes / (gpu.nvlink_gbps * 1e9 * eff.link) if g.per_node > 1 else 0.0
     if g.nodes > 1:
         network = factor * (g.nodes - 1) / g.nodes * nbytes / (g.per_node * gpu.network_gbps * 1e9 * eff.link)
         seconds = max(seconds, network)
     return eff.latency_us * 1e-6 + seconds
+
+
+def _all_to_all_seconds(nbytes: float, g: Group, setup: Setup) -> float:
+    """An all-to-all of ``nbytes`` per rank, 1/n of it to each member: the members in its node
+    take (per_node - 1)/n of it over NVLink, the others (n - per_node)/n through its own NIC,
+    side by side; its 1/n stays."""
+    gpu, eff = setup.cluster.gpu, setup.efficiency
+    inside = (g.per_node - 1) / g.size * nbytes / (gpu.nvlink_gbps * 1e9 * eff.link)
+    across = (g.size - g.per_node) / g.size * nbytes / (gpu.network_gbps * 1e9 * eff.link)
+    return max(inside, across)
 
 
 @dataclass(frozen=True)
@@ -85,87 +118,27 @@ class Groups:
     shard: Group  # dp_shard x cp: what the engine shards over
     replicate: Group
     dp: Group  # replicate x shard, flattened
+    ep: Group  # expert parallelism's all-to-alls
+    expert_shard: Group  # efsdp x cp: what the engine shards experts over under ep > 1
+    expert_dp: Group  # replicate x efsdp x cp, flattened
 
 
 def groups(setup: Setup) -> Groups:
     p, gpn = setup.parallel, setup.cluster.gpus_per_node
     tp, cp, s, r = p.tp, p.cp, p.dp_shard, p.dp_replicate
+    # fsdp8.distributed.mesh.make_expert_mesh: dp_shard split into (efsdp, ep), ep inner.
+    experts = (("dp_replicate", r), ("efsdp", s // p.ep), ("ep", p.ep), ("cp", cp), ("tp", tp))
     return Groups(tp=group("tp", tp, 1, gpn), cp=group("cp", cp, tp, gpn), shard=group("dp_shard", s * cp, tp, gpn),
-                  replicate=group("dp_replicate", r, s * cp * tp, gpn), dp=group("dp", r * s * cp, tp, gpn))
+                  replicate=group("dp_replicate", r, s * cp * tp, gpn), dp=group("dp", r * s * cp, tp, gpn),
+                  ep=mesh_group("ep", experts, ("ep",), gpn),
+                  expert_shard=mesh_group("efsdp", experts, ("efsdp", "cp"), gpn),
+                  expert_dp=mesh_group("dp (experts)", experts, ("dp_replicate", "efsdp", "cp"), gpn))
 
 
-# -- compute ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Compute:
-    """Seconds of one micro-batch's compute on one rank (recomputation included, collectives
-    not): a layer's forward and backward, the root's (embedding, final norm, head, loss); and
-    the FLOPs executed."""
-
-    layer_fwd: float
-    layer_bwd: float
-    root_fwd: float
-    root_bwd: float
-    flops: float
-    host: HostCost  # the host's time to issue each pass
-
-
-def _elementwise_bytes(spec: ModelSpec, setup: Setup) -> float:
-    """Bytes one layer's forward moves through HBM per token outside GEMMs and attention (eager
-    ops: norms in fp32, rotary, the repeat of K and V, residual adds, SwiGLU); backward moves
-    twice that."""
-    e, tp = setup.compute_bytes, setup.parallel.tp
-    d = spec.hidden / tp if setup.parallel.sequence_parallel else spec.hidden
-    q, kv, f = spec.q_dim / tp, spec.kv_dim / tp, spec.ffn / tp
-    gqa = 2 * e * (kv + q) if expands_kv(spec) else 0
-    return 2 * (32 + 2 * e) * d + 9 * e * (q + kv) + gqa + 6 * e * d + 5 * e * f
-
-
-# Matmuls whose outputs selective checkpointing recomputes: every second one of the block
-# (wq, wk, wv, wo, w1, w3, w2 in order; parallel/checkpointing.py keeps the odd ones).
-_SELECTIVE_RECOMPUTED = ("wk", "wo", "w3")
-
-
-def compute(spec: ModelSpec, setup: Setup) -> Compute:
-    gpu, eff = setup.cluster.gpu, setup.efficiency
-    e, tp, ac = setup.compute_bytes, setup.parallel.tp, setup.parallel.activation_checkpointing
-    t = setup.micro_batch * setup.seq_len / setup.parallel.cp  # tokens of this rank's micro-batch
-    hbm = gpu.hbm_gbps * 1e9 * eff.hbm
-    dense = (gpu.bf16_tflops if e == 2 else gpu.fp32_tflops) * 1e12 * eff.gemm
-    fp8_rate = gpu.fp8_tflops * 1e12 * eff.fp8_gemm
-    gemm, recompute_gemm, quant, mm_flops, recompute_flops, fp8_linears = 0.0, 0.0, 0.0, 0.0, 0.0, 0
-    for p in spec.block_params():
-        if not p.linear:
-            continue
-        out, inp = local_shape(p, tp, 0)
-        flops = 2 * t * out * inp
-        fp8 = converts_to_fp8(p, setup.fp8, tp, 0)
-        seconds = flops / (fp8_rate if fp8 else dense)
-        gemm += seconds
-        mm_flops += flops
-        if ac == "full" or (ac == "selective" and p.name in _SELECTIVE_RECOMPUTED):
-            recompute_gemm += seconds
-            recompute_flops += flops
-        if fp8:  # quantize x and dy, and transpose both for the weight gradient
-            quant += (e + 3) * (out + inp) * t / hbm
-            fp8_linears += 1
-    # Causal attention: QK^T and PV over half the score matrix; backward recomputes the
-    # scores (5 matmuls to forward's 2).
-    attn_flops = 2 * setup.micro_batch * setup.seq_len ** 2 * spec.q_dim / (setup.parallel.cp * tp)
-    attn = attn_flops / ((gpu.bf16_tflops if e == 2 else gpu.fp32_tflops) * 1e12 * eff.attention)
-    elementwise = _elementwise_bytes(spec, setup) * t / hbm
-    recompute = recompute_gemm + (elementwise if ac != "none" else 0.0) + (attn if ac == "full" else 0.0)
-    layer_fwd = gemm + attn + elementwise + quant / 3
-    layer_bwd = 2 * gemm + 2.5 * attn + 2 * elementwise + 2 * quant / 3 + recompute
-
-    v_local = -(-spec.vocab // tp)
-    head = 2 * t * spec.hidden * v_local / dense
-    # Logits to fp32, log-softmax and its backward (on this rank's vocabulary under loss parallelism).
-    loss = (32 + 2 * e) * (v_local if setup.parallel.loss_parallel else spec.vocab) * t / hbm
-    norm = (32 + 2 * e) * spec.hidden * t / hbm
-    flops = spec.layers * (3 * mm_flops + recompute_flops + 3.5 * attn_flops + (attn_flops if ac == "full" else 0)) \
-        + 3 * 2 * t * spec.hidden * v_local
-    return Compute(layer_fwd, layer_bwd, root_fwd=head + loss / 3 + norm, root_bwd=2 * head + 2 * loss / 3 + 2 * norm,
-                   flops=flops, host=eff.host or host_model(eff, ac, fp8_linears))
+def _sharded_over(u: UnitPlan, g: Groups) -> Tuple[Group, Group]:
+    """The groups a unit is sharded over: (shard x cp, flattened data-parallel), the experts' own
+    under ep > 1."""
+    return (g.expert_shard, g.expert_dp) if u.experts else (g.shard, g.dp)
 
 
 # -- communication and the step ----------------------------------------------------------------
@@ -209,19 +182,20 @@ def _busy(transfers: List[Transfer], setup: Setup) -> float:
 
 def _gathers(u: UnitPlan, setup: Setup, g: Groups, refresh_outer: bool) -> List[Transfer]:
     """ShardedUnit.gather: what one gather of ``u`` moves (nothing when one chunk holds it all)."""
-    chunks = chunk_plan(setup).num_chunks
-    if chunks == 1 or u.aliased:
+    if u.chunks == 1 or u.aliased:
         return []
     out, p = [], setup.parallel
     outer = p.outer_strategy is OuterStrategy.OPTIM
+    shard, dp = _sharded_over(u, g)
+    params = "experts" if u.experts else "params"
     if p.strategy.shards_params and outer:
         if refresh_outer:  # the R outer chunks, once per optimizer step
-            out.append(Transfer("all-gather params across replicas", "all_gather", g.replicate,
+            out.append(Transfer(f"all-gather {params} across replicas", "all_gather", g.replicate,
                                 p.dp_replicate * u.wire.chunk_numel * u.wire_bytes, "gather"))
-        out.append(Transfer("all-gather params", "all_gather", g.shard, u.unsharded_bytes, "gather"))
+        out.append(Transfer(f"all-gather {params}", "all_gather", shard, u.unsharded_bytes, "gather"))
     else:
-        main = g.dp if p.strategy.shards_main and outer else g.shard if p.strategy.shards_main else g.replicate
-        out.append(Transfer("all-gather params", "all_gather", main, u.unsharded_bytes, "gather"))
+        main = dp if p.strategy.shards_main and outer else shard if p.strategy.shards_main else g.replicate
+        out.append(Transfer(f"all-gather {params}", "all_gather", main, u.unsharded_bytes, "gather"))
     if p.offload:
         out.append(Transfer("copy main chunk to GPU", "copy", PCIE, u.layout.chunk_numel * MAIN_BYTES, "gather"))
     return out
@@ -231,20 +205,22 @@ def _reductions(u: UnitPlan, setup: Setup, g: Groups, sync: bool) -> List[Transf
     """Topology.grad_reduce_steps for one unit's gradients (ZeRO-0/1 reduce only when ``sync``)."""
     if setup.parallel.strategy in (Strategy.NO_SHARD, Strategy.OPTIM) and not sync:
         return []
-    n = chunk_plan(setup).num_chunks
+    n = u.chunks
     packed, shard = n * u.layout.trainable_numel * REDUCE_BYTES, u.layout.trainable_numel * REDUCE_BYTES
     inner, outer = setup.parallel.strategy.shards_main, setup.parallel.outer_strategy is OuterStrategy.OPTIM
+    shard_group, dp = _sharded_over(u, g)
+    grads = "expert grads" if u.experts else "grads"
     if inner and outer:
-        steps = [("reduce-scatter grads", "reduce_scatter", g.dp, packed)]
+        steps = [(f"reduce-scatter {grads}", "reduce_scatter", dp, packed)]
     elif inner:
-        steps = [("reduce-scatter grads", "reduce_scatter", g.shard, packed)]
+        steps = [(f"reduce-scatter {grads}", "reduce_scatter", shard_group, packed)]
         if sync:
-            steps.append(("all-reduce grads across replicas", "all_reduce", g.replicate, shard))
+            steps.append((f"all-reduce {grads} across replicas", "all_reduce", g.replicate, shard))
     elif outer:
-        steps = [("all-reduce grads in shard group", "all_reduce", g.shard, packed),
-                 ("reduce-scatter grads across replicas", "reduce_scatter", g.replicate, packed)]
+        steps = [(f"all-reduce {grads} in shard group", "all_reduce", shard_group, packed),
+                 (f"reduce-scatter {grads} across replicas", "reduce_scatter", g.replicate, packed)]
     else:
-        steps = [("all-reduce grads", "all_reduce", g.dp, packed)]
+        steps = [(f"all-reduce {grads}", "all_reduce", dp, packed)]
     out = [Transfer(what, op, grp, nbytes, "reduce") for what, op, grp, nbytes in steps if grp.size > 1]
     if setup.parallel.offload:
         out.append(Transfer("copy grads to host", "copy", PCIE, shard, "reduce"))
@@ -284,7 +260,23 @@ def _model_parallel(spec: ModelSpec, setup: Setup, g: Groups) -> List[Transfer]:
         kv = 2 * t * p.cp * spec.kv_dim / p.tp * e  # K and V of the whole sequence
         out += [Transfer("CP all-gather K/V", "all_gather", g.cp, kv, "compute", layers * (1 + (ac != "none"))),
                 Transfer("CP reduce-scatter dK/dV", "reduce_scatter", g.cp, kv, "compute", layers)]
+    if g.ep.size > 1 and spec.moe_layers:
+        # Per MoE layer and forward (recomputation too): the counts per expert (int64), then the
+        # T k rows dispatched and as many combined; backward sends the gradients back, twice.
+        forwards = spec.moe_layers * (1 + (ac != "none"))
+        rows = t * spec.experts_per_token * spec.hidden * e
+        out += [Transfer("EP all-to-all tokens", "all_to_all", g.ep, rows, "compute",
+                         2 * forwards + 2 * spec.moe_layers),
+                Transfer("EP all-to-all counts per expert", "all_to_all", g.ep, 8 * spec.experts, "compute", forwards)]
     return out
+
+
+def host_syncs(spec: ModelSpec, setup: Setup) -> int:
+    """Host synchronisations per micro-batch: expert parallelism reads its all-to-all's split
+    sizes on the host in each MoE layer's forward and recomputation."""
+    if setup.parallel.ep == 1:
+        return 0
+    return spec.moe_layers * (1 + (setup.parallel.activation_checkpointing != "none"))
 
 
 @dataclass(frozen=True)
@@ -300,6 +292,7 @@ class StepTime:
     optimizer: float
     flops: float  # executed per step (recomputation included)
     collectives: Tuple[Collective, ...]
+    syncs: float = 0.0  # host synchronisations (expert parallelism's), the GPU idle meanwhile
 
     @property
     def issue_bound(self) -> float:
@@ -310,53 +303,71 @@ class StepTime:
 
     @property
     def step(self) -> float:
-        return self.issue_bound + self.model_parallel + self.exposed + self.optimizer
+        return self.issue_bound + self.model_parallel + self.exposed + self.optimizer + self.syncs
 
 
 def step_time(spec: ModelSpec, setup: Setup, units: List[UnitPlan]) -> StepTime:
     """The step under [Note: the overlap model]."""
     g = groups(setup)
-    root, layer = units
+    root, kinds = units[0], {lg.kind: lg for lg in layer_groups(units)}
     c = compute(spec, setup)
     gpu, eff, e = setup.cluster.gpu, setup.efficiency, setup.compute_bytes
     hbm = gpu.hbm_gbps * 1e9 * eff.hbm
-    chunks = chunk_plan(setup).num_chunks
     zero3 = setup.parallel.strategy.shards_params
+    n = spec.layers
+    order = [spec.layer_kind(i) for i in range(n)]
+    # Which kinds of layers meet where: a layer's compute hides its neighbours' collectives.
+    pairs = Counter(zip(order, order[1:]))  # forward: (layer, the next)
+    triples = Counter(zip(order, order[1:], order[2:]))  # backward: (previous, layer, next)
     issued: List[Transfer] = []
     compute_s = compute_fwd = exposed = 0.0
 
+    def gathering(u: UnitPlan, first: bool) -> bool:  # ZeRO-3 gathers for each use, ZeRO-1/2 once a step
+        return not u.aliased and (zero3 or (first and u.chunks > 1))
+
     def gather_copies(u: UnitPlan) -> float:  # cast into the send buffer, copy out of the gathered one
         return (u.layout.chunk_numel * MAIN_BYTES + u.wire.chunk_numel * u.wire_bytes
-                + (2 * u.unsharded_bytes if chunks > 1 else 0)) / hbm
+                + (2 * u.unsharded_bytes if u.chunks > 1 else 0)) / hbm
 
     def reduce_copies(u: UnitPlan) -> float:  # pack the unsharded gradients in the reduce dtype
-        return (u.local_numel * e + chunks * u.layout.trainable_numel * REDUCE_BYTES) / hbm
+        return (u.local_numel * e + u.chunks * u.layout.trainable_numel * REDUCE_BYTES) / hbm
+
+    def per_layer(lg: LayerGroup, transfers) -> List[Transfer]:  # a layer's units' transfers, in order
+        return [x for u in lg.units for x in transfers(u)]
 
     for mb in range(setup.accumulation):
         first, last = mb == 0, mb == setup.accumulation - 1
-        gathering = not root.aliased and (zero3 or (first and chunks > 1))
-        fwd_root = _gathers(root, setup, g, first) if gathering else []
-        fwd_layer = _gathers(layer, setup, g, first) if gathering else []
-        bwd_layer = _gathers(layer, setup, g, False) if zero3 else []
-        red_layer, red_root = _reductions(layer, setup, g, last), _reductions(root, setup, g, last)
-        n = spec.layers
-        issued += fwd_root + [x.times(n) for x in fwd_layer] + [x.times(n - 1) for x in bwd_layer] \
-            + [x.times(n) for x in red_layer] + red_root
+        fwd_root = _gathers(root, setup, g, first) if gathering(root, first) else []
+        fwd = {k: per_layer(lg, lambda u: _gathers(u, setup, g, first) if gathering(u, first) else [])
+               for k, lg in kinds.items()}
+        bwd = {k: per_layer(lg, lambda u: _gathers(u, setup, g, False) if zero3 else []) for k, lg in kinds.items()}
+        red = {k: per_layer(lg, lambda u: _reductions(u, setup, g, last)) for k, lg in kinds.items()}
+        red_root = _reductions(root, setup, g, last)
+        # Every layer gathers in forward, all but the last (kept) again in backward, and reduces.
+        issued += fwd_root + [x.times(lg.count) for k, lg in kinds.items() for x in fwd[k]] \
+            + [x.times(lg.count - (k == order[-1])) for k, lg in kinds.items() for x in bwd[k]] \
+            + [x.times(lg.count) for k, lg in kinds.items() for x in red[k]] + red_root
         # Forward: the root's and the first layer's gathers wait; each later gather hides
         # behind the layer before it.
-        exposed += _busy(fwd_root, setup) + _busy(fwd_layer, setup)
-        exposed += (n - 1) * max(0.0, _busy(fwd_layer, setup) - c.layer_fwd)
+        exposed += _busy(fwd_root, setup) + _busy(fwd[order[0]], setup)
+        for (layer, following), count in pairs.items():
+            exposed += count * max(0.0, _busy(fwd[following], setup) - c.layers[layer].fwd)
         # Backward: the last layer is kept; layer i's compute hides i-1's gather and i+1's
         # reductions; the first layer's and the root's reductions end the backward exposed.
         if n > 1:
-            exposed += max(0.0, _busy(bwd_layer, setup) - c.layer_bwd)
-            exposed += (n - 2) * max(0.0, _busy(bwd_layer + red_layer, setup) - c.layer_bwd)
-            exposed += max(0.0, _busy(red_layer, setup) - c.layer_bwd)
-        exposed += _busy(red_layer, setup) + _busy(red_root, setup)
-        forward = n * c.layer_fwd + c.root_fwd + gathering * (gather_copies(root) + n * gather_copies(layer))
+            exposed += max(0.0, _busy(bwd[order[-2]], setup) - c.layers[order[-1]].bwd)
+            for (previous, layer, following), count in triples.items():
+                exposed += count * max(0.0, _busy(bwd[previous] + red[following], setup) - c.layers[layer].bwd)
+            exposed += max(0.0, _busy(red[order[1]], setup) - c.layers[order[0]].bwd)
+        exposed += _busy(red[order[0]], setup) + _busy(red_root, setup)
+        layer_units = [(lg, u) for lg in kinds.values() for u in lg.units]
+        copies = sum(u.count * gather_copies(u) for u in [root] + [u for _, u in layer_units] if gathering(u, first))
+        forward = sum(lg.count * c.layers[k].fwd for k, lg in kinds.items()) + c.root_fwd + copies
+        regather = sum((lg.count - (lg.kind == order[-1])) * gather_copies(u) for lg, u in layer_units
+                       if zero3 and gathering(u, first))
         compute_fwd += forward
-        compute_s += forward + n * c.layer_bwd + c.root_bwd + gathering * (n - 1) * zero3 * gather_copies(layer) \
-            + n * reduce_copies(layer) + reduce_copies(root)
+        compute_s += forward + sum(lg.count * c.layers[k].bwd for k, lg in kinds.items()) + c.root_bwd + regather \
+            + sum(lg.count * reduce_copies(u) for lg, u in layer_units) + reduce_copies(root)
 
     mp = [x.times(setup.accumulation) for x in _model_parallel(spec, setup, g)]
     issued += mp
@@ -371,11 +382,12 @@ def step_time(spec: ModelSpec, setup: Setup, units: List[UnitPlan]) -> StepTime:
         step_level.append(Transfer("all-reduce FP8 amaxes", "all_reduce", world, 4 * amaxes, "compute"))
     issued += step_level
     exposed += sum(_seconds(x, setup) for x in step_level)
-    h, acc = c.host, setup.accumulation
-    host_fwd = acc * (spec.layers * h.layer_fwd + h.root_fwd)
-    host = host_fwd + acc * (spec.layers * h.layer_bwd + h.root_bwd)
+    acc = setup.accumulation
+    host_fwd = acc * (sum(lg.count * c.layers[k].host_fwd for k, lg in kinds.items()) + c.host.root_fwd)
+    host = host_fwd + acc * (sum(lg.count * c.layers[k].host_bwd for k, lg in kinds.items()) + c.host.root_bwd)
+    syncs = acc * host_syncs(spec, setup) * eff.host_sync_us * 1e-6
     return StepTime(compute_s, compute_fwd, host, host_fwd, sum(_seconds(x, setup) for x in mp), exposed, optimizer,
-                    c.flops * acc, tuple(_summarize(issued, setup)))
+                    c.flops * acc, tuple(_summarize(issued, setup)), syncs)
 
 
 def _summarize(issued: List[Transfer], setup: Setup) -> List[Collective]:

@@ -55,3 +55,44 @@ def reports(sizes: dict, mesh_shape=None, outer: str = "no_shard", tp: int = 1, 
                                         offload="optim" if offload else None)
         out[(strategy, precision, recipe, offload)] = dataclasses.asdict(sharded.memory_report())
     return out, (mesh["tp"].get_local_rank() if tp > 1 else 0)
+
+
+def qwen3_moe_config(sizes: dict):
+    """transformers' Qwen3-MoE config of ``sizes`` (LlamaConfig's names), ``sizes['dense_layers']``
+    kept dense."""
+    import transformers
+
+    return transformers.Qwen3MoeConfig(
+        vocab_size=sizes["vocab_size"], hidden_size=sizes["dim"], num_hidden_layers=sizes["n_layers"],
+        num_attention_heads=sizes["n_heads"], num_key_value_heads=sizes["n_kv_heads"], head_dim=sizes["head_dim"],
+        intermediate_size=sizes["ffn_dim"], moe_intermediate_size=sizes["moe_ffn_dim"],
+        num_experts=sizes["num_experts"], num_experts_per_tok=sizes["num_experts_per_tok"],
+        mlp_only_layers=list(sizes["dense_layers"]), max_position_embeddings=32)
+
+
+def _moe_model(family: str, sizes: dict):
+    """A mixture-of-experts model of ``sizes``, the same on every rank: the built-in Llama, or
+    transformers' Qwen3-MoE."""
+    torch.manual_seed(0)
+    if family == "fsdp8":
+        return Llama(LlamaConfig(max_seq_len=16, **sizes))
+    import transformers
+
+    return transformers.Qwen3MoeForCausalLM(qwen3_moe_config(sizes))
+
+
+def moe_reports(family: str, sizes: dict, ep: int, dp_replicate: int = 1, outer: str = "no_shard"):
+    """memory_report() of a mixture-of-experts model laid out by parallelize with ``ep`` (its
+    experts a unit of their own, sharded over efsdp = dp_shard / ep) for every strategy x
+    precision, keyed by (strategy, precision, fp8)."""
+    out = {}
+    for strategy, (precision, recipe) in [(s, p) for s in STRATEGIES for p in PRECISIONS]:
+        model = _moe_model(family, sizes)
+        layout = fsdp8.ParallelConfig(dp_replicate=dp_replicate, ep=ep, strategy=strategy, outer_strategy=outer,
+                                      precision=_precision(precision),
+                                      fp8=recipe_from_name(f"fp8-{recipe}") if recipe else None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # routers and experts kept in high precision say so
+            sharded = fsdp8.parallelize(model, layout)
+        out[(strategy, precision, recipe)] = dataclasses.asdict(sharded.memory_report())
+    return out

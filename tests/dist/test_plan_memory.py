@@ -1,6 +1,6 @@
 """The planner's persistent memory equals memory_report() byte for byte: every strategy and mesh,
-fp32 / bf16 / each FP8 recipe, tensor parallelism, offload (fsdp8/planner/memory.py [Note: exact
-and estimated memory]).
+fp32 / bf16 / each FP8 recipe, tensor parallelism, offload, mixtures of experts with and without
+expert parallelism (fsdp8/planner/memory.py [Note: exact and estimated memory]).
 
 The model's sizes make every layout rule count: a vocabulary (37) and widths that no world
 size divides, one kv head (a 16-row weight), FP8 widths where MX scales cover a partial block,
@@ -16,6 +16,8 @@ import pytest
 from fsdp8 import ParallelConfig, Precision
 from fsdp8.config import BF16_MIXED
 from fsdp8.fp8.recipes import recipe_from_name
+from fsdp8.models.llama import LlamaConfig
+from fsdp8.models.spec import hf_spec_of, llama_spec
 from fsdp8.planner.hardware import Cluster, gpu_named
 from fsdp8.planner.memory import memory_report
 from fsdp8.planner.model import ModelSpec
@@ -73,3 +75,55 @@ def test_dp2_tp2():
 @pytest.mark.parametrize("mesh_shape,outer", [(None, "no_shard"), ((2, 2), "optim")])
 def test_offload(mesh_shape, outer):
     _check(4, SIZES, mesh_shape, outer, offload=True)
+
+
+# -- mixtures of experts: the experts a unit of their own under ep, sharded over efsdp ------------
+# 6 experts: under ep 2 each rank's 3 split unevenly over efsdp 2 (a padded chunk); under ep 2 on
+# a world of 2, efsdp is 1 (one chunk, which fp32 aliases).
+MOE_SIZES = dict(vocab_size=37, dim=48, n_layers=2, n_heads=3, n_kv_heads=1, ffn_dim=80, num_experts=6,
+                 num_experts_per_tok=2, moe_ffn_dim=40)
+# transformers' Qwen3-MoE with layer 1 of 3 dense: both kinds of layer in one model.
+QWEN_SIZES = dict(MOE_SIZES, n_layers=3, head_dim=16, dense_layers=(1,))
+
+
+def _moe_spec(family: str, sizes: dict) -> ModelSpec:
+    if family == "fsdp8":
+        return llama_spec(LlamaConfig(max_seq_len=16, **sizes), "moe")
+    return hf_spec_of(workers.qwen3_moe_config(sizes).to_dict(), "qwen3_moe")
+
+
+def _check_moe(world: int, family: str, sizes: dict, ep: int, dp_replicate: int = 1, outer: str = "no_shard"):
+    results = run_on_ranks(world, workers.moe_reports, family, sizes, ep, dp_replicate, outer)
+    spec = _moe_spec(family, sizes)
+    cluster = Cluster(gpu_named("h100"), 1, world)
+    wrong = []
+    for rank, reports in enumerate(results):
+        assert reports, "no case ran"
+        for (strategy, precision, fp8), engine in reports.items():
+            parallel = ParallelConfig(dp_replicate=dp_replicate, ep=ep, strategy=strategy, outer_strategy=outer,
+                                      fp8=recipe_from_name(f"fp8-{fp8}") if fp8 else None,
+                                      precision=BF16_MIXED if precision == "bf16" else Precision())
+            planned = dataclasses.asdict(memory_report(spec, make_setup(spec, cluster, parallel, seq_len=16)))
+            if planned != engine:
+                wrong.append(f"{strategy} {precision} fp8={fp8} rank {rank}: planned {planned}, engine {engine}")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_world2(ep):
+    _check_moe(2, "fsdp8", MOE_SIZES, ep)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_moe_world4(ep):
+    _check_moe(4, "fsdp8", dict(MOE_SIZES, num_experts=8) if ep == 4 else MOE_SIZES, ep)
+
+
+@pytest.mark.parametrize("outer", ["no_shard", "optim"])
+def test_moe_hsdp_2x2_ep2(outer):
+    _check_moe(4, "fsdp8", MOE_SIZES, 2, dp_replicate=2, outer=outer)
+
+
+def test_moe_hugging_face_dense_and_moe_layers_ep2():
+    pytest.importorskip("transformers")
+    _check_moe(4, "hf", QWEN_SIZES, 2)

@@ -370,15 +370,15 @@ def test_a_dense_config_ignores_the_expert_count_per_token():
 
 
 # -- adapters --------------------------------------------------------------------------------------
-def test_adapters_name_the_experts_and_refuse_what_they_cannot_plan():
+def test_adapters_name_and_size_the_experts_and_refuse_tensor_parallelism():
     model = Llama(SMALL_MOE)
     adapter = adapter_for(model)
     assert list(adapter.experts(model)) == ["layers.0.ffn.experts", "layers.1.ffn.experts"]
     assert all(isinstance(m, Experts) for m in adapter.experts(model).values())
     assert not any(adapter.swiglu_names(m) for m in model.modules())
-    with pytest.raises(ValueError, match="the planner does not know mixture-of-experts models yet .* pass a "
-                                         "fsdp8.ParallelConfig"):
-        adapter.planner_spec(model)
+    spec = adapter.planner_spec(model)  # what parallelize(model, "auto") plans with
+    assert (spec.experts, spec.experts_per_token, spec.expert_ffn, spec.moe_layers) == (4, 2, 16, 2)
+    assert (spec.num_params, spec.num_active_params) == (model.num_params(), model.num_active_params())
     with pytest.raises(ValueError, match="tensor parallelism has no plan for the built-in Llama's mixture-of-experts"):
         adapter.tp_plan(model, False, False)
     dense = Llama(small_moe(num_experts=0))

@@ -19,7 +19,7 @@ from fsdp8.models.llama import Llama, LlamaConfig, preset
 from fsdp8.planner import plan, search
 from fsdp8.planner.candidates import fixes
 from fsdp8.planner.hardware import GIB, Cluster, Efficiency, gpu_named
-from fsdp8.planner.memory import activations
+from fsdp8.planner.activations import activations
 from fsdp8.planner.model import converts_to_fp8, hf_spec, model_spec, tp_piece
 from fsdp8.planner.predict import plan_setup
 from fsdp8.planner.setup import make_setup
@@ -379,7 +379,7 @@ def test_backward_holds_the_heads_gradient_and_the_embeddings_only_at_the_end(ti
     norm's (the loss's backward made them), not an untied embedding's, which autograd makes
     only when backward reaches the input (measured: model B at world 1 and a loopback world
     of 2 on an H200 peaked 0.24 GiB, one embedding gradient, below the count with it)."""
-    from fsdp8.planner.memory import activations, memory_report, peaks, unit_plans
+    from fsdp8.planner.memory import memory_report, peaks, unit_plans
 
     spec = model_spec("1b", tied=tied)
     setup = _setup(spec, world=2, gpus_per_node=2, seq_len=2048)
