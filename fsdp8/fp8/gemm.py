@@ -55,6 +55,10 @@ def native_ok(a: Quantized, b: Quantized, recipe: Recipe, out_dtype: torch.dtype
         return not (a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2)
     if pair == (Granularity.ROW_1x128, Granularity.BLOCK_128x128) and (k // 128) % 4:
         return False  # cuBLAS wants 16-byte aligned strides for the 128x128 scale grid
+    if a.granularity is Granularity.ROW_1x128 and m % 4:
+        # The 1x128 scales go outer-major (a stride of m floats), which cuBLAS also wants
+        # 16-byte aligned: an expert's group of rows can have any count.
+        return False
     return k % 128 == 0 and pair in (
         (Granularity.ROW_1x128, Granularity.BLOCK_128x128),
         (Granularity.ROW_1x128, Granularity.ROW_1x128),
