@@ -50,9 +50,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..distributed import comm
-from ..fp8.grouped import fp8_experts_forward
+from ..fp8.grouped import fp8_experts_forward, runs_fp8_experts
 from ..models.adapter import adapter_for
-from ..models.moe import expert_mlp, permute_by_expert
+from ..models.moe import expert_mlp, experts_forward, permute_by_expert
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -141,6 +141,18 @@ def expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> nn.Module:
             module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
         group = ExpertGroup(ep_mesh.get_group(), ep_mesh.size(), module.gate_up_proj.shape[0])
         module.forward = types.MethodType(_dispatching_forward(group), module)
+    return model
+
+
+def computed_in_fp8(model: nn.Module) -> nn.Module:
+    """Give the experts modules of ``model`` whose own forward cannot take an FP8 recipe
+    (transformers' experts) fsdp8's ``experts_forward``, the same computation (tests compare
+    them to fp64 rounding) with grouped GEMMs that can, so FP8 conversion converts them;
+    returns ``model``. ``parallelize`` calls it with an FP8 recipe and no expert parallelism
+    (whose forward already can)."""
+    for module in adapter_for(model).experts(model).values():
+        if not runs_fp8_experts(module):
+            module.forward = types.MethodType(experts_forward, module)
     return model
 
 

@@ -41,7 +41,7 @@ from ..models.adapter import ModelAdapter, adapter_for
 from .auto import auto_choice, describe_choice
 from .checkpointing import checkpoint_units
 from .cp import context_parallel, loss_divisor, shard_sequence
-from .ep import check_expert_parallel, expert_parallel
+from .ep import check_expert_parallel, computed_in_fp8, expert_parallel
 from .tp import tensor_parallel
 
 
@@ -202,6 +202,8 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
     if experts:
         expert_parallel(model, expert_mesh)
         units = _units_and_experts(model, units, experts)
+    elif config.fp8 is not None:
+        computed_in_fp8(model)
     sharded = fully_shard(model, mesh=mesh, units=units, strategy=config.strategy,
                           outer_strategy=config.outer_strategy, precision=precision,
                           reshard_after_forward=config.reshard_after_forward, fp8=config.fp8, expert_mesh=expert_mesh,

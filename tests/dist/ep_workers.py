@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp8
+from fsdp8.models import adapter_for
+from fsdp8.parallel.ep import computed_in_fp8
 
 from . import common
 from .parallelize_workers import _full, _rel, loss_of
@@ -184,6 +186,7 @@ def fp8_block_parity(family: str, layout: dict) -> dict:
     reference = copy.deepcopy(initial).to(torch.float64)
     model = fsdp8.parallelize(initial, fsdp8.ParallelConfig(**layout, fp8=recipe,
                                                             precision=common.FP8_PARITY_PRECISION))
+    computed_in_fp8(reference)  # transformers' experts get fsdp8's forward, as parallelize gives them
     for unit in model._fsdp8.units:  # the engine converts inside its units only (not the head)
         fsdp8.convert_to_fp8(dict(reference.named_modules())[unit.name], recipe)
     global_batch = batch(family, 0, ROWS_PER_RANK * model.dp_size)
@@ -200,4 +203,4 @@ def fp8_block_parity(family: str, layout: dict) -> dict:
     grads = {n: _rel(_full(p.grad), ref_grads[n]) for n, p in model.named_parameters()}
     converted = sorted(n for n, m in model.named_modules() if getattr(m, "fp8_recipe", None) is not None)
     return {"loss": abs(float(total) / dist.get_world_size() - ref_loss) / abs(ref_loss), "grads": grads,
-            "converted": converted}
+            "converted": converted, "experts": sorted(adapter_for(model).experts(model))}
