@@ -20,7 +20,7 @@ from fsdp8.models import adapter_for
 from fsdp8.parallel.ep import computed_in_fp8
 
 from . import common
-from .parallelize_workers import _full, _rel, loss_of
+from .parallelize_workers import _full, _rel, loss_of, reference_backward
 
 VOCAB, SEQ, ROWS_PER_RANK, STEPS, LR = 64, 8, 2, 3, 0.1
 FP32 = fsdp8.Precision()
@@ -192,11 +192,7 @@ def fp8_block_parity(family: str, layout: dict) -> dict:
     global_batch = batch(family, 0, ROWS_PER_RANK * model.dp_size)
     loss = loss_of(model, model.shard_batch(global_batch))
     loss.backward()
-    ref_loss = 0.0
-    for r in range(model.dp_size):
-        part = loss_of(reference, {k: common.rank_slice(v, r, model.dp_size) for k, v in global_batch.items()})
-        (part / model.dp_size).backward()
-        ref_loss += float(part.detach()) / model.dp_size
+    ref_loss = reference_backward(reference, global_batch, model.dp_size)
     total = loss.detach().clone()
     dist.all_reduce(total)
     ref_grads = {n: p.grad.detach().float().cpu() for n, p in reference.named_parameters()}

@@ -171,6 +171,18 @@ def families(names: List[str]) -> dict:
     return out
 
 
+def reference_backward(reference: nn.Module, global_batch: Dict[str, torch.Tensor], dp_size: int) -> float:
+    """One process with data-parallel semantics: a forward and backward per data-parallel rank's
+    rows (each quantizes its own activations; per-batch quantities are that rank's), the
+    gradients and the returned loss averaged over the ranks."""
+    ref_loss = 0.0
+    for r in range(dp_size):
+        part = loss_of(reference, {k: common.rank_slice(v, r, dp_size) for k, v in global_batch.items()})
+        (part / dp_size).backward()
+        ref_loss += float(part.detach()) / dp_size
+    return ref_loss
+
+
 def fp8_parity(family: str, sequence_parallel: bool, checkpointing: str = "none") -> Dict[str, float]:
     """FP8 current scaling at dp 2 x tp 2 (and ``checkpointing``) against the same recipe in one process, in lockstep
     (common.lockstep_errors says why): before each step the reference takes the parallel
@@ -194,11 +206,7 @@ def fp8_parity(family: str, sequence_parallel: bool, checkpointing: str = "none"
         global_batch = batch(family, step)
         loss = loss_of(model, model.shard_batch(global_batch))
         loss.backward()
-        ref_loss = 0.0
-        for r in range(model.dp_size):
-            part = loss_of(reference, {k: common.rank_slice(v, r, model.dp_size) for k, v in global_batch.items()})
-            (part / model.dp_size).backward()
-            ref_loss += float(part.detach()) / model.dp_size
+        ref_loss = reference_backward(reference, global_batch, model.dp_size)
         total = _full(loss).to(common.device())  # NCCL reduces device tensors only
         dist.all_reduce(total)
         worst["loss"] = max(worst["loss"], abs(float(total) / dist.get_world_size() - ref_loss) / ref_loss)

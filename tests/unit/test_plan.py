@@ -116,10 +116,9 @@ def test_tensor_parallel_pieces_and_fp8_conversion():
 
 
 # -- activations -------------------------------------------------------------------------------
-def test_activation_formula_counts_what_autograd_saves():
-    """One built-in Llama block in fp32 on the CPU: the bytes of every tensor autograd saves
-    (parameters and the rotary tables excluded) against the formula for AC none."""
-    cfg = LlamaConfig(vocab_size=37, dim=48, n_layers=1, n_heads=3, n_kv_heads=1, ffn_dim=80, max_seq_len=16)
+def saved_by_first_block(cfg: LlamaConfig) -> dict:
+    """The storages autograd saves in a forward of the built-in Llama's first block of ``cfg`` on
+    a batch of 2 x 16 tokens, by address: their bytes (parameters and buffers excluded)."""
     torch.manual_seed(0)
     model = Llama(cfg)
     fixed = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
@@ -132,7 +131,15 @@ def test_activation_formula_counts_what_autograd_saves():
 
     cos, sin = model.rotary(16, torch.float32)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.layers[0](torch.randn(2, 16, 48, requires_grad=True), cos, sin)
+        model.layers[0](torch.randn(2, 16, cfg.dim, requires_grad=True), cos, sin)
+    return saved
+
+
+def test_activation_formula_counts_what_autograd_saves():
+    """One built-in Llama block in fp32 on the CPU: the bytes of every tensor autograd saves
+    (parameters and the rotary tables excluded) against the formula for AC none."""
+    cfg = LlamaConfig(vocab_size=37, dim=48, n_layers=1, n_heads=3, n_kv_heads=1, ffn_dim=80, max_seq_len=16)
+    saved = saved_by_first_block(cfg)
     spec = model_spec(None, layers=1, hidden=48, ffn=80, heads=3, kv_heads=1, vocab=37)
     fp32 = ParallelConfig(precision=Precision())
     per_token = activations(spec, _setup(spec, world=1, gpus_per_node=1, parallel=fp32, micro_batch=2), {}).saved

@@ -21,6 +21,7 @@ from fsdp8.planner.memory import layer_groups, memory_report, unit_plans
 from fsdp8.planner.model import ModelSpec, model_spec
 from fsdp8.planner.setup import make_setup
 from fsdp8.planner.time import collective_seconds, groups, host_syncs
+from tests.unit.test_plan import saved_by_first_block
 
 H100 = gpu_named("h100")
 
@@ -90,19 +91,7 @@ def test_moe_activation_formula_counts_what_autograd_saves():
     (parameters and the rotary tables excluded) against activations.py's formula for AC none."""
     cfg = LlamaConfig(vocab_size=37, dim=48, n_layers=1, n_heads=3, n_kv_heads=1, ffn_dim=80, max_seq_len=16,
                       num_experts=6, num_experts_per_tok=2, moe_ffn_dim=40)
-    torch.manual_seed(0)
-    model = Llama(cfg)
-    fixed = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
-    saved = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in fixed:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    cos, sin = model.rotary(16, torch.float32)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.layers[0](torch.randn(2, 16, 48, requires_grad=True), cos, sin)
+    saved = saved_by_first_block(cfg)
     spec = llama_spec(cfg, "moe")
     fp32 = ParallelConfig(precision=Precision())
     per_token = activations(spec, _setup(spec, world=1, gpus_per_node=1, parallel=fp32, seq_len=16, micro_batch=2),
