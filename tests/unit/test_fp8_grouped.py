@@ -203,3 +203,12 @@ def test_a_converted_moe_llama_trains_close_to_fp32(recipe, monkeypatch):
         forward = 3 * math.sqrt(SERIAL_GEMMS) * e_f * logit_rms[step] * math.sqrt(2 / tokens)
         updates = e_b * sum(abs(want[j + 1] - want[j]) for j in range(step))
         assert abs(got[step] - want[step]) <= forward + updates, (step, got, want, forward, updates)
+
+
+def test_fsdp8_train_start_up_line_counts_fp8_experts():
+    from fsdp8.app.train.startup import _fp8_layers
+    from fsdp8.models.llama import Llama, preset
+
+    # convert_to_fp8 on the whole model: the head too (fully_shard converts inside its units only).
+    model = fsdp8.convert_to_fp8(Llama(preset("moe-tiny", n_layers=2)), fsdp8.Float8CurrentScaling())
+    assert _fp8_layers(model) == "9 linear layers and 2 experts modules run FP8 GEMMs; in bf16: layers.*.ffn.gate (Router)"

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import torch.nn as nn
 
-from ...fp8.convert import projection_layers
+from ...fp8.convert import is_fp8_experts, projection_layers
 from .config import TrainConfig, weight_files
 
 _NAMES_SHOWN = 4
@@ -49,7 +49,9 @@ def _fp8_layers(model: nn.Module) -> str:
     if not fp8:
         return f"no layer runs in FP8: every GEMM stays in bf16 ({_listed(_by_block(high))})"
     kept = f"; in bf16: {_listed(_by_block(high))}" if high else ""
-    return f"{len(fp8)} linear layers run FP8 GEMMs{kept}"
+    experts = sum(is_fp8_experts(m) for m in model.modules())
+    what = f"{len(fp8) - experts} linear layers" + (f" and {experts} experts modules" if experts else "")
+    return f"{what} run FP8 GEMMs{kept}"
 
 
 def _by_block(names: List[str]) -> List[str]:
