@@ -124,13 +124,18 @@ class Schedule:
     def install(self) -> None:
         self._handles.append(self.root.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True))
         self._handles.append(self.root.register_forward_hook(self._root_post_forward))
+        # A unit nested in another unit's compiled forward (an experts module inside its decoder
+        # layer) has its hooks called from inside the graph: they run eagerly (a graph break),
+        # since tracing them would recompile on the schedule's changing state.
+        eager = torch.compiler.disable
         for unit in self.units:
             self._handles.append(
                 unit.module.register_forward_pre_hook(
-                    lambda m, a, k, u=unit: self._unit_pre_forward(u, a, k), prepend=True, with_kwargs=True
+                    eager(lambda m, a, k, u=unit: self._unit_pre_forward(u, a, k)), prepend=True, with_kwargs=True
                 )
             )
-            self._handles.append(unit.module.register_forward_hook(lambda m, a, o, u=unit: self._unit_post_forward(u, o)))
+            self._handles.append(
+                unit.module.register_forward_hook(eager(lambda m, a, o, u=unit: self._unit_post_forward(u, o))))
 
     # -- helpers ---------------------------------------------------------------------------
     def _next(self, order: List[ShardedUnit], unit: ShardedUnit) -> Optional[ShardedUnit]:

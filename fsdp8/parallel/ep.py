@@ -165,6 +165,9 @@ def _dispatching_forward(group: ExpertGroup):
     return forward
 
 
+# Outside compiled graphs: the rows that arrive change in number every step (a recompilation
+# each time), and the split sizes are host values anyway.
+@torch.compiler.disable
 def dispatch_and_compute(module: nn.Module, group: ExpertGroup, hidden_states: torch.Tensor,
                          top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts' output for this rank's tokens, each computed on its expert's ep rank."""

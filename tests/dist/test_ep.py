@@ -49,6 +49,12 @@ def test_ep4_hugging_face():
     _check(run_on_ranks(4, workers.parity, "mixtral", {"ep": 4}), 4)
 
 
+def test_ep_compiled():
+    # Each decoder layer compiled: the experts unit's engine hooks and the dispatch (rows that
+    # change in number every step) run outside the graph, so nothing recompiles per step.
+    _check(run_on_ranks(4, workers.parity, "builtin", {"ep": 2, "compile": True}), 2)
+
+
 def test_ep_with_context_parallelism():
     # dp_shard 2 x cp 2: the experts split over the two dp_shard ranks of each cp index.
     _check(run_on_ranks(4, workers.parity, "builtin_noaux", {"ep": 2, "cp": 2}), 2, cp=2)
