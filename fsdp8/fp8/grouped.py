@@ -150,9 +150,9 @@ class Fp8GroupedMm(torch.autograd.Function):
     Saved for backward: FP8 bytes only (each group's input transposed, each expert's weight)."""
 
     @staticmethod
-    def forward(ctx, x, weight, offs, recipe: Recipe):
+    def forward(ctx, x, weight, offs, recipe: Recipe, bounds: Optional[Bounds]):
         dtype = x.dtype
-        bounds = group_bounds(offs)
+        bounds = bounds if bounds is not None else group_bounds(offs)
         x = x.detach().contiguous()
         qx = grouped_rows(x, recipe.fwd_dtype, recipe.x_granularity, offs, bounds)
         qw = grouped_weights(weight.detach().to(dtype).contiguous(), recipe.fwd_dtype, recipe.w_granularity)
@@ -176,15 +176,17 @@ class Fp8GroupedMm(torch.autograd.Function):
             dw = per_group_products(qdy_t, ctx.qx_t, (dy.shape[1], ctx.k), dtype, recipe, dy.device)
             dw = dw.to(ctx.weight_dtype)
         ctx.qx_t = ctx.qw = None
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 @torch.compiler.disable  # group sizes on the host and per-group GEMMs: an opaque call in compiled blocks
-def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, recipe: Recipe,
+                   bounds: Optional[Bounds] = None) -> torch.Tensor:
     """``grouped_mm`` in FP8 under ``recipe``: the rows of group g of ``x`` [T, K] times
     ``weight[g]``.T for ``weight`` [G, N, K], [T, N] in ``x``'s dtype; ``offs`` int32 [G], the
     groups' cumulative row ends (a group may be empty). Each expert is quantized as a dense FP8
-    linear on its own rows, with its own scales (see [Note: FP8 experts])."""
+    linear on its own rows, with its own scales (see [Note: FP8 experts]). ``bounds``:
+    ``group_bounds(offs)`` when the caller has them (the experts' two GEMMs share one host read)."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be an fsdp8 FP8 recipe (e.g. Float8CurrentScaling()), got "
                         f"{type(recipe).__name__}")
@@ -194,4 +196,4 @@ def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, re
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2] or offs.shape != weight.shape[:1]:
         raise ValueError(f"fp8_grouped_mm takes x [T, K], weight [G, N, K] and offs [G], got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)} and {tuple(offs.shape)}")
-    return Fp8GroupedMm.apply(x, weight, offs, recipe)
+    return Fp8GroupedMm.apply(x, weight, offs, recipe, bounds)

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..fp8.grouped import fp8_experts_forward, fp8_grouped_mm
+from ..fp8.grouped import fp8_experts_forward, fp8_grouped_mm, group_bounds
 from ..fp8.recipes import Recipe
 
 # -- grouped GEMM ----------------------------------------------------------------------------------
@@ -141,12 +141,12 @@ def expert_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch
     ``counts[0]`` rows go to expert 0, the next ``counts[1]`` to expert 1, and so on. With an FP8
     ``recipe`` both grouped GEMMs run in FP8, each expert with its own scales (fsdp8.fp8.grouped)."""
     offs = counts.cumsum(0).to(torch.int32)
-    gate, up = _grouped(x_sorted, gate_up_proj, offs, recipe).chunk(2, dim=-1)
-    return _grouped(act_fn(gate) * up, down_proj, offs, recipe)
-
-
-def _grouped(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, recipe: Optional[Recipe]) -> torch.Tensor:
-    return grouped_mm(x, weight, offs) if recipe is None else fp8_grouped_mm(x, weight, offs, recipe)
+    if recipe is None:
+        gate, up = grouped_mm(x_sorted, gate_up_proj, offs).chunk(2, dim=-1)
+        return grouped_mm(act_fn(gate) * up, down_proj, offs)
+    bounds = group_bounds(offs)  # one host read for both FP8 GEMMs (and their backward)
+    gate, up = fp8_grouped_mm(x_sorted, gate_up_proj, offs, recipe, bounds).chunk(2, dim=-1)
+    return fp8_grouped_mm(act_fn(gate) * up, down_proj, offs, recipe, bounds)
 
 
 @fp8_experts_forward
@@ -162,9 +162,16 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
     token = order // k
     out = expert_mlp(hidden_states[token], counts, experts.gate_up_proj, experts.down_proj, experts.act_fn,
                      getattr(experts, "fp8_recipe", None))
-    # As transformers: weighted in the product's dtype, summed in the hidden states'.
+    return combine_by_token(out, order, k, top_k_weights, hidden_states)
+
+
+def combine_by_token(out: torch.Tensor, order: torch.Tensor, k: int, top_k_weights: torch.Tensor,
+                     hidden_states: torch.Tensor) -> torch.Tensor:
+    """Each token's sum of its experts' rows ``out`` (in ``order``, permute_by_expert's), weighted
+    by its routing weights: as transformers, weighted in the product's dtype, summed in the hidden
+    states'."""
     out = out * top_k_weights.reshape(-1)[order, None]
-    return torch.zeros_like(hidden_states).index_add_(0, token, out.to(hidden_states.dtype))
+    return torch.zeros_like(hidden_states).index_add_(0, order // k, out.to(hidden_states.dtype))
 
 
 def load_balancing_loss(router_probs: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:

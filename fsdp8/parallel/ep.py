@@ -15,7 +15,8 @@ parameters DTensors ``Shard(0)`` on the ``ep`` dim of the experts' mesh
 2. exchanges the per-expert row counts (an all-to-all of E integers), then the rows
    themselves (``all_to_all_single`` with those splits; its split sizes are the one host
    value per layer: NCCL takes them as host integers);
-3. regroups what arrived (source-rank-major) by local expert and computes every local expert
+3. regroups what arrived (source-rank-major) by local expert (``permute_by_expert`` again, on
+   the arrived rows' local experts) and computes every local expert
    as one grouped GEMM per projection (``fsdp8.models.moe.expert_mlp``);
 4. sends the results back the same way, and sums each token's slots weighted by its routing
    weights, in the order one process sums them.
@@ -52,7 +53,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from ..distributed import comm
 from ..fp8.grouped import fp8_experts_forward, runs_fp8_experts
 from ..models.adapter import adapter_for
-from ..models.moe import expert_mlp, experts_forward, permute_by_expert
+from ..models.moe import combine_by_token, expert_mlp, experts_forward, permute_by_expert
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -173,8 +174,7 @@ def dispatch_and_compute(module: nn.Module, group: ExpertGroup, hidden_states: t
     """The experts' output for this rank's tokens, each computed on its expert's ep rank."""
     k = top_k_index.shape[-1]
     order, counts = permute_by_expert(top_k_index, group.num_experts)
-    token_of_row = order // k
-    rows = hidden_states[token_of_row]
+    rows = hidden_states[order // k]
     # counts[e] rows go to expert e; experts are laid out rank-major, so row j of this
     # [ep, local] matrix is what rank j receives.
     sent = counts.view(group.size, group.local_experts)
@@ -182,23 +182,20 @@ def dispatch_and_compute(module: nn.Module, group: ExpertGroup, hidden_states: t
     comm.all_to_all(received, sent, [1] * group.size, [1] * group.size, group.group, "ep token counts")
     in_splits, out_splits = torch.stack([sent.sum(1), received.sum(1)]).tolist()  # the one host sync
     arrived = _AllToAll.apply(rows, out_splits, in_splits, group.group, "ep dispatch")
-    regroup = _by_local_expert(received, sum(out_splits))
+    regroup, local_counts = permute_by_expert(_local_expert_of_rows(received, sum(out_splits)), group.local_experts)
     scale = 1.0 / group.size
     gate_up = _ScaleGrad.apply(_local(module.gate_up_proj), scale)
     down = _ScaleGrad.apply(_local(module.down_proj), scale)
-    computed = expert_mlp(arrived[regroup], received.sum(0), gate_up, down, module.act_fn,
+    computed = expert_mlp(arrived[regroup], local_counts, gate_up, down, module.act_fn,
                           recipe=getattr(module, "fp8_recipe", None))
-    restored = computed[torch.argsort(regroup)]  # back to arrival order
+    restored = computed.new_empty(computed.shape).index_copy(0, regroup, computed)  # back to arrival order
     returned = _AllToAll.apply(restored, in_splits, out_splits, group.group, "ep combine")
-    weighted = returned * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(returned.dtype)
-    return torch.zeros_like(hidden_states).index_add_(0, token_of_row, weighted.to(hidden_states.dtype))
+    return combine_by_token(returned, order, k, top_k_weights, hidden_states)
 
 
-def _by_local_expert(received: torch.Tensor, rows: int) -> torch.Tensor:
-    """The permutation that sorts rows that arrived source-rank-major (``received[j, e]`` rows
-    of local expert ``e`` from rank ``j``) by local expert, keeping the source order within
-    each expert: computed on the device from the counts."""
+def _local_expert_of_rows(received: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, 1]: the local expert of each row that arrived source-rank-major (``received[j, e]``
+    rows of local expert ``e`` from rank ``j``), from the counts on the device."""
     sources, local = received.shape
     expert_of_block = torch.arange(local, device=received.device).repeat(sources)
-    expert_of_row = torch.repeat_interleave(expert_of_block, received.reshape(-1), output_size=rows)
-    return torch.argsort(expert_of_row, stable=True)
+    return torch.repeat_interleave(expert_of_block, received.reshape(-1), output_size=rows).unsqueeze(-1)
