@@ -162,16 +162,17 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
     token = order // k
     out = expert_mlp(hidden_states[token], counts, experts.gate_up_proj, experts.down_proj, experts.act_fn,
                      getattr(experts, "fp8_recipe", None))
-    return combine_by_token(out, order, k, top_k_weights, hidden_states)
+    return combine_by_token(out, order, token, top_k_weights, hidden_states)
 
 
-def combine_by_token(out: torch.Tensor, order: torch.Tensor, k: int, top_k_weights: torch.Tensor,
+def combine_by_token(out: torch.Tensor, order: torch.Tensor, token: torch.Tensor, top_k_weights: torch.Tensor,
                      hidden_states: torch.Tensor) -> torch.Tensor:
-    """Each token's sum of its experts' rows ``out`` (in ``order``, permute_by_expert's), weighted
-    by its routing weights: as transformers, weighted in the product's dtype, summed in the hidden
-    states'."""
+    """Each token's sum of its experts' rows ``out`` (in ``order``, permute_by_expert's; ``token``
+    is ``order // k``, the gather's own index, passed in so autograd saves one copy, not two),
+    weighted by its routing weights: as transformers, weighted in the product's dtype, summed in
+    the hidden states'."""
     out = out * top_k_weights.reshape(-1)[order, None]
-    return torch.zeros_like(hidden_states).index_add_(0, order // k, out.to(hidden_states.dtype))
+    return torch.zeros_like(hidden_states).index_add_(0, token, out.to(hidden_states.dtype))
 
 
 def load_balancing_loss(router_probs: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:

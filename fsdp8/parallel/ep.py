@@ -174,7 +174,8 @@ def dispatch_and_compute(module: nn.Module, group: ExpertGroup, hidden_states: t
     """The experts' output for this rank's tokens, each computed on its expert's ep rank."""
     k = top_k_index.shape[-1]
     order, counts = permute_by_expert(top_k_index, group.num_experts)
-    rows = hidden_states[order // k]
+    token = order // k
+    rows = hidden_states[token]
     # counts[e] rows go to expert e; experts are laid out rank-major, so row j of this
     # [ep, local] matrix is what rank j receives.
     sent = counts.view(group.size, group.local_experts)
@@ -190,7 +191,7 @@ def dispatch_and_compute(module: nn.Module, group: ExpertGroup, hidden_states: t
                           recipe=getattr(module, "fp8_recipe", None))
     restored = computed.new_empty(computed.shape).index_copy(0, regroup, computed)  # back to arrival order
     returned = _AllToAll.apply(restored, in_splits, out_splits, group.group, "ep combine")
-    return combine_by_token(returned, order, k, top_k_weights, hidden_states)
+    return combine_by_token(returned, order, token, top_k_weights, hidden_states)
 
 
 def _local_expert_of_rows(received: torch.Tensor, rows: int) -> torch.Tensor:
