@@ -1,14 +1,14 @@
 """The FP8 GEMM and its operands: ``fp8_mm`` (torch._scaled_mm where the device has a native
 FP8 GEMM for the recipe, emulated elsewhere with identical quantization) and the helpers that
 quantize a linear's input, weight and output gradient for it, tensor-parallel pieces included
-(scales agreed over tp, a sequence-sharded input gathered as FP8 bytes). Float8Linear
+(scales agreed over tp; a sequence-sharded input is gathered as FP8 bytes in tp_gather.py). Float8Linear
 (linear_fn.py), the fused SwiGLU MLP (mlp.py) and the tensor-parallel forward (tp_forward.py)
 all compute through it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -112,14 +112,15 @@ class TensorParallelGemm:
 
     Per-tensor scales of a shard are agreed over ``group`` (a max all-reduce of its amax), so
     each rank quantizes its piece exactly as one process would quantize the whole tensor.
-    With ``gather_dim`` the input arrives sequence-sharded: it is quantized, its FP8 bytes
-    are all-gathered along that dim, and the input gradient is reduce-scattered back."""
+    With ``gathered`` the input arrived sequence-sharded and was gathered as FP8 bytes
+    (tp_gather.py): the linear computes with those operands, and its input is the gather's
+    placeholder, which takes the full-length input gradient (reduce-scattered there)."""
 
     group: object
     x_sharded: bool = False  # rowwise: the input's last (reduction) dim is split over tp
     w_sharded: bool = True
     dy_sharded: bool = False  # colwise: the output's last dim is split over tp
-    gather_dim: Optional[int] = None
+    gathered: Optional[Tuple[Quantized, Quantized]] = None  # the input and its transpose
 
     def amax_group(self, sharded: bool):
         return self.group if sharded else None
@@ -197,44 +198,3 @@ def input_transposed(x: torch.Tensor, recipe: Recipe, scale: Optional[torch.Tens
     """A saved input's transpose quantized for the weight gradient, in backward: the same bytes
     and scales as quantizing both ways in forward (compiled graphs save the input, not FP8)."""
     return quantize_transposed(x.detach().reshape(-1, x.shape[-1]), recipe.fwd_dtype, recipe.x_granularity, scale)
-
-
-# -- sequence parallel: the input gathered as FP8 bytes, its gradient scattered back ----------------
-def gathered_shape(shape, tp: TensorParallelGemm):
-    full = list(shape)
-    full[tp.gather_dim] *= dist.get_world_size(tp.group)
-    return torch.Size(full)
-
-
-def gathered_input(x: torch.Tensor, recipe: Recipe, state: Optional[DelayedState], tp: TensorParallelGemm):
-    """Sequence parallel: quantize this rank's tokens with the whole input's scale, then
-    all-gather the FP8 bytes along the sequence (half the bytes of a bf16 gather). The
-    transpose for the weight-gradient GEMM is a transposed copy of the gathered bytes, exact
-    for a per-tensor scale, so no high-precision copy of the whole input ever exists."""
-    x2d = x.detach().reshape(-1, x.shape[-1])
-    if state is not None:
-        scale = state.scale[X]
-        state.record(X, amax(x2d))  # this rank's amax; the engine's step all-reduce takes the max
-    else:
-        scale = group_scale(x2d, recipe.fwd_dtype, tp.group)
-    q = quantize(x2d, recipe.fwd_dtype, Granularity.TENSOR, scale)
-    ranks = dist.get_world_size(tp.group)
-    local = q.data.view(torch.uint8).reshape(-1)
-    gathered = torch.empty(ranks * local.numel(), dtype=torch.uint8, device=x.device)
-    comm.all_gather(gathered, local, tp.group, "fp8 sequence-parallel input")
-    full = gathered.view((ranks,) + tuple(x.shape)).movedim(0, tp.gather_dim).reshape(gathered_shape(x.shape, tp)).reshape(-1, x.shape[-1])
-    qx = Quantized(full.view(recipe.fwd_dtype), q.scale_inv, Granularity.TENSOR)
-    return qx, qx.t().contiguous()
-
-
-def reduce_scatter_sum(dx: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """The input gradient's partial sums over tp, summed and cut back to this rank's tokens."""
-    ranks = dist.get_world_size(group)
-    shape = list(dx.shape)
-    shape[dim : dim + 1] = [ranks, shape[dim] // ranks]
-    pieces = dx.reshape(shape).movedim(dim, 0).contiguous()
-    if ranks == 1:
-        return pieces[0]
-    out = torch.empty(pieces[0].numel(), dtype=dx.dtype, device=dx.device)
-    comm.reduce_scatter_single_fn()(out, pieces.view(-1), op=dist.ReduceOp.SUM, group=group)
-    return out.view(pieces.shape[1:])

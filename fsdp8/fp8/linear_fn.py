@@ -8,8 +8,8 @@ from typing import Optional
 import torch
 
 from .gemm import (
-    TensorParallelGemm, fp8_mm, gathered_input, gathered_shape, input_transposed, kept_inverse, quantize_both_ways,
-    quantized_input, reduce_scatter_sum, weight_operands, weight_transposed,
+    TensorParallelGemm, fp8_mm, input_transposed, kept_inverse, quantize_both_ways, quantized_input, weight_operands,
+    weight_transposed,
 )
 from .kernels import Quantized
 from .recipes import G, X, DelayedBuffers, DelayedState, Recipe
@@ -29,13 +29,12 @@ class Float8LinearFn(torch.autograd.Function):
                 delayed_scale_inv=None):
         if delayed_pending is not None:
             state = DelayedBuffers(delayed_scale, delayed_pending, delayed_scale_inv)
-        x2d = x.reshape(-1, x.shape[-1])
         compute_dtype = x.dtype
         x_shape = x.shape
         qw, qw_t = weight_operands(weight, recipe, state, compute_dtype, tp.amax_group(tp.w_sharded) if tp else None)
-        if tp is not None and tp.gather_dim is not None:
-            (qx, qx_t), x_shape = gathered_input(x, recipe, state, tp), gathered_shape(x.shape, tp)
-            saved_x = None
+        if tp is not None and tp.gathered is not None:
+            # x is the sequence gather's placeholder (tp_gather.py); the operands came with it.
+            (qx, qx_t), saved_x = tp.gathered, None
         elif qx_data is not None:
             # Compiled graphs (see Float8Linear.forward): quantized by the caller; backward
             # quantizes the input's transpose again from the input itself.
@@ -43,7 +42,7 @@ class Float8LinearFn(torch.autograd.Function):
         else:
             # Eager: saved for backward are FP8 only (the input's transpose and the weight).
             group = tp.amax_group(tp.x_sharded) if tp else None
-            (qx, qx_t), saved_x = quantized_input(x, x2d, recipe, state, group), None
+            (qx, qx_t), saved_x = quantized_input(x, x.reshape(-1, x.shape[-1]), recipe, state, group), None
         out = fp8_mm(qx, qw, compute_dtype, recipe, fast_accum=True)
         if bias is not None:
             out = out + bias.to(compute_dtype)
@@ -70,7 +69,5 @@ class Float8LinearFn(torch.autograd.Function):
         dw = fp8_mm(qdy_t, qx_t, ctx.compute_dtype, recipe)
         dbias = dy2d.sum(0) if ctx.has_bias else None
         ctx.qx_t = ctx.x = ctx.qw = ctx.qw_t = ctx.weight = ctx.x_scale = None
-        dx = dx.view(ctx.x_shape)
-        if tp is not None and tp.gather_dim is not None:
-            dx = reduce_scatter_sum(dx, tp.gather_dim, tp.group)
+        dx = dx.view(ctx.x_shape)  # a placeholder's: summed over its linears, then reduce-scattered
         return dx, dw.to(ctx.weight_dtype), dbias, None, None, None, None, None, None, None, None, None

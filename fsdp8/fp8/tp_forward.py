@@ -15,8 +15,9 @@ ranks, which ``tp_fp8_ok`` checks before a layer is converted.
 
 With sequence parallelism a colwise layer gets its input sequence-sharded; for
 per-tensor recipes it quantizes its tokens with the agreed scale and all-gathers the FP8
-bytes (``TensorParallelGemm.gather_dim``), as torchao's Float8ColwiseParallel does, instead
-of letting the style gather the input in high precision.
+bytes, as torchao's Float8ColwiseParallel does, instead of letting the style gather the
+input in high precision; linears fed the same input share that gather (tp_gather.py [Note:
+one gather per input]).
 
 A rowwise layer's bias is added on tp rank 0 only (its output is a partial sum), so the
 bias gradient is a partial sum too, which the engine sums over tp with the norms'.
@@ -33,6 +34,7 @@ from .formats import Granularity
 from .gemm import TensorParallelGemm
 from .linear_fn import Float8LinearFn
 from .recipes import Recipe, update_delayed_states
+from .tp_gather import sequence_gather
 
 
 def _kind(weight: DTensor) -> str:
@@ -87,8 +89,8 @@ def tensor_parallel_forward(module: nn.Module, x) -> DTensor:
         placement = x.placements[0]
         seq_sharded = isinstance(placement, Shard) and placement.dim % x.ndim != x.ndim - 1
         if seq_sharded and tensorwise and x.shape[placement.dim] % mesh.size() == 0:
-            tp = TensorParallelGemm(group, dy_sharded=True, gather_dim=placement.dim % x.ndim)
-            x_local = x.to_local()
+            x_local, gathered = sequence_gather(x, module.recipe, state, placement.dim % x.ndim, group)
+            tp = TensorParallelGemm(group, dy_sharded=True, gathered=gathered)
         else:
             x = x.redistribute(mesh, [Replicate()])
             tp = TensorParallelGemm(group, dy_sharded=True)

@@ -437,3 +437,38 @@ def own_adapter() -> dict:
                  for name, param in model.named_parameters() if name in ("first.up.weight", "first.down.weight")}
     return {"errors": errors, "default_units": default_units, "units": _unit_names(model), "asked": adapter.asked,
             "run": run, "on_tp": on_tp}
+
+
+def sequence_parallel_collectives(family: str = "llama") -> Dict[str, int]:
+    """The FP8 layers' tensor-parallel collectives in one training step (after one that settles
+    the engine) at tp 2 with sequence parallelism and current scaling, counted by label: the
+    sequence gathers, the amax agreements and the input gradients' reduce-scatters."""
+    from fsdp8.distributed import comm
+    from fsdp8.fp8 import tp_gather
+
+    config = fsdp8.ParallelConfig(tp=dist.get_world_size(), sequence_parallel=True, fp8=fsdp8.Float8CurrentScaling(),
+                                  precision=common.FP8_PARITY_PRECISION)
+    model = fsdp8.parallelize(build(family), config)
+    loss_of(model, model.shard_batch(batch(family, 0))).backward()
+    counts = {"gather": 0, "amax": 0, "reduce_scatter": 0}
+    original_gather, original_reduce, original_scatter = comm.all_gather, comm.all_reduce, tp_gather.reduce_scatter_sum
+
+    def gather(out, inp, group, label):
+        counts["gather"] += "sequence-parallel" in label
+        return original_gather(out, inp, group, label)
+
+    def reduce(tensor, group, op, label):
+        counts["amax"] += "tensor-parallel amax" in label
+        return original_reduce(tensor, group, op, label)
+
+    def scatter(*args):
+        counts["reduce_scatter"] += 1
+        return original_scatter(*args)
+
+    comm.all_gather, comm.all_reduce, tp_gather.reduce_scatter_sum = gather, reduce, scatter
+    try:
+        loss_of(model, model.shard_batch(batch(family, 1))).backward()
+    finally:
+        comm.all_gather, comm.all_reduce, tp_gather.reduce_scatter_sum = original_gather, original_reduce, original_scatter
+    counts["layers"] = len(model.model.layers)
+    return counts

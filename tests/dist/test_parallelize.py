@@ -108,6 +108,18 @@ def test_fp8_current_scaling_with_tp(family, sequence_parallel, checkpointing):
         assert worst["loss"] <= FP8_TOL and worst["grad"] <= FP8_TOL, worst
 
 
+def test_fp8_sequence_parallel_gathers_each_input_once():
+    # A Llama layer's q/k/v read one sequence-sharded input and gate/up another: each is
+    # quantized (one amax agreement), all-gathered as FP8 bytes and its gradient reduce-scattered
+    # once, not once per projection (10, 24 and 10 on two layers when each projection gathered).
+    # The amaxes left per layer: 2 gathered inputs, o_proj's and down_proj's feature-split
+    # inputs, and the 5 column-parallel output gradients in backward.
+    pytest.importorskip("transformers")
+    for counts in run_on_ranks(2, workers.sequence_parallel_collectives, "llama"):
+        layers = counts.pop("layers")
+        assert counts == {"gather": 2 * layers, "amax": 9 * layers, "reduce_scatter": 2 * layers}, counts
+
+
 def test_compiled_units_keep_the_engine_hooks_outside():
     # aot_eager: Dynamo and AOTAutograd trace the checkpointed forward as inductor would,
     # without its minutes of C++ compilation on a CPU runner.
