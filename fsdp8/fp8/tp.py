@@ -3,6 +3,7 @@ input themselves, as FP8 bytes (tp_forward.py [Note: FP8 under TP])."""
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel
 
@@ -15,7 +16,8 @@ class Float8ColwiseParallel(ColwiseParallel):
     sequence-sharded input as it is and gathers it itself as FP8 bytes (half a bf16
     gather). Other modules, and block-scaled layers, get the high-precision gather. The
     choice is made at each forward, so the style can be applied before fully_shard(fp8=...)
-    converts the layer, as torchao's Float8ColwiseParallel cannot."""
+    converts the layer, as torchao's Float8ColwiseParallel cannot. Projections fed the same
+    sequence-sharded input share one gather, in FP8 (tp_gather.py) or in high precision."""
 
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
@@ -26,4 +28,14 @@ class Float8ColwiseParallel(ColwiseParallel):
                           and placement.dim != x.ndim - 1)
         if gathers_itself:
             return x if isinstance(x, DTensor) else DTensor.from_local(x, device_mesh, input_layouts, run_check=False)
-        return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+        if not isinstance(x, DTensor) or torch.compiler.is_compiling():
+            return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+        # One high-precision gather per input, shared by the projections it feeds (q/k/v,
+        # gate/up): autograd sums their gradients before the gather's single reduce-scatter.
+        key = (x._local_tensor._version, tuple(desired_input_layouts or ()), id(device_mesh))
+        cached = getattr(x, "_fsdp8_colwise_input", None)
+        if cached is None or cached[0] != key:
+            cached = key, ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs,
+                                                            device_mesh)
+            x._fsdp8_colwise_input = cached
+        return cached[1]

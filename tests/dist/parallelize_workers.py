@@ -439,36 +439,46 @@ def own_adapter() -> dict:
             "run": run, "on_tp": on_tp}
 
 
-def sequence_parallel_collectives(family: str = "llama") -> Dict[str, int]:
-    """The FP8 layers' tensor-parallel collectives in one training step (after one that settles
-    the engine) at tp 2 with sequence parallelism and current scaling, counted by label: the
-    sequence gathers, the amax agreements and the input gradients' reduce-scatters."""
+def sequence_parallel_collectives(family: str = "llama", fp8: bool = True) -> Dict[str, int]:
+    """The tensor-parallel collectives of the column-parallel layers' inputs in one training step
+    (after one that settles the engine) at tp 2 with sequence parallelism, counted by label: with
+    FP8 (current scaling) the FP8 sequence gathers, the amax agreements and the input gradients'
+    reduce-scatters; without, DTensor's gathers of activations (3-D tensors)."""
+    import torch.distributed._functional_collectives as funcol
     from fsdp8.distributed import comm
     from fsdp8.fp8 import tp_gather
 
-    config = fsdp8.ParallelConfig(tp=dist.get_world_size(), sequence_parallel=True, fp8=fsdp8.Float8CurrentScaling(),
+    config = fsdp8.ParallelConfig(tp=dist.get_world_size(), sequence_parallel=True,
+                                  fp8=fsdp8.Float8CurrentScaling() if fp8 else None,
                                   precision=common.FP8_PARITY_PRECISION)
     model = fsdp8.parallelize(build(family), config)
     loss_of(model, model.shard_batch(batch(family, 0))).backward()
-    counts = {"gather": 0, "amax": 0, "reduce_scatter": 0}
-    original_gather, original_reduce, original_scatter = comm.all_gather, comm.all_reduce, tp_gather.reduce_scatter_sum
+    counts = {"gather": 0, "amax": 0, "reduce_scatter": 0, "dtensor_gather": 0}
+    funcol_name = "all_gather_single" if hasattr(funcol, "all_gather_single") else "all_gather_tensor"
+    originals = (comm.all_gather, comm.all_reduce, tp_gather.reduce_scatter_sum, getattr(funcol, funcol_name))
 
     def gather(out, inp, group, label):
         counts["gather"] += "sequence-parallel" in label
-        return original_gather(out, inp, group, label)
+        return originals[0](out, inp, group, label)
 
     def reduce(tensor, group, op, label):
         counts["amax"] += "tensor-parallel amax" in label
-        return original_reduce(tensor, group, op, label)
+        return originals[1](tensor, group, op, label)
 
     def scatter(*args):
         counts["reduce_scatter"] += 1
-        return original_scatter(*args)
+        return originals[2](*args)
+
+    def dtensor_gather(tensor, *args, **kwargs):
+        counts["dtensor_gather"] += tensor.dim() == 3
+        return originals[3](tensor, *args, **kwargs)
 
     comm.all_gather, comm.all_reduce, tp_gather.reduce_scatter_sum = gather, reduce, scatter
+    setattr(funcol, funcol_name, dtensor_gather)
     try:
         loss_of(model, model.shard_batch(batch(family, 1))).backward()
     finally:
-        comm.all_gather, comm.all_reduce, tp_gather.reduce_scatter_sum = original_gather, original_reduce, original_scatter
+        comm.all_gather, comm.all_reduce, tp_gather.reduce_scatter_sum = originals[:3]
+        setattr(funcol, funcol_name, originals[3])
     counts["layers"] = len(model.model.layers)
     return counts

@@ -108,16 +108,22 @@ def test_fp8_current_scaling_with_tp(family, sequence_parallel, checkpointing):
         assert worst["loss"] <= FP8_TOL and worst["grad"] <= FP8_TOL, worst
 
 
-def test_fp8_sequence_parallel_gathers_each_input_once():
+def test_sequence_parallel_gathers_each_input_once():
     # A Llama layer's q/k/v read one sequence-sharded input and gate/up another: each is
-    # quantized (one amax agreement), all-gathered as FP8 bytes and its gradient reduce-scattered
-    # once, not once per projection (10, 24 and 10 on two layers when each projection gathered).
-    # The amaxes left per layer: 2 gathered inputs, o_proj's and down_proj's feature-split
-    # inputs, and the 5 column-parallel output gradients in backward.
+    # gathered once, not once per projection. With FP8 (current scaling) it is quantized (one
+    # amax agreement), gathered as FP8 bytes and its gradient reduce-scattered once: on two
+    # layers 4, 18 and 4, where per-projection gathers made 10, 24 and 10. The amaxes left per
+    # layer: the 2 gathered inputs, o_proj's and down_proj's feature-split inputs, and the 5
+    # column-parallel output gradients in backward. In high precision DTensor gathers the same 2
+    # inputs a layer: every other activation gather (the row-parallel layers' backward, the head)
+    # is the same in both runs.
     pytest.importorskip("transformers")
-    for counts in run_on_ranks(2, workers.sequence_parallel_collectives, "llama"):
+    bf16 = run_on_ranks(2, workers.sequence_parallel_collectives, "llama", False)
+    for counts, high_precision in zip(run_on_ranks(2, workers.sequence_parallel_collectives, "llama", True), bf16):
         layers = counts.pop("layers")
+        others = counts.pop("dtensor_gather")
         assert counts == {"gather": 2 * layers, "amax": 9 * layers, "reduce_scatter": 2 * layers}, counts
+        assert high_precision["dtensor_gather"] == others + 2 * layers, (high_precision, others)
 
 
 def test_compiled_units_keep_the_engine_hooks_outside():
