@@ -227,6 +227,21 @@ def _reductions(u: UnitPlan, setup: Setup, g: Groups, sync: bool) -> List[Transf
     return out
 
 
+def _amax_agreements(spec: ModelSpec, setup: Setup, g: Groups) -> Transfer:
+    """Current scaling under TP agrees each sharded operand's per-tensor scale over tp, one
+    4-byte max all-reduce each (fp8/tp_forward.py): per layer, in forward the row-parallel
+    layers' inputs and, under sequence parallelism, the two gathered inputs (q/k/v's and
+    gate/up's, fp8/tp_gather.py), and in backward the column-parallel layers' output
+    gradients; recomputation repeats the forward's. Latency-bound: their count is the cost."""
+    p = setup.parallel
+    block = spec.moe_block_params() if spec.experts else spec.block_params()
+    fp8 = [q for q in block if converts_to_fp8(q, setup.fp8, p.tp, 0)]
+    col, row = sum(q.tp == "col" for q in fp8), sum(q.tp == "row" for q in fp8)
+    forward = row + (2 if p.sequence_parallel and col else 0)
+    calls = spec.layers * (forward * (1 + (p.activation_checkpointing != "none")) + col)
+    return Transfer("TP FP8 amax agreements", "all_reduce", g.tp, 4, "compute", calls)
+
+
 def _model_parallel(spec: ModelSpec, setup: Setup, g: Groups) -> List[Transfer]:
     """Tensor- and context-parallel collectives of one micro-batch (torch's TP styles and CP's
     K/V gathers; recomputation repeats those checkpointing does not keep)."""
@@ -253,6 +268,8 @@ def _model_parallel(spec: ModelSpec, setup: Setup, g: Groups) -> List[Transfer]:
         else:
             calls = 2 * layers * (2 + (ac != "none"))
             out.append(Transfer("TP all-reduce activations", "all_reduce", g.tp, act, "compute", calls + 2))
+        if setup.fp8 == "current":
+            out.append(_amax_agreements(spec, setup, g))
         if not p.loss_parallel:  # replicated logits are gathered; loss parallelism keeps them sharded
             logits = t * -(-spec.vocab // p.tp) * p.tp * e
             out.append(Transfer("TP all-gather logits", "all_gather", g.tp, logits, "compute"))

@@ -200,6 +200,21 @@ def test_step_time_parts_and_throughput():
     assert {"TP all-reduce activations", "all-gather params", "reduce-scatter grads"} <= whats
 
 
+@pytest.mark.parametrize("sequence_parallel,ac,per_layer", [(True, "none", 9), (False, "none", 7), (True, "full", 13)])
+def test_fp8_current_scaling_under_tp_counts_its_amax_agreements(sequence_parallel, ac, per_layer):
+    # Per layer: forward agrees o_proj's and down's feature-split inputs (and, under sequence
+    # parallelism, the two gathered inputs), backward the 5 column-parallel output gradients;
+    # full recomputation repeats the forward's. Delayed scaling agrees nothing per GEMM.
+    def agreements(recipe):
+        config = ParallelConfig(tp=2, sequence_parallel=sequence_parallel, activation_checkpointing=ac, fp8=recipe)
+        p = plan("1b", config, gpus_per_node=2, seq_len=2048)
+        return [c for c in p.time.collectives if c.what == "TP FP8 amax agreements"], p.spec.layers
+
+    rows, layers = agreements(fsdp8.Float8CurrentScaling())
+    assert [(r.op, r.calls, r.nbytes) for r in rows] == [("all_reduce", per_layer * layers, 4)]
+    assert agreements(fsdp8.DelayedScaling())[0] == []
+
+
 def test_faster_links_expose_less():
     slow = plan("8b", nodes=8, seq_len=1024, gpu=gpu_named("h100", network_gbps=5.0))
     fast = plan("8b", nodes=8, seq_len=1024)
