@@ -193,8 +193,12 @@ class ParallelConfig:
       all-to-all, every routed token computed (no capacity limit, so results equal one
       process), the experts then sharded like other weights over the ``dp_shard / ep``
       ranks left (and ``dp_replicate``, ``cp``). The model's adapter says where its experts
-      are (``fsdp8.models.adapter_for(model).experts(model)``); tp > 1 with ep > 1 is not
-      supported yet.
+      are (``fsdp8.models.adapter_for(model).experts(model)``). With ``tp`` > 1 attention and
+      dense layers are tensor-parallel and the experts expert-parallel (a mixture-of-experts
+      model then needs ep > 1), the router replicated over tp; each tp rank has its own ep
+      group (the ranks of its tp coordinate). With ``sequence_parallel`` each tp rank routes
+      its part of the sequences; without, every tp rank routes and computes the same tokens.
+      ``compile`` is refused with ep and tp together for now.
     - ``activation_checkpointing``: ``"none"``; ``"full"`` (each unit's activations are
       recomputed in backward: least memory, one more forward); ``"selective"`` (an op-level
       policy: matmul outputs except every second one, attention outputs, reduce-scatter
@@ -287,11 +291,12 @@ class ParallelConfig:
     def _check_expert_parallel(self) -> None:
         if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
             raise ValueError(f"ParallelConfig.ep must be a positive int (the expert-parallel ranks), got {self.ep!r}")
-        if self.ep > 1 and self.tp != 1:
+        if self.ep > 1 and self.tp != 1 and self.compile is not False:
             raise LayoutNotSupported(
-                "ep_with_tp",
-                f"ep={self.ep} with tp={self.tp}: expert parallelism beside tensor parallelism is not supported yet; "
-                "use tp=1 (the experts then take the ranks tp would), or ep=1",
+                "ep_tp_compile",
+                f"ep={self.ep} with tp={self.tp} and compile: compiled decoder layers lose the gradient of their "
+                "input there (the embedding's comes out zero), so this layout is refused until that is fixed; "
+                "use compile=False with ep and tp, or one of them alone with compile",
             )
 
     def _check_tensor_parallel(self) -> None:

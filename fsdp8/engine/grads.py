@@ -63,9 +63,11 @@ def _grads_of(engine, topology, norm_type: float) -> List[torch.Tensor]:
     """The local gradients of the parameters ``topology`` shards, each counted once."""
     mains = [s.main for u in engine.all_units if u.topology is topology for s in u.slots]
     # Under TP a tp-replicated weight's gradient is on every tp rank: count it on one of them
-    # for sums (a max does not care).
+    # for sums (a max does not care). The experts' (ep, tp) mesh is reduced over ep alone
+    # (inner_group), so each tp rank already counts its replicas once.
     skip = set()
-    if topology.inner_mesh is not None and not math.isinf(norm_type) and topology.inner_mesh.get_local_rank() != 0:
+    inner = topology.inner_mesh
+    if inner is not None and inner.ndim == 1 and not math.isinf(norm_type) and inner.get_local_rank() != 0:
         skip = engine.tp_replicated
     return [g for g in (_local(p.grad) for p in mains if p.grad is not None and id(p) not in skip) if g.numel() > 0]
 

@@ -40,7 +40,7 @@ class HFAdapter(ModelAdapter):
         return decoder_layers(model)
 
     def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> Optional[FamilyPlan]:
-        return hf_plan(model, sequence_parallel, loss_parallel)
+        return hf_plan(model, sequence_parallel, loss_parallel, self.experts(model))
 
     def supports_context_parallel(self, model: nn.Module) -> bool:
         return True  # whether its attention goes through the registry is checked on the model itself

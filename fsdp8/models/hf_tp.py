@@ -10,7 +10,7 @@ gradient-all-reduce styles) are reported unless the caller's plan covers those m
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
-from typing import Dict, Optional
+from typing import Dict, Mapping, Optional
 
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..fp8.tp import Float8ColwiseParallel
-from .tp_plan import FamilyPlan, ReplicateParallel
+from .tp_plan import ExpertParallelBlock, FamilyPlan, ReplicateParallel
 
 # Projections whose output features are attention heads, and the config field counting them.
 _HEAD_PROJECTIONS = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}
@@ -61,9 +61,15 @@ def _module_name(model: nn.Module, target: Optional[nn.Module]) -> Optional[str]
     return next((name for name, module in model.named_modules() if module is target), None)
 
 
-def hf_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool):
+def hf_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool,
+            experts: Optional[Mapping[str, nn.Module]] = None):
     """The FamilyPlan of a Hugging Face model whose ``config.base_model_tp_plan`` names its
     modules, else None.
+
+    ``experts`` (name -> module, the adapter's ``experts(model)``): mixture-of-experts experts,
+    which expert parallelism splits instead: the plan's entries for them (transformers'
+    ``packed_colwise`` / ``moe_tp_experts``) are dropped and their block (router and experts)
+    becomes an ``ExpertParallelBlock``.
 
     Its keys are prefixed with the base model's name; the input embedding becomes
     vocabulary-sharded and the output head column-parallel (vocabulary-sharded logits with
@@ -103,6 +109,8 @@ def hf_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool):
     unsupported = {pattern: kind for pattern, kind in unsupported.items()
                    if not any(fnmatchcase(name, pattern) for name in per_head)}
     styles.update(_residual_norms(model, names, styles, sequence_parallel))
+    if experts:  # after the norms: a block is no owner of sharded projections
+        styles, unsupported = _experts_left_to_ep(experts, styles, unsupported, sequence_parallel)
     seq = Shard(1) if sequence_parallel else None
     embed = _module_name(model, model.get_input_embeddings())
     head = _module_name(model, model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None)
@@ -116,6 +124,24 @@ def hf_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool):
                                        use_local_output=not loss_parallel)
         vocab.append(head)
     return FamilyPlan(styles, heads=heads, vocab_modules=tuple(vocab), unsupported=unsupported)
+
+
+def _experts_left_to_ep(experts: Mapping[str, nn.Module], styles: Dict[str, ParallelStyle],
+                        unsupported: Dict[str, str], sequence_parallel: bool):
+    """``styles`` and ``unsupported`` without the patterns that reach into an experts module,
+    and an ExpertParallelBlock for each experts module's parent (the MoE block)."""
+    inside = [f"{name}.{sub}" if sub else name for name, module in experts.items()
+              for sub in [n for n, _ in module.named_modules()] + [n for n, _ in module.named_parameters()]]
+
+    def kept(pattern: str) -> bool:
+        return not any(fnmatchcase(name, pattern) for name in inside)
+
+    styles = {pattern: style for pattern, style in styles.items() if kept(pattern)}
+    unsupported = {pattern: kind for pattern, kind in unsupported.items() if kept(pattern)}
+    # The residual stream is a sequence-sharded DTensor under sequence parallel, else plain.
+    block = ExpertParallelBlock(sequence_parallel, use_local_output=not sequence_parallel)
+    styles.update({name.rsplit(".", 1)[0]: block for name in experts if "." in name})
+    return styles, unsupported
 
 
 def _residual_norms(model: nn.Module, names, styles: Dict[str, ParallelStyle],

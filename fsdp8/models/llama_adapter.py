@@ -20,7 +20,7 @@ from .adapter import CPAttention, ModelAdapter, register_adapter
 from .llama import Attention, FeedForward, Llama, causal_attention
 from .moe import Experts
 from .spec import ModelSpec, llama_spec
-from .tp_plan import FamilyPlan, Plan, ReplicateParallel
+from .tp_plan import ExpertParallelBlock, FamilyPlan, Plan, ReplicateParallel
 
 
 class LlamaAdapter(ModelAdapter):
@@ -31,9 +31,6 @@ class LlamaAdapter(ModelAdapter):
         return isinstance(model, Llama)
 
     def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> Optional[FamilyPlan]:
-        if model.config.num_experts:
-            raise ValueError(f"tensor parallelism has no plan for the built-in Llama's mixture-of-experts layers "
-                             f"yet ({model.config.num_experts} experts per layer); use tp=1")
         return llama_plan(model.config, sequence_parallel, loss_parallel)
 
     def supports_context_parallel(self, model: nn.Module) -> bool:
@@ -91,7 +88,9 @@ def llama_plan(config, sequence_parallel: bool = False, loss_parallel: bool = Fa
     leaves its logits vocabulary-sharded (``Shard(-1)``) for ``loss_parallel()``. With
     sequence parallel the residual stream between blocks is sequence-sharded (``Shard(1)``):
     norms run on sequence shards, the input of attention and feed-forward is all-gathered
-    and their output reduce-scattered instead of all-reduced."""
+    and their output reduce-scattered instead of all-reduced. A mixture-of-experts feed-forward
+    (``num_experts`` > 0) is an ``ExpertParallelBlock`` instead: its router replicated, its experts
+    left to expert parallelism (``ParallelConfig(ep=N)``)."""
     seq = Shard(1) if sequence_parallel else None
     head = ColwiseParallel(
         input_layouts=seq,
@@ -120,6 +119,11 @@ def llama_plan(config, sequence_parallel: bool = False, loss_parallel: bool = Fa
             ),
             "layers.*.ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
+    if config.num_experts:
+        for name in ("w1", "w3", "w2"):
+            del styles[f"layers.*.ffn.{name}"]
+        # The residual stream between blocks is plain (local shards under sequence parallel).
+        styles["layers.*.ffn"] = ExpertParallelBlock(sequence_parallel, use_local_output=True)
     heads = [("n_heads", config.n_heads, "layers.*.attn.wq"), ("n_kv_heads", config.n_kv_heads, "layers.*.attn.wk")]
     return FamilyPlan(styles, heads=heads, vocab_modules=("embed", "head"))
 

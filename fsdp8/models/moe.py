@@ -175,13 +175,16 @@ def combine_by_token(out: torch.Tensor, order: torch.Tensor, token: torch.Tensor
     return torch.zeros_like(hidden_states).index_add_(0, token, out.to(hidden_states.dtype))
 
 
-def load_balancing_loss(router_probs: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+def load_balancing_loss(router_probs: torch.Tensor, top_k: int) -> torch.Tensor:
     """Switch Transformer's auxiliary loss of one layer's routing, E * sum_e f_e * P_e: f_e the
-    fraction of the T * k routed slots that went to expert e, P_e the mean of ``router_probs``
-    [T, E] for e over the T tokens. 1 when the routing is uniform, E at worst. (transformers'
-    ``load_balancing_loss_func`` counts f_e per token, which is k times this.)"""
+    fraction of the T * k routed slots that went to expert e (each token's ``top_k`` most probable,
+    as the router chose them), P_e the mean of ``router_probs`` [T, E] for e over the T tokens. 1
+    when the routing is uniform, E at worst. (transformers' ``load_balancing_loss_func`` counts
+    f_e per token, which is k times this.) The choices are taken again from the probabilities, not
+    passed in, because under tensor parallelism the probabilities cover more tokens than this
+    rank routed (fsdp8.models.tp_plan.ExpertParallelBlock)."""
     num_experts = router_probs.shape[-1]
-    flat = top_k_index.reshape(-1)
+    flat = torch.topk(router_probs.detach(), top_k, dim=-1).indices.reshape(-1)
     counts = torch.zeros(num_experts, dtype=router_probs.dtype, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=router_probs.dtype))
     return num_experts * torch.sum(counts / flat.numel() * router_probs.mean(0))
@@ -261,4 +264,4 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         probs, top_k_weights, top_k_index = self.gate(flat)
         out = self.experts(flat, top_k_index, top_k_weights)
-        return out.view(x.shape), load_balancing_loss(probs, top_k_index)
+        return out.view(x.shape), load_balancing_loss(probs, top_k_index.shape[-1])

@@ -1,5 +1,5 @@
 """The words a model family's tensor-parallel plan is written in: FamilyPlan (the plan and the facts that
-check it) and ReplicateParallel, the one style fsdp8 adds to torch's.
+check it), and the styles fsdp8 adds to torch's: ReplicateParallel and ExpertParallelBlock.
 
 Here, below parallel/, because adapters (adapter.py) return plans and parallel/tp.py applies them."""
 
@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 Plan = Dict[str, Optional[ParallelStyle]]
@@ -52,6 +52,91 @@ def _replicated_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tup
 
 def _local_output(module: nn.Module, output, mesh: DeviceMesh):
     return output.to_local() if isinstance(output, DTensor) else output
+
+
+class ExpertParallelBlock(ParallelStyle):
+    """A mixture-of-experts block (router ``gate`` + ``experts``) inside a tensor-parallel model
+    whose experts expert parallelism splits (fsdp8.parallel.ep): the block computes on this
+    rank's tokens as plain tensors, the router is replicated over tp, the experts are left to
+    expert parallelism.
+
+    [Note: an MoE block under tensor parallelism]
+    Its input is the norm's output: with ``sequence_parallel`` a ``Shard(1)`` DTensor (this tp
+    rank's part of every sequence), else the whole sequences, which every tp rank holds. The
+    block takes the local tensor (its gradient handed back as ``Shard(1)``), so each tp rank
+    routes and dispatches its own tokens, and gives its output back as ``Shard(1)`` (a DTensor
+    unless ``use_local_output``, as torch's RowwiseParallel) or plain.
+
+    The router's parameters become ``Replicate()`` DTensors and it computes as DTensor on its
+    tokens taken as ``Shard(0)`` of all tokens (sequence parallel) or as ``Replicate()``: so its
+    weight's gradient is ``Partial`` over tp when tp ranks routed different tokens (the engine
+    sums it), and replicated, counted once, when they routed the same ones. Its first output
+    (the logits or probabilities that a load-balancing loss reads) is handed back for all the
+    block's tokens in the input's (batch, sequence) order, gathered over tp under sequence
+    parallelism, so that loss is the one of the whole rows on every tp rank, as one process
+    computes it; its gradient flows back to each rank's own tokens. The other outputs (the
+    chosen experts and their weights) stay this rank's."""
+
+    def __init__(self, sequence_parallel: bool = False, use_local_output: bool = True):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        gate = getattr(module, "gate", None)
+        if not isinstance(gate, nn.Module) or not isinstance(getattr(module, "experts", None), nn.Module):
+            raise ValueError(f"ExpertParallelBlock applies to a mixture-of-experts block with 'gate' and 'experts' "
+                             f"children, got {type(module).__name__}")
+        outside = [name for name, _ in module.named_parameters() if not name.startswith(("gate.", "experts."))]
+        if outside:
+            raise ValueError(f"ExpertParallelBlock: {type(module).__name__} holds {outside[0]!r} beside its router and "
+                             "experts (shared experts?), which it has no tensor-parallel layout for")
+        _replicate_parameters("gate", gate, device_mesh)
+        # This call's local [batch, sequence]: the order the gathered router output comes back in.
+        # The key is there from the start, so a compiled caller does not recompile once it is filled.
+        shape = {"rows": ()}
+        tokens = [Shard(0)] if self.sequence_parallel else [Replicate()]
+
+        def block_input(_, args):
+            x = args[0]
+            if isinstance(x, DTensor):
+                x = x.to_local(grad_placements=x.placements)
+            shape["rows"] = tuple(x.shape[:-1])
+            return (x, *args[1:])
+
+        def block_output(_, args, out):
+            if not self.sequence_parallel or self.use_local_output:
+                return out
+            if isinstance(out, tuple):  # the built-in Llama's (output, load-balancing loss)
+                return (DTensor.from_local(out[0], device_mesh, [Shard(1)], run_check=False), *out[1:])
+            return DTensor.from_local(out, device_mesh, [Shard(1)], run_check=False)
+
+        def gate_input(_, args):
+            return (DTensor.from_local(args[0], device_mesh, tokens, run_check=False), *args[1:])
+
+        def gate_output(_, args, out):
+            first, *rest = out
+            if self.sequence_parallel:
+                first = _in_sequence_order(first.redistribute(device_mesh, [Replicate()]).to_local(),
+                                           device_mesh.size(), shape["rows"])
+            else:
+                first = first.to_local()
+            return (first, *(t.to_local() if isinstance(t, DTensor) else t for t in rest))
+
+        module.register_forward_pre_hook(block_input)
+        module.register_forward_hook(block_output)
+        gate.register_forward_pre_hook(gate_input)
+        gate.register_forward_hook(gate_output)
+        return module
+
+
+def _in_sequence_order(gathered: torch.Tensor, tp: int, rows: tuple) -> torch.Tensor:
+    """Rows gathered over tp (rank-major: each rank's [batch, local sequence] flattened) in
+    the order of the whole [batch, sequence]."""
+    if len(rows) != 2:
+        return gathered  # no sequence dimension to interleave
+    batch, local = rows
+    return gathered.view(tp, batch, local, -1).transpose(0, 1).reshape(batch * tp * local, -1)
 
 
 @dataclass

@@ -36,19 +36,30 @@ rank of its ep group (the backward all-to-all brought them), so averaging over `
 alone would count ``ep`` ranks' worth of data against a divisor ``ep`` times too small: the
 forward scales the experts' gradients by ``1 / ep`` (``_ScaleGrad``), which makes them the
 data-parallel mean that one process over the global batch computes.
+
+[Note: experts beside tensor parallelism]
+With tp > 1 the experts' mesh keeps the world's ``tp`` dim, so each tp rank has its own ep group
+(the ranks of its tp coordinate) and the experts are DTensors ``(Shard(0), Replicate())`` on
+``(ep, tp)``: every tp rank holds the same experts. The MoE block computes on each rank's own
+tokens (fsdp8.models.tp_plan.ExpertParallelBlock). Under sequence parallelism those are this tp
+rank's part of each sequence, different on every tp rank, so an expert's gradient on one tp rank
+covers only its tokens: the weights are read with a ``Partial`` gradient over tp, which the engine
+sums. Without it every tp rank holds the whole sequences and computes the same experts on the
+same tokens; the gradient stays ``Replicate`` (summing would count the tokens tp times). The
+1 / ep scale and the engine's average over the experts' data-parallel dims are as above.
 """
 
 from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 from ..distributed import comm
 from ..fp8.grouped import fp8_experts_forward, runs_fp8_experts
@@ -65,6 +76,8 @@ class ExpertGroup:
     group: dist.ProcessGroup
     size: int
     num_experts: int
+    # The experts' local weights' gradient placements on (ep, tp); None: their own (see the Note).
+    grad_placements: Optional[Tuple[Placement, ...]] = None
 
     @property
     def local_experts(self) -> int:
@@ -102,13 +115,14 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+def _local(t: torch.Tensor, grad_placements: Optional[Tuple[Placement, ...]] = None) -> torch.Tensor:
+    return t.to_local(grad_placements=grad_placements) if isinstance(t, DTensor) else t
 
 
-def check_expert_parallel(model: nn.Module, ep: int) -> Dict[str, nn.Module]:
-    """The experts modules of ``model``, after checking that ``ep`` can split them; raises a
-    ValueError naming ``ep`` and the fix otherwise (before anything is communicated)."""
+def check_expert_parallel(model: nn.Module, ep: int, tp: int = 1) -> Dict[str, nn.Module]:
+    """The experts modules of ``model``, after checking that ``ep`` can split them (and with
+    ``tp`` > 1 that their blocks are router + experts, what ExpertParallelBlock lays out); raises
+    a ValueError naming ``ep`` and the fix otherwise (before anything is communicated)."""
     experts = adapter_for(model).experts(model)
     if not experts:
         raise ValueError(
@@ -126,21 +140,45 @@ def check_expert_parallel(model: nn.Module, ep: int) -> Dict[str, nn.Module]:
                 f"ep={ep} does not divide the {count} experts of {name!r}; choose ep among "
                 f"{[d for d in range(1, count + 1) if count % d == 0]}"
             )
+    if tp > 1:
+        _check_blocks(model, experts, ep, tp)
     return experts
 
 
-def expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> nn.Module:
+def _check_blocks(model: nn.Module, experts: Dict[str, nn.Module], ep: int, tp: int) -> None:
+    modules = dict(model.named_modules())
+    for name in experts:
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        block = modules[parent]
+        outside = [p for p, _ in block.named_parameters() if not p.startswith(("gate.", "experts."))]
+        if name != f"{parent}.experts" or not isinstance(getattr(block, "gate", None), nn.Module) or outside:
+            what = f"holds {outside[0]!r} beside them" if outside else "does not call them 'experts' beside a 'gate'"
+            raise ValueError(
+                f"ep={ep} with tp={tp}: the block {parent!r} ({type(block).__name__}) of experts {name!r} {what}; "
+                "tensor parallelism lays out mixture-of-experts blocks made of a router 'gate' and 'experts' only "
+                "(no shared experts yet); use tp=1 with this model"
+            )
+
+
+def expert_parallel(model: nn.Module, expert_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
     """Split ``model``'s experts over ``expert_mesh["ep"]`` and dispatch tokens to them with
     all-to-all (see [Note: expert parallelism]); returns ``model``. Call before
-    ``fully_shard``, on every rank (``fsdp8.parallelize(model, ParallelConfig(ep=N))`` does)."""
+    ``fully_shard``, on every rank (``fsdp8.parallelize(model, ParallelConfig(ep=N))`` does).
+    With a ``tp`` dim in ``expert_mesh`` the experts are replicated over it, and
+    ``sequence_parallel`` says whether tp ranks hold different tokens ([Note: experts beside
+    tensor parallelism]); apply ``fsdp8.parallel.tensor_parallel`` first."""
     ep_mesh = expert_mesh["ep"]
-    experts = check_expert_parallel(model, ep_mesh.size())
+    tp = expert_mesh["tp"].size() if "tp" in (expert_mesh.mesh_dim_names or ()) else 1
+    experts = check_expert_parallel(model, ep_mesh.size(), tp)
+    mesh = expert_mesh["ep", "tp"] if tp > 1 else ep_mesh
+    placements = [Shard(0)] + [Replicate()] * (tp > 1)
+    grad_placements = (Shard(0), Partial()) if tp > 1 and sequence_parallel else None
     for module in experts.values():
         for name in EXPERT_PARAMS:
             param = getattr(module, name)
-            placed = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+            placed = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)
             module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
-        group = ExpertGroup(ep_mesh.get_group(), ep_mesh.size(), module.gate_up_proj.shape[0])
+        group = ExpertGroup(ep_mesh.get_group(), ep_mesh.size(), module.gate_up_proj.shape[0], grad_placements)
         module.forward = types.MethodType(_dispatching_forward(group), module)
     return model
 
@@ -185,8 +223,8 @@ def dispatch_and_compute(module: nn.Module, group: ExpertGroup, hidden_states: t
     arrived = _AllToAll.apply(rows, out_splits, in_splits, group.group, "ep dispatch")
     regroup, local_counts = permute_by_expert(_local_expert_of_rows(received, sum(out_splits)), group.local_experts)
     scale = 1.0 / group.size
-    gate_up = _ScaleGrad.apply(_local(module.gate_up_proj), scale)
-    down = _ScaleGrad.apply(_local(module.down_proj), scale)
+    gate_up = _ScaleGrad.apply(_local(module.gate_up_proj, group.grad_placements), scale)
+    down = _ScaleGrad.apply(_local(module.down_proj, group.grad_placements), scale)
     computed = expert_mlp(arrived[regroup], local_counts, gate_up, down, module.act_fn,
                           recipe=getattr(module, "fp8_recipe", None))
     restored = computed.new_empty(computed.shape).index_copy(0, regroup, computed)  # back to arrival order

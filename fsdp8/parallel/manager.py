@@ -188,19 +188,19 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
             f"of {type(model).__name__}; use cp=1, or build the world mesh yourself and call "
             "fsdp8.parallel.cp.ContextAttention from your model's attention"
         )
-    experts = _check_expert_parallel(model, config.ep, sizes["dp_shard"])
+    experts = _check_expert_parallel(model, config.ep, sizes, adapter)
     offload = _offload_kwargs(config)
 
     mesh = make_mesh(config.dp_replicate, config.dp_shard, config.cp, config.tp)
     if tp > 1:
-        _apply_tensor_parallel(model, config, tp_mesh(mesh))
+        _apply_tensor_parallel(model, config, tp_mesh(mesh), experts)
     if cp > 1:
         context_parallel(model, mesh, config.sequence_parallel)
     precision = resolve_precision(config.precision, mesh.device_type)
     units = config.units if config.units is not None else adapter.units(model)
     expert_mesh = make_expert_mesh(mesh, config.ep) if experts else None
     if experts:
-        expert_parallel(model, expert_mesh)
+        expert_parallel(model, expert_mesh, config.sequence_parallel)
         units = _units_and_experts(model, units, experts)
     elif config.fp8 is not None:
         computed_in_fp8(model)
@@ -263,16 +263,26 @@ def _check_tensor_parallel(model: nn.Module, config: ParallelConfig, tp: int, ad
         )
 
 
-def _check_expert_parallel(model: nn.Module, ep: int, dp_shard: int) -> Dict[str, nn.Module]:
+def _check_expert_parallel(model: nn.Module, ep: int, sizes: Dict[str, int],
+                           adapter: ModelAdapter) -> Dict[str, nn.Module]:
     """The experts modules ep > 1 splits ({} for ep = 1), after every check that needs no mesh."""
+    dp_shard, tp = sizes["dp_shard"], sizes.get("tp", 1)
+    choices = [d for d in range(1, dp_shard + 1) if dp_shard % d == 0]
     if ep == 1:
+        if tp > 1 and adapter.experts(model):
+            raise ValueError(
+                f"tp={tp} with a mixture-of-experts model and ep=1: tensor parallelism splits attention and dense "
+                f"layers, and the experts go to expert parallelism; set ep to a divisor > 1 of dp_shard={dp_shard} "
+                f"(the ranks left beside tp={tp}{', so lower tp' if dp_shard == 1 else ''}), or use tp=1"
+            )
         return {}
     if dp_shard % ep:
+        beside = f" (the world of {dist.get_world_size()} ranks over tp={tp} and the other dims)" if tp > 1 else ""
         raise ValueError(
-            f"ep={ep} must divide dp_shard={dp_shard}: expert parallelism borrows its ranks from the data-parallel "
-            f"shard dim; choose ep among {[d for d in range(1, dp_shard + 1) if dp_shard % d == 0]}, or change dp_shard"
+            f"ep={ep} must divide dp_shard={dp_shard}{beside}: expert parallelism borrows its ranks from the "
+            f"data-parallel shard dim; choose ep among {choices}, or change dp_shard{' or lower tp' if tp > 1 else ''}"
         )
-    return check_expert_parallel(model, ep)
+    return check_expert_parallel(model, ep, tp)
 
 
 def _units_and_experts(model: nn.Module, units, experts: Dict[str, nn.Module]):
@@ -281,10 +291,11 @@ def _units_and_experts(model: nn.Module, units, experts: Dict[str, nn.Module]):
     return lambda name, module: name in names
 
 
-def _apply_tensor_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> None:
+def _apply_tensor_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh,
+                           experts: Dict[str, nn.Module]) -> None:
     try:
         tensor_parallel(model, mesh, plan=config.tp_plan, sequence_parallel=config.sequence_parallel,
-                        loss_parallel=config.loss_parallel)
+                        loss_parallel=config.loss_parallel, placed_elsewhere=tuple(experts))
     except (TypeError, ValueError) as e:
         raise type(e)(f"{e} (parallelize passes ParallelConfig.tp_plan as tensor_parallel's plan)") from None
 

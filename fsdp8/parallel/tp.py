@@ -206,10 +206,11 @@ def _check_sequence_length(tp: int):
     return hook
 
 
-def _warn_plain(model: nn.Module) -> None:
+def _warn_plain(model: nn.Module, placed_elsewhere: Tuple[str, ...]) -> None:
     """A plan (the caller's) that leaves some parameters plain tensors beside DTensors: say
     so once, since the optimizer's first foreach step would fail far from the cause."""
-    plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)
+             and not any(name.startswith(module + ".") for module in placed_elsewhere)]
     if plain:
         import warnings
 
@@ -225,6 +226,7 @@ def tensor_parallel(
     plan: Optional[Mapping[str, Optional[ParallelStyle]]] = None,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
+    placed_elsewhere: Tuple[str, ...] = (),
 ) -> nn.Module:
     """Split ``model``'s layers over the 1-D ``tp_mesh`` with torch's ParallelStyles; returns ``model``.
 
@@ -240,7 +242,9 @@ def tensor_parallel(
     logits (the built-in Llama's ``model(tokens, targets)`` and an HF causal LM's
     ``labels=`` loss both work there). Parameters become DTensors on ``tp_mesh``; tied
     weights stay one parameter. Raises on every rank, before any communication, for plan
-    keys that match nothing and for shapes tp does not divide."""
+    keys that match nothing and for shapes tp does not divide. ``placed_elsewhere``: names of
+    modules whose parameters the caller places itself (``parallelize``'s experts, which
+    expert parallelism splits), not warned about as left plain."""
     if not isinstance(tp_mesh, DeviceMesh) or tp_mesh.ndim != 1:
         raise ValueError(
             f"tp_mesh must be a 1-D DeviceMesh, got {tp_mesh!r}; take it from the world mesh with "
@@ -272,7 +276,7 @@ def tensor_parallel(
     for name, style in resolved.items():
         parallelize_module(modules[name], tp_mesh, style)
     _retie(modules, tied)
-    _warn_plain(model)
+    _warn_plain(model, placed_elsewhere)
     if sequence_parallel:
         model.register_forward_pre_hook(_check_sequence_length(tp), with_kwargs=True)
     return model

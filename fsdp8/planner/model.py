@@ -60,8 +60,9 @@ def check_tp(spec: ModelSpec, tp: int) -> None:
     if tp == 1:
         return
     if spec.experts:
-        raise ValueError(f"tp={tp}: {spec.name} has mixture-of-experts layers, which fsdp8 has no tensor-parallel plan "
-                         "for; use tp=1, and ep to split the experts over ranks")
+        raise ValueError(f"tp={tp}: {spec.name} has mixture-of-experts layers, and the planner does not predict them "
+                         "beside tensor parallelism yet (fsdp8.parallelize runs them with ep > 1); plan with tp=1, "
+                         "and ep to split the experts over ranks")
     counts = (("heads", spec.heads), ("kv_heads", spec.kv_heads), ("ffn", spec.ffn))
     problems = [f"{what}={count}" for what, count in counts if count % tp]
     if problems:

@@ -99,7 +99,12 @@ def test_overwrite_deletes_the_earlier_run_and_says_so(tmp_path, capsys, launche
     (["--nproc", "2", "--ep", "2"], "--ep 2: ep=2 splits the experts of a mixture-of-experts model, but Llama has "
                                     "none (its adapter found no experts module); use ep=1 for a dense model; a "
                                     "built-in mixture-of-experts model is --preset moe-tiny"),
-    (["--nproc", "2", "--ep", "2", "--tp", "2"], "--ep 2 with --tp 2: expert parallelism beside tensor parallelism"),
+    (["--nproc", "2", "--ep", "2", "--tp", "2", "--preset", "moe-tiny"],
+     "--ep 2 must divide the 1 data-parallel shard ranks (--nproc / (--dp-replicate x --cp x --tp))"),
+    (["--nproc", "4", "--ep", "2", "--tp", "2", "--compile"], "--compile does not work with --ep 2 and --tp 2"),
+    (["--nproc", "4", "--tp", "2", "--preset", "moe-tiny"],
+     "--tp 2 with a mixture-of-experts model: tensor parallelism splits attention and dense layers, and the experts "
+     "go to expert parallelism; add --ep N"),
     (["--outer-strategy", "optim"], "--outer-strategy optim shards across HSDP replicas, but there are none"),
     (["--nproc", "4", "--cp", "2", "--ac", "selective"], "--ac selective does not work with --cp 2 yet"),
     (["--offload", "optim", "--strategy", "no_shard"], "--strategy no_shard shards nothing"),

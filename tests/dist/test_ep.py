@@ -21,7 +21,7 @@ FP32_TOL = 4e-6
 LOSS_TOL = 1e-6
 
 
-def _check(results, ep: int, cp: int = 1):
+def _check(results, ep: int, cp: int = 1, tp: int = 1):
     for out in results:
         errors = out["errors"]
         assert errors["loss"] <= LOSS_TOL and errors["grad"] <= FP32_TOL and errors["norm"] <= FP32_TOL, errors
@@ -30,7 +30,9 @@ def _check(results, ep: int, cp: int = 1):
         placed = out["experts"]
         assert placed and all(p.get("ep") == "S(0)" for p in placed.values()), placed
         assert all(any("efsdp" in dim for dim in p) for p in placed.values()), placed
-    assert [out["dp"] for out in results] == [(r // cp, len(results) // cp) for r in range(len(results))]
+        assert all(p.get("tp", "R") == "R" for p in placed.values()), placed  # every tp rank holds its ep group's
+    group = cp * tp  # the ranks of one data-parallel rank
+    assert [out["dp"] for out in results] == [(r // group, len(results) // group) for r in range(len(results))]
 
 
 @pytest.mark.parametrize("family", ["builtin", "qwen3_moe", "mixtral"])
@@ -60,6 +62,19 @@ def test_ep_with_context_parallelism():
     _check(run_on_ranks(4, workers.parity, "builtin_noaux", {"ep": 2, "cp": 2}), 2, cp=2)
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("family", ["builtin", "qwen3_moe"])
+def test_ep2_with_tp2(family, sequence_parallel):
+    # dp_shard 2 x tp 2: attention tensor-parallel, experts split over the two dp_shard ranks of
+    # each tp index, the router replicated. With sequence parallelism each tp rank routes its half
+    # of every sequence (expert and router gradients summed over tp); without, both route all of
+    # it (their gradients must not be). Same bounds: fp32 with other summation orders.
+    if family != "builtin":
+        pytest.importorskip("transformers")
+    layout = {"ep": 2, "tp": 2, "sequence_parallel": sequence_parallel}
+    _check(run_on_ranks(4, workers.parity, family, layout), 2, tp=2)
+
+
 @pytest.mark.parametrize("outer", ["no_shard", "optim"])
 def test_ep_hsdp(outer):
     _check(run_on_ranks(4, workers.parity, "qwen3_moe", {"ep": 2, "dp_replicate": 2, "outer_strategy": outer}), 2)
@@ -70,6 +85,10 @@ def test_ep_hsdp(outer):
     ("builtin", {"ep": 2, "dp_shard": 2, "dp_replicate": 2}, None),
     ("dense", {"ep": 2}, "has none"),
     ("builtin6", {"ep": 4}, "ep=4 does not divide the 6 experts"),
+    ("builtin", {"ep": 4, "tp": 2}, "ep=4 must divide dp_shard=2 (the world of 4 ranks over tp=2 and the other "
+                                    "dims): expert parallelism borrows its ranks from the data-parallel shard dim; "
+                                    "choose ep among [1, 2], or change dp_shard or lower tp"),
+    ("builtin", {"tp": 2}, "tp=2 with a mixture-of-experts model and ep=1: tensor parallelism splits attention"),
 ])
 def test_bad_ep_raises_on_every_rank(family, layout, expected):
     results = run_on_ranks(4, workers.bad_config, family, layout)

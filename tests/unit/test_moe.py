@@ -15,6 +15,7 @@ from fsdp8.models import adapter_for
 from fsdp8.models import moe
 from fsdp8.models.llama import Block, Llama, LlamaConfig, preset
 from fsdp8.models.moe import Experts, MoE, experts_forward, grouped_mm, permute_by_expert
+from fsdp8.models.tp_plan import ExpertParallelBlock
 from tests.unit.test_llama import materialize, reset_real
 
 SMALL_MOE = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16,
@@ -370,7 +371,7 @@ def test_a_dense_config_ignores_the_expert_count_per_token():
 
 
 # -- adapters --------------------------------------------------------------------------------------
-def test_adapters_name_and_size_the_experts_and_refuse_tensor_parallelism():
+def test_adapters_name_and_size_the_experts_and_leave_them_out_of_tensor_parallelism():
     model = Llama(SMALL_MOE)
     adapter = adapter_for(model)
     assert list(adapter.experts(model)) == ["layers.0.ffn.experts", "layers.1.ffn.experts"]
@@ -379,8 +380,11 @@ def test_adapters_name_and_size_the_experts_and_refuse_tensor_parallelism():
     spec = adapter.planner_spec(model)  # what parallelize(model, "auto") plans with
     assert (spec.experts, spec.experts_per_token, spec.expert_ffn, spec.moe_layers) == (4, 2, 16, 2)
     assert (spec.num_params, spec.num_active_params) == (model.num_params(), model.num_active_params())
-    with pytest.raises(ValueError, match="tensor parallelism has no plan for the built-in Llama's mixture-of-experts"):
-        adapter.tp_plan(model, False, False)
+    # Attention tensor-parallel; each MoE block an ExpertParallelBlock (router replicated, experts to ep).
+    for sp in (False, True):
+        styles = adapter.tp_plan(model, sp, False).styles
+        assert isinstance(styles["layers.*.ffn"], ExpertParallelBlock) and styles["layers.*.ffn"].sequence_parallel is sp
+        assert not any("experts" in key or key.startswith("layers.*.ffn.") for key in styles), sorted(styles)
     dense = Llama(small_moe(num_experts=0))
     assert adapter.experts(dense) == {} and sum(bool(adapter.swiglu_names(m)) for m in dense.modules()) == 2
     assert isinstance(dense.layers[0], Block)
@@ -388,6 +392,10 @@ def test_adapters_name_and_size_the_experts_and_refuse_tensor_parallelism():
     for kind in ("Qwen3Moe", "Mixtral"):
         hf = hf_model(kind)
         assert list(adapter_for(hf).experts(hf)) == ["model.layers.0.mlp.experts"]
+        plan = adapter_for(hf).tp_plan(hf, True, False)  # transformers' packed/MoE expert styles dropped
+        assert plan.unsupported == {} and not any("experts" in key for key in plan.styles), plan
+        block = plan.styles["model.layers.0.mlp"]
+        assert isinstance(block, ExpertParallelBlock) and not block.use_local_output
 
 
 def test_fp8_conversion_converts_experts_and_names_routers_kept_in_high_precision():

@@ -40,3 +40,15 @@ def test_embedding_in_the_plan_keeps_sequence_parallel_norms():
     styles = adapter_for(model).tp_plan(model, sequence_parallel=True, loss_parallel=False).styles
     norms = [n for n, s in styles.items() if isinstance(s, SequenceParallel)]
     assert "model.norm" in norms and "model.layers.0.input_layernorm" in norms, norms
+
+
+def test_router_output_gathered_over_tp_comes_back_in_sequence_order():
+    # ExpertParallelBlock gathers each tp rank's [batch, local sequence] rows rank-major; the
+    # load-balancing loss (an attention mask, with Hugging Face models) pairs them with [batch, sequence].
+    import torch
+
+    from fsdp8.models.tp_plan import _in_sequence_order
+
+    tokens = torch.arange(2 * 6).view(2, 6, 1).float()  # batch 2, sequence 6, one feature
+    per_rank = [tokens[:, r * 2:(r + 1) * 2].reshape(-1, 1) for r in range(3)]  # tp 3, 2 positions each
+    assert torch.equal(_in_sequence_order(torch.cat(per_rank), 3, (2, 2)), tokens.reshape(-1, 1))

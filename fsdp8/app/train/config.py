@@ -256,7 +256,7 @@ def _check_expert_parallel(cfg: TrainConfig, dp_shard: int) -> None:
         raise ValueError(f"--ep {ep} must divide the {dp_shard} data-parallel shard ranks (--nproc / (--dp-replicate x "
                          "--cp x --tp)), from which expert parallelism borrows its ranks; change --ep or --nproc")
     try:
-        check_expert_parallel(build_model(cfg), ep)
+        check_expert_parallel(build_model(cfg), ep, cfg.parallel.tp)
     except ValueError as e:
         hint = "; a built-in mixture-of-experts model is --preset moe-tiny" if not cfg.model else ""
         raise ValueError(f"--ep {ep}: {e}{hint}") from None
@@ -266,6 +266,10 @@ def _check_tensor_parallel(cfg: TrainConfig) -> None:
     """The model's tensor-parallel plan against --tp, on a meta-device copy (what parallelize checks
     in every worker, here in one line before they start)."""
     model, p = build_model(cfg), cfg.parallel
+    if p.ep == 1 and adapter_for(model).experts(model):
+        raise ValueError(f"--tp {p.tp} with a mixture-of-experts model: tensor parallelism splits attention and dense "
+                         "layers, and the experts go to expert parallelism; add --ep N (N > 1 dividing the "
+                         "data-parallel shard ranks), or use --tp 1")
     try:
         family = adapter_for(model).tp_plan(model, p.sequence_parallel, p.loss_parallel)
         if family is None:
