@@ -199,6 +199,12 @@ class ParallelConfig:
       group (the ranks of its tp coordinate). With ``sequence_parallel`` each tp rank routes
       its part of the sequences; without, every tp rank routes and computes the same tokens.
       ``compile`` is refused with ep and tp together for now.
+    - ``load_balancing`` (mixture-of-experts models whose adapter computes the router's
+      load-balancing loss: the built-in Llama): ``"local"`` counts each rank's own tokens per
+      expert (data-parallel semantics: each rank's rows one batch); ``"global"`` counts the
+      whole global batch's (an all-reduce of the counts over the data-parallel and cp ranks
+      in each MoE layer's forward), so the ranks' averaged loss is one process's on the
+      global batch, as Qwen's global-batch balancing argues for.
     - ``activation_checkpointing``: ``"none"``; ``"full"`` (each unit's activations are
       recomputed in backward: least memory, one more forward); ``"selective"`` (an op-level
       policy: matmul outputs except every second one, attention outputs, reduce-scatter
@@ -227,6 +233,7 @@ class ParallelConfig:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    load_balancing: str = "local"
     sequence_parallel: bool = False
     loss_parallel: bool = False
     tp_plan: Optional[Mapping[str, Any]] = None
@@ -289,6 +296,8 @@ class ParallelConfig:
             )
 
     def _check_expert_parallel(self) -> None:
+        if self.load_balancing not in ("local", "global"):
+            raise ValueError(f"ParallelConfig.load_balancing must be 'local' or 'global', got {self.load_balancing!r}")
         if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
             raise ValueError(f"ParallelConfig.ep must be a positive int (the expert-parallel ranks), got {self.ep!r}")
         if self.ep > 1 and self.tp != 1 and self.compile is not False:
