@@ -220,6 +220,20 @@ def all_reduce(tensor: torch.Tensor, group, op, label: str) -> None:
          lambda async_op: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
 
+def summed(tensor: torch.Tensor, groups, label: str) -> torch.Tensor:
+    """``tensor`` summed over each group of ``groups`` in turn (out of place). Through torch's
+    functional collectives, which torch.compile traces: for per-batch statistics computed inside
+    a compiled block's forward (a router's expert counts), where the in-place ones would break
+    the graph."""
+    import torch.distributed._functional_collectives as funcol
+
+    for group in groups:
+        if group_size(group) > 1:
+            with record_function(f"fsdp8::all_reduce[{label}]"):
+                tensor = funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group))
+    return tensor
+
+
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: List[int], in_splits: List[int], group,
                label: str) -> None:
     """Send rows ``in_splits[j]`` of ``inp`` (in order) to rank ``j`` of ``group`` and receive

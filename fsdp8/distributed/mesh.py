@@ -140,6 +140,15 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh[shard, "cp"]._flatten(f"{shard}_cp")
 
 
+def token_groups(mesh: DeviceMesh) -> tuple:
+    """The process groups of a world mesh's dims whose ranks hold other tokens of the global
+    batch (``dp_replicate``, ``dp_shard``, ``cp``; not ``tp``, whose ranks see the same
+    sequences), those of more than one rank: summing over each in turn sums over all of them."""
+    names = _dim_names(mesh)
+    return tuple(mesh[name].get_group() for name in ("dp_replicate", "dp_shard", "cp")
+                 if name in names and mesh[name].size() > 1)
+
+
 def tp_mesh(mesh: DeviceMesh) -> Optional[DeviceMesh]:
     """The 1-D tensor-parallel sub-mesh of a world mesh from ``make_mesh``, or None without tp."""
     return mesh["tp"] if "tp" in _dim_names(mesh) else None

@@ -115,6 +115,17 @@ class ModelAdapter:
         Empty: a dense model."""
         return {}
 
+    def load_balancing_modules(self, model: nn.Module) -> List[nn.Module]:
+        """The modules whose forward computes ``model``'s router load-balancing loss through
+        fsdp8.models.moe.load_balancing_loss, reading their ``load_balancing_groups``: where
+        ``ParallelConfig(load_balancing="global")`` sets the token groups. Raises for a family
+        that computes that loss elsewhere (transformers' models, in their own forward)."""
+        raise ValueError(
+            f"load_balancing='global' counts the experts' tokens in fsdp8's load-balancing loss, which "
+            f"{type(model).__name__} does not compute (transformers' MoE models compute theirs in their own "
+            "forward); use load_balancing='local'"
+        )
+
     def skip_packed_sequence_check(self, model: nn.Module) -> Callable[[], None]:
         """The function that removes the family's host-synchronising checks for packed sequences
         (``ParallelConfig.skip_packed_sequence_check``); raises for a family without them."""

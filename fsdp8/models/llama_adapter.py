@@ -4,7 +4,7 @@ FeedForward as a SwiGLU MLP and its MoE layers' experts."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import (
 
 from .adapter import CPAttention, ModelAdapter, register_adapter
 from .llama import Attention, FeedForward, Llama, causal_attention
-from .moe import Experts
+from .moe import Experts, MoE
 from .spec import ModelSpec, llama_spec
 from .tp_plan import ExpertParallelBlock, FamilyPlan, Plan, ReplicateParallel
 
@@ -53,6 +53,13 @@ class LlamaAdapter(ModelAdapter):
     def swiglu_names(self, module: nn.Module) -> Optional[Tuple[str, str, str]]:
         # The exact class: a subclass may compute something else with the same children.
         return ("w1", "w3", "w2") if type(module) is FeedForward else None
+
+    def load_balancing_modules(self, model: nn.Module) -> List[nn.Module]:
+        layers = [m for m in model.modules() if isinstance(m, MoE)]
+        if not layers:
+            raise ValueError("load_balancing='global' applies to a mixture-of-experts model's router loss, and this "
+                             "built-in Llama is dense (num_experts=0); leave load_balancing='local'")
+        return layers
 
     def experts(self, model: nn.Module) -> Dict[str, nn.Module]:
         return {name: m for name, m in model.named_modules() if isinstance(m, Experts)}

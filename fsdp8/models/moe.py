@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..distributed import comm
 from ..fp8.grouped import fp8_experts_forward, fp8_grouped_mm, group_bounds
 from ..fp8.recipes import Recipe
 
@@ -175,19 +176,28 @@ def combine_by_token(out: torch.Tensor, order: torch.Tensor, token: torch.Tensor
     return torch.zeros_like(hidden_states).index_add_(0, token, out.to(hidden_states.dtype))
 
 
-def load_balancing_loss(router_probs: torch.Tensor, top_k: int) -> torch.Tensor:
+def load_balancing_loss(router_probs: torch.Tensor, top_k: int, token_groups: Sequence = ()) -> torch.Tensor:
     """Switch Transformer's auxiliary loss of one layer's routing, E * sum_e f_e * P_e: f_e the
     fraction of the T * k routed slots that went to expert e (each token's ``top_k`` most probable,
     as the router chose them), P_e the mean of ``router_probs`` [T, E] for e over the T tokens. 1
     when the routing is uniform, E at worst. (transformers' ``load_balancing_loss_func`` counts
     f_e per token, which is k times this.) The choices are taken again from the probabilities, not
     passed in, because under tensor parallelism the probabilities cover more tokens than this
-    rank routed (fsdp8.models.tp_plan.ExpertParallelBlock)."""
+    rank routed (fsdp8.models.tp_plan.ExpertParallelBlock).
+
+    ``token_groups``: process groups of the ranks that hold other tokens of the global batch
+    (data-parallel and context-parallel ranks). With them f_e counts the whole global batch's
+    slots ("global-batch" load balancing, one all-reduce of E + 1 numbers per group) while P_e
+    stays this rank's; the ranks' losses averaged (as data-parallel gradients are) are then one
+    process's loss on the global batch. Without, f_e and P_e are both this call's (data-parallel
+    semantics: each rank's rows one batch)."""
     num_experts = router_probs.shape[-1]
     flat = torch.topk(router_probs.detach(), top_k, dim=-1).indices.reshape(-1)
-    counts = torch.zeros(num_experts, dtype=router_probs.dtype, device=flat.device)
+    counts = torch.zeros(num_experts + 1, dtype=router_probs.dtype, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=router_probs.dtype))
-    return num_experts * torch.sum(counts / flat.numel() * router_probs.mean(0))
+    counts[num_experts] = flat.numel()
+    counts = comm.summed(counts, token_groups, "moe global-batch expert counts")
+    return num_experts * torch.sum(counts[:num_experts] / counts[num_experts] * router_probs.mean(0))
 
 
 # -- the built-in Llama's MoE layer ----------------------------------------------------------------
@@ -250,7 +260,12 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """The MoE feed-forward: route each token (``gate``), run its experts (``experts``)."""
+    """The MoE feed-forward: route each token (``gate``), run its experts (``experts``).
+    ``load_balancing_groups``: the process groups its load-balancing loss counts the experts'
+    tokens over (``load_balancing_loss``'s ``token_groups``); parallelize sets them for
+    ``ParallelConfig(load_balancing="global")``."""
+
+    load_balancing_groups: Tuple = ()
 
     def __init__(self, config):
         super().__init__()
@@ -264,4 +279,4 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         probs, top_k_weights, top_k_index = self.gate(flat)
         out = self.experts(flat, top_k_index, top_k_weights)
-        return out.view(x.shape), load_balancing_loss(probs, top_k_index.shape[-1])
+        return out.view(x.shape), load_balancing_loss(probs, top_k_index.shape[-1], self.load_balancing_groups)

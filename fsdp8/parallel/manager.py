@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..config import ParallelConfig, check_checkpointing_with_cp, resolve_precision
-from ..distributed.mesh import make_expert_mesh, make_mesh, mesh_dims, tp_mesh
+from ..distributed.mesh import make_expert_mesh, make_mesh, mesh_dims, token_groups, tp_mesh
 from ..distributed.process_group import init_distributed, mesh_device
 from ..engine.model import fully_shard
 from ..engine.sharded import ShardedModel
@@ -189,6 +189,7 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
             "fsdp8.parallel.cp.ContextAttention from your model's attention"
         )
     experts = _check_expert_parallel(model, config.ep, sizes, adapter)
+    balanced = adapter.load_balancing_modules(model) if config.load_balancing == "global" else []
     offload = _offload_kwargs(config)
 
     mesh = make_mesh(config.dp_replicate, config.dp_shard, config.cp, config.tp)
@@ -196,6 +197,8 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
         _apply_tensor_parallel(model, config, tp_mesh(mesh), experts)
     if cp > 1:
         context_parallel(model, mesh, config.sequence_parallel)
+    for module in balanced:  # the router loss counts the experts' tokens of the global batch
+        module.load_balancing_groups = token_groups(mesh)
     precision = resolve_precision(config.precision, mesh.device_type)
     units = config.units if config.units is not None else adapter.units(model)
     expert_mesh = make_expert_mesh(mesh, config.ep) if experts else None
