@@ -198,7 +198,6 @@ class ParallelConfig:
       model then needs ep > 1), the router replicated over tp; each tp rank has its own ep
       group (the ranks of its tp coordinate). With ``sequence_parallel`` each tp rank routes
       its part of the sequences; without, every tp rank routes and computes the same tokens.
-      ``compile`` is refused with ep and tp together for now.
     - ``load_balancing`` (mixture-of-experts models whose adapter computes the router's
       load-balancing loss: the built-in Llama): ``"local"`` counts each rank's own tokens per
       expert (data-parallel semantics: each rank's rows one batch); ``"global"`` counts the
@@ -300,13 +299,6 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.load_balancing must be 'local' or 'global', got {self.load_balancing!r}")
         if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
             raise ValueError(f"ParallelConfig.ep must be a positive int (the expert-parallel ranks), got {self.ep!r}")
-        if self.ep > 1 and self.tp != 1 and self.compile is not False:
-            raise LayoutNotSupported(
-                "ep_tp_compile",
-                f"ep={self.ep} with tp={self.tp} and compile: compiled decoder layers lose the gradient of their "
-                "input there (the embedding's comes out zero), so this layout is refused until that is fixed; "
-                "use compile=False with ep and tp, or one of them alone with compile",
-            )
 
     def _check_tensor_parallel(self) -> None:
         if self.tp != 1:

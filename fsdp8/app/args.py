@@ -154,9 +154,6 @@ def _in_flags(rule: str, f: dict) -> Optional[str]:
                 "context-parallel attention's causal mask); use --ac full")
     if rule == "offload":
         return f"--offload must be one of {', '.join(OFFLOAD_MODES)}, got {f['offload']!r}"
-    if rule == "ep_tp_compile":
-        return (f"--compile does not work with --ep {f['ep']} and --tp {f['tp']} together yet (compiled blocks lose "
-                "their input's gradient there); drop --compile, or --ep or --tp")
     if rule == "offload_without_sharding":
         return ("--offload optim moves the sharded main weights and optimizer state to the host, but --strategy "
                 "no_shard shards nothing; use --strategy optim or higher")

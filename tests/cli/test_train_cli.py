@@ -101,7 +101,6 @@ def test_overwrite_deletes_the_earlier_run_and_says_so(tmp_path, capsys, launche
                                     "built-in mixture-of-experts model is --preset moe-tiny"),
     (["--nproc", "2", "--ep", "2", "--tp", "2", "--preset", "moe-tiny"],
      "--ep 2 must divide the 1 data-parallel shard ranks (--nproc / (--dp-replicate x --cp x --tp))"),
-    (["--nproc", "4", "--ep", "2", "--tp", "2", "--compile"], "--compile does not work with --ep 2 and --tp 2"),
     (["--nproc", "4", "--tp", "2", "--preset", "moe-tiny"],
      "--tp 2 with a mixture-of-experts model: tensor parallelism splits attention and dense layers, and the experts "
      "go to expert parallelism; add --ep N"),

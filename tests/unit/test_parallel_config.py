@@ -28,12 +28,12 @@ def test_defaults_and_normalised_strategies():
     assert ParallelConfig(dp_shard=2, tp=-1, sequence_parallel=True).tp == -1
     assert ParallelConfig(cp=2, activation_checkpointing="full").cp == 2
     assert ParallelConfig(ep=2, tp=2, sequence_parallel=True).ep == 2  # experts expert-parallel beside tp
+    assert ParallelConfig(ep=2, tp=2, compile=True).compile is True  # and compiled
 
 
 BAD = [
     (dict(ep=0), ValueError, "ParallelConfig.ep must be a positive int (the expert-parallel ranks), got 0"),
     (dict(ep=True), ValueError, "ParallelConfig.ep must be a positive int"),
-    (dict(ep=2, tp=2, compile=True), NotImplementedError, "ep=2 with tp=2 and compile: compiled decoder layers lose"),
     (dict(tp=0), ValueError, "ParallelConfig.tp must be a positive int or -1 (inferred), got 0"),
     (dict(dp_replicate=-2), ValueError, "dp_replicate must be a positive int or -1"),
     (dict(tp=True), ValueError, "ParallelConfig.tp must be a positive int"),
