@@ -81,7 +81,7 @@ class Float8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, DTensor):
-            return tensor_parallel_forward(self, x)
+            return self._tensor_parallel_forward(x)
         if not self.traced():
             return self._forward_opaque(x)
         state = self.delayed_state(x.device)
@@ -121,6 +121,15 @@ class Float8Linear(nn.Linear):
         record_amax(state.pending, X, amax(x2d))
         return Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, None, qx.data, state.scale_inv[X], None,
                                      state.scale, state.pending, None, state.scale_inv)
+
+    # Opaque in compiled blocks: its collectives (scale agreements, the FP8 sequence gather)
+    # are calls the compiler does not trace, and a graph split inside it handed the engine's
+    # FP8 weight (a Float8Tensor piece) across the split as an output that requires grad,
+    # whose plain-tensor gradient AOTAutograd then refused ("Expected a Float8Tensor tangent").
+    # Run eagerly, it also shares one sequence gather among the projections fed one input.
+    @torch.compiler.disable
+    def _tensor_parallel_forward(self, x):
+        return tensor_parallel_forward(self, x)
 
     @torch.compiler.disable  # an opaque call in compiled blocks (see Float8Linear.traced)
     def _forward_opaque(self, x: torch.Tensor) -> torch.Tensor:

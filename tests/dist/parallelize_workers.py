@@ -183,7 +183,7 @@ def reference_backward(reference: nn.Module, global_batch: Dict[str, torch.Tenso
     return ref_loss
 
 
-def fp8_parity(family: str, sequence_parallel: bool, checkpointing: str = "none") -> Dict[str, float]:
+def fp8_parity(family: str, sequence_parallel: bool, checkpointing: str = "none", compiled: bool = False) -> Dict[str, float]:
     """FP8 current scaling at dp 2 x tp 2 (and ``checkpointing``) against the same recipe in one process, in lockstep
     (common.lockstep_errors says why): before each step the reference takes the parallel
     model's weights, then runs one forward per data-parallel slice (each dp rank quantizes its
@@ -192,7 +192,8 @@ def fp8_parity(family: str, sequence_parallel: bool, checkpointing: str = "none"
     initial = build(family)
     reference = copy.deepcopy(initial).to(torch.float64)  # fp64: common.FP8_PARITY_PRECISION says why
     config = fsdp8.ParallelConfig(tp=2, sequence_parallel=sequence_parallel, fp8=recipe,
-                                  activation_checkpointing=checkpointing, precision=common.FP8_PARITY_PRECISION)
+                                  activation_checkpointing=checkpointing, precision=common.FP8_PARITY_PRECISION,
+                                  compile={"backend": "aot_eager"} if compiled else False)
     model = fsdp8.parallelize(initial, config)
     for unit in model._fsdp8.units:
         fsdp8.convert_to_fp8(dict(reference.named_modules())[unit.name], recipe)
@@ -439,7 +440,7 @@ def own_adapter() -> dict:
             "run": run, "on_tp": on_tp}
 
 
-def sequence_parallel_collectives(family: str = "llama", fp8: bool = True) -> Dict[str, int]:
+def sequence_parallel_collectives(family: str = "llama", fp8: bool = True, compiled: bool = False) -> Dict[str, int]:
     """The tensor-parallel collectives of the column-parallel layers' inputs in one training step
     (after one that settles the engine) at tp 2 with sequence parallelism, counted by label: with
     FP8 (current scaling) the FP8 sequence gathers, the amax agreements and the input gradients'
@@ -450,7 +451,8 @@ def sequence_parallel_collectives(family: str = "llama", fp8: bool = True) -> Di
 
     config = fsdp8.ParallelConfig(tp=dist.get_world_size(), sequence_parallel=True,
                                   fp8=fsdp8.Float8CurrentScaling() if fp8 else None,
-                                  precision=common.FP8_PARITY_PRECISION)
+                                  precision=common.FP8_PARITY_PRECISION,
+                                  compile={"backend": "aot_eager"} if compiled else False)
     model = fsdp8.parallelize(build(family), config)
     loss_of(model, model.shard_batch(batch(family, 0))).backward()
     counts = {"gather": 0, "amax": 0, "reduce_scatter": 0, "dtensor_gather": 0}

@@ -96,14 +96,18 @@ def test_hf_families_sequence_parallel_selective():
     _check([{f: out[f] for f in worked} for out in results], 2, variant=lambda family: "sp")
 
 
-@pytest.mark.parametrize("family,sequence_parallel,checkpointing", [
-    ("builtin", False, "none"),
-    ("llama", True, "selective"),
+@pytest.mark.parametrize("family,sequence_parallel,checkpointing,compiled", [
+    ("builtin", False, "none", False),
+    ("llama", True, "selective", False),
+    # Each FP8 linear's tensor-parallel forward is an opaque call inside the compiled layer
+    # (a graph split inside it handed the FP8 weight across as an output AOTAutograd then
+    # expected a Float8Tensor gradient for).
+    ("llama", True, "none", True),
 ])
-def test_fp8_current_scaling_with_tp(family, sequence_parallel, checkpointing):
+def test_fp8_current_scaling_with_tp(family, sequence_parallel, checkpointing, compiled):
     if family != "builtin":
         pytest.importorskip("transformers")
-    for worst, converted in run_on_ranks(4, workers.fp8_parity, family, sequence_parallel, checkpointing):
+    for worst, converted in run_on_ranks(4, workers.fp8_parity, family, sequence_parallel, checkpointing, compiled):
         assert len(converted) == 14, converted  # every projection of both layers runs in FP8
         assert worst["loss"] <= FP8_TOL and worst["grad"] <= FP8_TOL, worst
 
@@ -124,6 +128,11 @@ def test_sequence_parallel_gathers_each_input_once():
         others = counts.pop("dtensor_gather")
         assert counts == {"gather": 2 * layers, "amax": 9 * layers, "reduce_scatter": 2 * layers}, counts
         assert high_precision["dtensor_gather"] == others + 2 * layers, (high_precision, others)
+    # Compiled layers call the FP8 linears' tensor-parallel forward eagerly: the same sharing.
+    for counts in run_on_ranks(2, workers.sequence_parallel_collectives, "llama", True, True):
+        layers = counts.pop("layers")
+        counts.pop("dtensor_gather")
+        assert counts == {"gather": 2 * layers, "amax": 9 * layers, "reduce_scatter": 2 * layers}, counts
 
 
 def test_compiled_units_keep_the_engine_hooks_outside():
