@@ -304,11 +304,11 @@ def bad_worlds(cases: List[tuple]) -> List[tuple]:
     return out
 
 
-def compiled(family: str, options: dict) -> dict:
-    """Units compiled (``options`` for torch.compile) and checkpointed selectively, at dp 2 x tp 2."""
+def compiled(family: str, options: dict, checkpointing: str = "selective") -> dict:
+    """Units compiled (``options`` for torch.compile) and checkpointed as ``checkpointing`` says, at dp 2 x tp 2."""
     initial = build(family)
     reference = reference_run(copy.deepcopy(initial), family)
-    config = fsdp8.ParallelConfig(tp=2, activation_checkpointing="selective", compile=options, precision=FP32)
+    config = fsdp8.ParallelConfig(tp=2, activation_checkpointing=checkpointing, compile=options, precision=FP32)
     return parallel_run(copy.deepcopy(initial), family, config, reference)
 
 
