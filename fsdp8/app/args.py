@@ -92,7 +92,7 @@ def flags_of(parallel: ParallelConfig) -> dict:
     return {"strategy": p.strategy.label, "precision": precision, "tp": p.tp, "ep": p.ep, "dp_replicate": p.dp_replicate,
             "outer_strategy": p.outer_strategy.label, "cp": p.cp, "sequence_parallel": p.sequence_parallel,
             "loss_parallel": p.loss_parallel, "ac": p.activation_checkpointing, "compile": p.compile,
-            "offload": p.offload or "none"}
+            "offload": p.offload or "none", "load_balancing": p.load_balancing}
 
 
 # Every layout flag (fsdp8 plan and bench name the FP8 recipe with --fp8) and its default.
@@ -130,7 +130,8 @@ def parallel_from_flags(flags: Mapping[str, Any]) -> ParallelConfig:
                               activation_checkpointing=f["ac"], compile=f["compile"],
                               fp8=recipe_from_name(f"fp8-{fp8}") if fp8 != "none" else None,
                               precision=_PRECISION[precision], strategy=f["strategy"],
-                              outer_strategy=f["outer_strategy"], offload=none(f["offload"]))
+                              outer_strategy=f["outer_strategy"], offload=none(f["offload"]),
+                              load_balancing=f["load_balancing"])
     except LayoutError as e:
         raise ValueError(_in_flags(e.rule, f) or str(e)) from None
     except TypeError as e:  # a saved setting of the wrong type

@@ -104,6 +104,8 @@ def test_overwrite_deletes_the_earlier_run_and_says_so(tmp_path, capsys, launche
     (["--nproc", "4", "--tp", "2", "--preset", "moe-tiny"],
      "--tp 2 with a mixture-of-experts model: tensor parallelism splits attention and dense layers, and the experts "
      "go to expert parallelism; add --ep N"),
+    (["--load-balancing", "global"], "--load-balancing global: load_balancing='global' applies to a "
+                                     "mixture-of-experts model's router loss, and this built-in Llama is dense"),
     (["--outer-strategy", "optim"], "--outer-strategy optim shards across HSDP replicas, but there are none"),
     (["--nproc", "4", "--cp", "2", "--ac", "selective"], "--ac selective does not work with --cp 2 yet"),
     (["--offload", "optim", "--strategy", "no_shard"], "--strategy no_shard shards nothing"),

@@ -171,3 +171,9 @@ def test_moe_preset_with_expert_parallelism_trains_as_data_parallel_and_resumes_
     resumed = _train(out, "--resume", "--nproc", "2", "--ep", "1")
     assert "resumed at step 4" in resumed and "experts over ep" not in resumed
     _same_losses(out, reference)
+    # Resumed with the router loss over the global batch: the setting is kept by a later resume.
+    balanced = _train(out, "--resume", "--steps", str(STEPS + 1), "--save-every", "1", "--load-balancing", "global")
+    assert "router loss balanced over the global batch" in balanced, balanced[-2000:]
+    again = _train(out, "--resume", "--steps", str(STEPS + 2))
+    assert f"resumed at step {STEPS + 1}" in again and "router loss balanced over the global batch" in again, \
+        again[-2000:]

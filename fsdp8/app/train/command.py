@@ -65,6 +65,9 @@ def add_parser(sub) -> None:
                  "multiple of 2 x N)", type=int)
     flag("--ep", "expert-parallel degree of a mixture-of-experts model (--preset moe-*): its experts split over N "
                  "of the data-parallel ranks, tokens sent to them and back with all-to-all", type=int)
+    flag("--load-balancing", "a mixture-of-experts router's load-balancing loss: local (each rank's tokens, as "
+                             "data parallelism) or global (the experts' token counts of the whole global batch)",
+         choices=("local", "global"))
     switch("--sequence-parallel", "with --tp: norms and residuals on sequence shards (--seq-len a multiple of tp)")
     switch("--loss-parallel", "with --tp: keep the logits vocabulary-sharded through the loss")
     flag("--ac", "activation checkpointing of each block: none, selective (op-level policy; not with --cp) or "

@@ -171,6 +171,11 @@ def check_run(cfg: TrainConfig, world: int) -> None:
         _check_tensor_parallel(cfg)
     if p.ep > 1:
         _check_expert_parallel(cfg, world // degree)
+    if p.load_balancing == "global":
+        try:  # what parallelize asks in every worker, here in one line before they start
+            adapter_for(model := build_model(cfg)).load_balancing_modules(model)
+        except ValueError as e:
+            raise ValueError(f"--load-balancing global: {e}") from None
     if cfg.model and weight_files(cfg.hf_dir) and not cfg.resume:
         _check_weights(cfg)
     if cfg.resume:

@@ -132,6 +132,8 @@ def _train(cfg: TrainConfig) -> Optional[dict]:
     layout = " x ".join(f"{name} {size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape))
     if cfg.parallel.ep > 1:
         layout += f" (experts over ep {cfg.parallel.ep} of dp_shard)"
+    if cfg.parallel.load_balancing == "global":
+        layout += ", router loss balanced over the global batch"
     ckpt_dir = os.path.join(cfg.out, "checkpoints")
     # Saved with every checkpoint: a resumed run keeps the schedule it started with, and finds
     # its data file from any directory (and checks it is the one it trained on: data_id).
