@@ -13,12 +13,11 @@ import copy
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
 import fsdp8
 
 from .ep_workers import FP32, LR, ROWS_PER_RANK, STEPS, batch, build
-from .parallelize_workers import _full, _rel, loss_of
+from .parallelize_workers import fold_step_errors, fold_weight_errors, loss_of
 
 AUX_COEF = 1.0  # large, so that the router loss moves the router's gradient visibly
 
@@ -51,16 +50,10 @@ def global_batch_parity(load_balancing: str, layout: dict) -> dict:
     for step in range(STEPS):
         loss = loss_of(model, model.shard_batch(batch("builtin", step, ROWS_PER_RANK * model.dp_size)))
         loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        ranks_mean = float(total) / dist.get_world_size()
-        worst["loss"] = max(worst["loss"], abs(ranks_mean - reference["loss"][step]) / reference["loss"][step])
-        for name, p in model.named_parameters():
-            worst["grad"] = max(worst["grad"], _rel(_full(p.grad), reference["grads"][step][name]))
+        fold_step_errors(worst, model, loss, reference, step)
         opt.step()
         opt.zero_grad()
-    for name, p in model.named_parameters():
-        worst["weight"] = max(worst["weight"], _rel(_full(p), reference["weights"][name]))
+    fold_weight_errors(worst, model, reference)
     return worst
 
 

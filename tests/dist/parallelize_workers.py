@@ -126,16 +126,10 @@ def parallel_run(model: nn.Module, family: str, config: fsdp8.ParallelConfig, re
             loss.backward()
         if step == 1:
             gathers, recomputed = counter.counts, len(calls)
-        total = _full(loss).to(common.device())  # NCCL reduces device tensors only
-        dist.all_reduce(total)  # tp ranks hold the same loss: the world's mean is the dp ranks' mean
-        worst["loss"] = max(worst["loss"], abs(float(total) / dist.get_world_size() - reference["loss"][step])
-                            / abs(reference["loss"][step]))
-        for name, p in model.named_parameters():
-            worst["grad"] = max(worst["grad"], _rel(_full(p.grad), reference["grads"][step][name]))
+        fold_step_errors(worst, model, loss, reference, step)
         opt.step()
         opt.zero_grad()
-    for name, p in model.named_parameters():
-        worst["weight"] = max(worst["weight"], _rel(_full(p), reference["weights"][name]))
+    fold_weight_errors(worst, model, reference)
     tied = not hasattr(model, "lm_head") or not model.config.tie_word_embeddings or (
         model.lm_head.weight is model.get_input_embeddings().weight)
     return {"errors": worst, "gathers": gathers, "layer_calls": recomputed, "dp": (model.dp_rank, model.dp_size),
@@ -302,6 +296,23 @@ def bad_worlds(cases: List[tuple]) -> List[tuple]:
             message = str(e)
         out.append((message, [id(p) for p in model.parameters()] == before))
     return out
+
+
+def fold_step_errors(worst: Dict[str, float], model, loss, reference: dict, step: int) -> None:
+    """Fold one step's relative errors into ``worst``: the ranks' mean loss (tp ranks hold the same
+    loss, so the world's mean is the dp ranks') and every full gradient, against ``reference``'s."""
+    total = _full(loss).to(common.device())  # NCCL reduces device tensors only
+    dist.all_reduce(total)
+    worst["loss"] = max(worst["loss"], abs(float(total) / dist.get_world_size() - reference["loss"][step])
+                        / abs(reference["loss"][step]))
+    for name, p in model.named_parameters():
+        worst["grad"] = max(worst["grad"], _rel(_full(p.grad), reference["grads"][step][name]))
+
+
+def fold_weight_errors(worst: Dict[str, float], model, reference: dict) -> None:
+    """Fold the full weights' relative errors against ``reference["weights"]`` into ``worst``."""
+    for name, p in model.named_parameters():
+        worst["weight"] = max(worst["weight"], _rel(_full(p), reference["weights"][name]))
 
 
 def compiled(family: str, options: dict, checkpointing: str = "selective") -> dict:
