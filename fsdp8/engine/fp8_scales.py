@@ -25,11 +25,12 @@ from typing import List, Sequence
 import torch
 import torch.distributed as dist
 
-from ..fp8.formats import scale_to_inv
+from ..fp8.formats import Granularity, scale_to_inv
 from ..fp8.kernels import scales_for
+from ..fp8.weight_kernels import amaxes, block_amax_grids
 from ..fp8.recipes import W, DelayedState, update_states
 from ..distributed import comm
-from .fp8_unit import Float8Unit, local_amaxes_of
+from .fp8_unit import Float8Unit
 
 
 class ScaleAgreement:
@@ -142,3 +143,20 @@ def delayed_states_of(units: Sequence[Float8Unit]) -> List[DelayedState]:
                 seen.add(id(state))
                 out.append(state)
     return out
+
+
+def local_amaxes_of(units: Sequence[Float8Unit]) -> torch.Tensor:
+    """``torch.cat([u.local_amaxes() for u in units])`` in one launch where they allow it: the
+    amaxes of every per-tensor-scaled weight, or the 128x128 grids of every whole weight (the
+    engine takes them for all units before each step's first kernel, on the host's critical
+    path; per unit and per weight they were ~13 ms of model A's step on an H200)."""
+    slots = [(u, s) for u in units for s in u.amax_slots()]
+    if not slots:
+        return torch.zeros(0, dtype=torch.float32, device=units[0].device if units else None)
+    granularity = units[0].granularity
+    dtypes = {u.compute_dtype for u in units}
+    if len(dtypes) > 1 or (granularity is not Granularity.TENSOR and not all(u.whole_grids() for u in units)):
+        return torch.cat([u.local_amaxes() for u in units])
+    pieces = [piece for u, s in slots for piece in u.amax_pieces(s)]
+    local = amaxes(pieces) if granularity is Granularity.TENSOR else block_amax_grids(pieces)
+    return local.to(dtypes.pop()).float()

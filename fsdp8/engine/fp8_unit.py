@@ -9,13 +9,14 @@ biases) in the compute dtype. Compute-dtype entries come first so their byte off
 aligned. After the gather, a Float8Linear's weight is a Float8Tensor viewing the gathered
 bytes: the forward GEMM uses them directly, the input-gradient GEMM uses their transpose
 (a copy made once per gather, freed at reshard), and no high-precision copy of an FP8
-weight exists beyond the fp32 main chunk.
+weight exists beyond the fp32 main chunk. FP8 experts' 3-D weights travel so too, each
+expert a matrix with its own scales ([Note: FP8 expert weights on the wire]).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -24,6 +25,7 @@ from ..fp8.kernels import quantize
 from ..fp8.weight_kernels import amaxes, block_amax_grids, partial_block_amax, quantize_block_pieces, quantize_pieces
 from ..fp8.recipes import DelayedState, Recipe
 from ..fp8.tensor import Float8Tensor
+from .fp8_experts import ExpertPlacement, expert_placement
 from .layout import UnitLayout, plan_unit
 from .unit import ParamSlot, ShardedUnit, alias_storage
 
@@ -48,6 +50,7 @@ class Float8Unit(ShardedUnit):
         self._scale: Dict[int, torch.Tensor] = {}
         self._scale_inv: Dict[int, torch.Tensor] = {}
         self._pieces = None  # _pack_pieces(), once computed
+        self._experts: Optional[Dict[int, ExpertPlacement]] = None  # _expert(), once computed
         super().__init__(*args, **kwargs)
 
     # -- layout ------------------------------------------------------------------------------
@@ -66,7 +69,17 @@ class Float8Unit(ShardedUnit):
     def _entry(self, slot: ParamSlot, kind: str):
         return self._entry_of[(id(slot), kind)]
 
+    def _expert(self, slot: ParamSlot) -> Optional[ExpertPlacement]:
+        """Where an FP8 experts weight's experts sit (fp8_experts.py); None for a linear's weight."""
+        if self._experts is None:
+            self._experts = {id(s): expert_placement(s, self.chunk_index) for s in self.slots
+                             if id(s) in self.fp8_ids and len(s.layout.shape) == 3}
+        return self._experts.get(id(slot))
+
     def _scale_shape(self, slot: ParamSlot) -> Tuple[int, ...]:
+        expert = self._expert(slot)
+        if expert is not None:
+            return expert.scale_shape(self.granularity)
         rows, cols = slot.layout.shape
         return {
             Granularity.TENSOR: (),
@@ -117,7 +130,10 @@ class Float8Unit(ShardedUnit):
             self._scale[id(slot)] = self._scale_flat[start : start + size].view(shape)
             amax_size = size
             pick = torch.arange(amax_start, amax_start + size)
-            if self.granularity is Granularity.BLOCK_128x128:
+            expert = self._expert(slot)
+            if expert is not None:  # every expert of the whole weight; this tensor's are picked
+                amax_size, pick = expert.amax_size(self.granularity), expert.picks(self.granularity, amax_start)
+            elif self.granularity is Granularity.BLOCK_128x128:
                 (grid_rows, grid_cols), (r0, c0) = self._block_grid(slot)
                 amax_size = grid_rows * grid_cols
                 grid = torch.arange(amax_size).view(grid_rows, grid_cols)
@@ -197,22 +213,44 @@ class Float8Unit(ShardedUnit):
         Amaxes are of the weights as the compute dtype holds them, taken on the main rows
         directly: rounding to nearest is monotonic and symmetric, so the largest magnitude
         of the rounded rows is the rounded largest magnitude of the rows (NaN stays NaN),
-        and no rounded copy of the shard is needed."""
-        return local_amaxes_of([self])
+        and no rounded copy of the shard is needed. fp8_scales.local_amaxes_of batches units."""
+        slots = self.amax_slots()
+        if not slots:
+            return torch.zeros(0, dtype=torch.float32, device=self.device)
+        if self.granularity is Granularity.TENSOR:
+            local = amaxes([t for s in slots for t in self.amax_pieces(s)])
+        else:
+            local = block_amax_grids([p for s in slots for p in self.amax_pieces(s)]) if self.whole_grids() \
+                else self._placed_grids()
+        return local.to(self.compute_dtype).float()
 
     def amax_count(self) -> int:
         """The length of ``local_amaxes()``."""
         slots = self.amax_slots()
         return self.amax_range(slots[-1])[1] if slots else 0
 
-    def _whole_grids(self) -> bool:
+    def whole_grids(self) -> bool:
         """Whether each weight's 128x128 grid is its own (no tensor-parallel piece of a larger one)."""
-        return all(self._block_grid(s) == (self._scale_shape(s), (0, 0)) for s in self.amax_slots())
+        return all(self._expert(s) is not None or self._block_grid(s) == (self._scale_shape(s), (0, 0))
+                   for s in self.amax_slots())
+
+    def amax_pieces(self, slot: ParamSlot) -> list:
+        """What weight_kernels.amaxes (per tensor) or block_amax_grids (whole 128x128 grids) takes
+        for ``slot``'s contribution: its main rows, or its experts one by one."""
+        rows, expert = self.main_view(slot), self._expert(slot)
+        if self.granularity is Granularity.TENSOR:
+            return [rows] if expert is None else expert.amax_inputs(rows)
+        if expert is not None:
+            return expert.grid_pieces(rows)
+        return [(rows, slot.layout.chunk_row_range(self.chunk_index)[0], slot.layout.rows)]
 
     def _placed_grids(self) -> torch.Tensor:
         """local_amaxes() for tensor-parallel pieces: each piece's grid inside its whole weight's."""
         grids = []
         for slot in self.amax_slots():
+            if self._expert(slot) is not None:
+                grids.append(block_amax_grids(self.amax_pieces(slot)))
+                continue
             start, _ = slot.layout.chunk_row_range(self.chunk_index)
             grid = partial_block_amax(self.main_view(slot), start, slot.layout.rows)
             shape, (r0, c0) = self._block_grid(slot)
@@ -311,7 +349,10 @@ class Float8Unit(ShardedUnit):
                                        "not by assigning .data")
                 src, scale_at = rows.storage_offset() - self.main.storage_offset(), \
                     scale.storage_offset() - self._scale_flat.storage_offset()
-                if self.granularity is Granularity.TENSOR:
+                expert = self._expert(slot)
+                if expert is not None:
+                    pieces += expert.pack_pieces(self.granularity, src, p.offset, scale_at)
+                elif self.granularity is Granularity.TENSOR:
                     pieces.append((src, p.offset, rows.numel(), scale_at))
                 else:
                     start, _ = slot.layout.chunk_row_range(self.chunk_index)
@@ -360,25 +401,3 @@ class Float8Unit(ShardedUnit):
             for slot in self.slots:
                 if id(slot) in self.fp8_ids:
                     self.compute_local(slot).clear_transpose()
-
-
-def local_amaxes_of(units: Sequence[Float8Unit]) -> torch.Tensor:
-    """``torch.cat([u.local_amaxes() for u in units])`` in one launch where they allow it: the
-    amaxes of every per-tensor-scaled weight, or the 128x128 grids of every whole weight (the
-    engine takes them for all units before each step's first kernel, on the host's critical
-    path; per unit and per weight they were ~13 ms of model A's step on an H200)."""
-    slots = [(u, s) for u in units for s in u.amax_slots()]
-    if not slots:
-        return torch.zeros(0, dtype=torch.float32, device=units[0].device if units else None)
-    granularity = units[0].granularity
-    dtypes = {u.compute_dtype for u in units}
-    if len(dtypes) > 1:
-        return torch.cat([u.local_amaxes() for u in units])
-    if granularity is Granularity.TENSOR:
-        local = amaxes([u.main_view(s) for u, s in slots])
-    elif all(u._whole_grids() for u in units):
-        local = block_amax_grids([(u.main_view(s), s.layout.chunk_row_range(u.chunk_index)[0], s.layout.rows)
-                                  for u, s in slots])
-    else:
-        local = torch.cat([u._placed_grids() for u in units])
-    return local.to(dtypes.pop()).float()

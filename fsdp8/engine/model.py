@@ -17,6 +17,7 @@ from ..distributed.process_group import current_device, default_device_type, ini
 from ..fp8.convert import convert_units_to_fp8, is_fp8_primary, tp_aware_filter, warn_tp_kept
 from ..fp8.linear import Float8Linear
 from ..fp8.recipes import Recipe
+from .fp8_experts import gathers_fp8_expert
 from .fp8_scales import ScaleAgreement, delayed_states_of
 from .fp8_unit import Float8Unit
 from .grads import check_finite as check_finite_grads
@@ -134,7 +135,7 @@ def fully_shard(
         for s, p in zip(slots, layout.params):
             s.layout = p
         args = (name, unit_module, slots, layout, unit_topology, precision, device, streams)
-        fp8_slots = [s for s in slots if _fp8_weight_owner(s) is not None]
+        fp8_slots = [s for s in slots if _fp8_weight_owner(s) is not None or gathers_fp8_expert(s, recipe)]
         if fp8_slots:
             delayed = {id(s): _fp8_weight_owner(s).delayed_state(device) for s in fp8_slots if recipe.delayed}
             primary = any(is_fp8_primary(originals[id(s)]) or getattr(_fp8_weight_owner(s), "fp8_primary", False)
@@ -186,11 +187,13 @@ def fully_shard(
 
 
 def _model_recipe(module: nn.Module, fp8: Optional[Recipe]) -> Optional[Recipe]:
-    """The one FP8 recipe of the model's Float8Linears (converted here, by the user, or by fp8_init)."""
+    """The one FP8 recipe of the model's Float8Linears and FP8 experts (converted here, by the user,
+    or by fp8_init)."""
     recipes = {m.recipe for m in module.modules() if isinstance(m, Float8Linear)}
+    recipes |= {m.fp8_recipe for m in module.modules() if getattr(m, "fp8_recipe", None) is not None}
     if len(recipes) > 1:
-        raise ValueError(f"the model's Float8Linear layers use {len(recipes)} different recipes ({recipes}); "
-                         "fsdp8 shards a model with one FP8 recipe")
+        raise ValueError(f"the model's Float8Linear layers and FP8 experts use {len(recipes)} different recipes "
+                         f"({recipes}); fsdp8 shards a model with one FP8 recipe")
     return next(iter(recipes), None)
 
 

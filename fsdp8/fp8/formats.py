@@ -24,6 +24,13 @@ SCALE_ALIGN = 4
 E8M0_BIAS = 127
 
 
+def aligned(values: torch.Tensor) -> torch.Tensor:
+    """``values`` [G] stored SCALE_ALIGN elements apart: each ``out[g]`` is a 0-d scale that
+    torch._scaled_mm takes."""
+    out = torch.empty(values.numel(), SCALE_ALIGN, dtype=values.dtype, device=values.device)[:, 0]
+    return out.copy_(values)
+
+
 class Granularity(enum.Enum):
     """Which elements share one scale."""
 

@@ -24,10 +24,17 @@ the model computes in fp64). The group sizes are read on the host for that: one 
 call, where the high-precision grouped_mm on CUDA has none. One native grouped kernel
 (torch._scaled_grouped_mm) would drop it and the per-group launches; it is not used yet.
 
+Under the sharding engine the weight arrives quantized: per-tensor and 128x128 recipes gather an
+FP8 experts module's weights as 8-bit bytes, each expert quantized on the rank that holds it with
+scales agreed across the ranks (fsdp8/engine/fp8_experts.py), and ``weight`` is a 3-D Float8Tensor
+over them. Its bytes and scales are those ``grouped_weights`` makes from the high-precision weight,
+so both GEMMs that read the weight use them as they are, the transposes made once per gather; the
+weight gradient goes to the parameter as before. MXFP8 weights still travel in the compute dtype
+and are quantized here, every call.
+
 Not here: delayed scaling (per-expert amax histories agreed across ranks, which fsdp8 does not keep;
-conversion leaves experts in high precision under it and says so), an 8-bit all-gather of expert
-weights (the engine gathers them in the parameters' dtype; they are quantized here, every call),
-and tracing by torch.compile (an opaque call inside a compiled block).
+conversion leaves experts in high precision under it and says so), and tracing by torch.compile (an
+opaque call inside a compiled block).
 """
 
 from __future__ import annotations
@@ -37,13 +44,16 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .formats import SCALE_ALIGN, Granularity, amax_to_scale, scale_to_inv
+from .formats import Granularity, aligned, amax_to_scale, scale_to_inv
 from .gemm import fp8_mm
 from .kernels import Quantized, quantize, quantize_transposed, saturate_cast
 from .recipes import Recipe
-from .tensor import transpose_of
+from .tensor import Float8Tensor, transpose_of
 
 _MARK = "fsdp8_fp8_experts"
+# The 3-D weights an FP8 experts forward passes to fp8_grouped_mm (fsdp8.models.moe.experts_forward,
+# fsdp8.parallel.ep): those the engine may gather as FP8 bytes.
+FP8_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 Bounds = List[Tuple[int, int]]
 
@@ -79,13 +89,6 @@ def group_amax(t: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tenso
     group, NaN propagates), without a host synchronisation."""
     rows = t.detach().abs().amax(dim=1).float()
     return torch.zeros(groups, dtype=torch.float32, device=t.device).scatter_reduce_(0, group, rows, "amax")
-
-
-def aligned(values: torch.Tensor) -> torch.Tensor:
-    """``values`` [G] stored SCALE_ALIGN elements apart: each ``out[g]`` is a 0-d scale that
-    torch._scaled_mm takes (cuBLAS refuses a scale pointer off a 16-byte boundary)."""
-    out = torch.empty(values.numel(), SCALE_ALIGN, dtype=values.dtype, device=values.device)[:, 0]
-    return out.copy_(values)
 
 
 # -- the operands, one Quantized per group ---------------------------------------------------------
@@ -155,10 +158,16 @@ class Fp8GroupedMm(torch.autograd.Function):
         bounds = bounds if bounds is not None else group_bounds(offs)
         x = x.detach().contiguous()
         qx = grouped_rows(x, recipe.fwd_dtype, recipe.x_granularity, offs, bounds)
-        qw = grouped_weights(weight.detach().to(dtype).contiguous(), recipe.fwd_dtype, recipe.w_granularity)
+        gathered = isinstance(weight, Float8Tensor)  # the engine's bytes (see the Note)
+        if gathered:
+            _check_gathered(weight, recipe)
+            qw = weight.matrices()
+        else:
+            qw = grouped_weights(weight.detach().to(dtype).contiguous(), recipe.fwd_dtype, recipe.w_granularity)
         out = rows_times_groups(qx, qw, weight.shape[1], dtype, recipe, x.device, fast_accum=True)
         ctx.qx_t = transposed_groups(qx, x, recipe.fwd_dtype, recipe.x_granularity, bounds)
         ctx.qw, ctx.offs, ctx.bounds, ctx.recipe = qw, offs, bounds, recipe
+        ctx.gathered = weight if gathered else None  # its transposes are made once per gather
         ctx.dtype, ctx.weight_dtype, ctx.k = dtype, weight.dtype, x.shape[1]
         return out
 
@@ -169,21 +178,30 @@ class Fp8GroupedMm(torch.autograd.Function):
         qdy = grouped_rows(dy, recipe.bwd_dtype, recipe.g_granularity, ctx.offs, bounds)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            qw_t = [transpose_of(q) for q in ctx.qw]
+            gathered = ctx.gathered
+            qw_t = gathered.transposed_matrices() if gathered is not None else [transpose_of(q) for q in ctx.qw]
             dx = rows_times_groups(qdy, qw_t, ctx.k, dtype, recipe, dy.device)
         if ctx.needs_input_grad[1]:
             qdy_t = transposed_groups(qdy, dy, recipe.bwd_dtype, recipe.g_granularity, bounds)
             dw = per_group_products(qdy_t, ctx.qx_t, (dy.shape[1], ctx.k), dtype, recipe, dy.device)
             dw = dw.to(ctx.weight_dtype)
-        ctx.qx_t = ctx.qw = None
+        ctx.qx_t = ctx.qw = ctx.gathered = None
         return dx, dw, None, None, None
+
+
+def _check_gathered(weight: Float8Tensor, recipe: Recipe) -> None:
+    if weight._granularity is not recipe.w_granularity or weight._data.dtype != recipe.fwd_dtype:
+        raise ValueError(f"fp8_grouped_mm got a weight gathered as {weight._data.dtype} with "
+                         f"{weight._granularity.value} scales, but the recipe quantizes weights to {recipe.fwd_dtype} with "
+                         f"{recipe.w_granularity.value} scales; shard the model with the experts' recipe")
 
 
 @torch.compiler.disable  # group sizes on the host and per-group GEMMs: an opaque call in compiled blocks
 def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, recipe: Recipe,
                    bounds: Optional[Bounds] = None) -> torch.Tensor:
     """``grouped_mm`` in FP8 under ``recipe``: the rows of group g of ``x`` [T, K] times
-    ``weight[g]``.T for ``weight`` [G, N, K], [T, N] in ``x``'s dtype; ``offs`` int32 [G], the
+    ``weight[g]``.T for ``weight`` [G, N, K] (high precision, or the engine's 3-D Float8Tensor of
+    the recipe's bytes and scales), [T, N] in ``x``'s dtype; ``offs`` int32 [G], the
     groups' cumulative row ends (a group may be empty). Each expert is quantized as a dense FP8
     linear on its own rows, with its own scales (see [Note: FP8 experts]). ``bounds``:
     ``group_bounds(offs)`` when the caller has them (the experts' two GEMMs share one host read)."""

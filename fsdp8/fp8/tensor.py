@@ -1,18 +1,19 @@
 """Float8Tensor: FP8 bytes and their scales, posing as a tensor of the compute dtype.
 
 The sharding engine gives a Float8Linear its gathered weight as a Float8Tensor, so the
-GEMMs use the 8-bit bytes that travelled over the wire as they are. Any other op sees the
-dequantized value, so code that does not know about FP8 still works (slowly).
+GEMMs use the 8-bit bytes that travelled over the wire as they are; FP8 experts get their 3-D
+weight [E, N, K] so, each expert's matrix with its own scales (fsdp8.engine.fp8_experts). Any
+other op sees the dequantized value, so code that does not know about FP8 still works (slowly).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch.utils._pytree import tree_map
 
-from .formats import Granularity
+from .formats import Granularity, aligned
 from .kernels import Quantized, quantize
 
 _ALIAS_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
@@ -24,7 +25,8 @@ def _leading_rows(args) -> bool:
     whole-tensor-scaled ``t``."""
     src, size, stride = args[0], tuple(args[1]), tuple(args[2])
     offset = args[3] if len(args) > 3 else 0
-    return (src._granularity is Granularity.TENSOR and (offset or 0) == 0 and src._data.is_contiguous()
+    return (src._granularity is Granularity.TENSOR and src.dim() == 2 and (offset or 0) == 0
+            and src._data.is_contiguous()
             and size[1:] == tuple(src.shape[1:]) and size[0] <= src.shape[0] and stride == src._data.stride())
 
 
@@ -37,7 +39,14 @@ def transpose_of(q: Quantized) -> Quantized:
 
 
 class Float8Tensor(torch.Tensor):
-    """A 2-D FP8 tensor with ``scale_inv`` (per tensor or per block) and a logical dtype."""
+    """A 2-D FP8 tensor with ``scale_inv`` (per tensor or per block) and a logical dtype; or a
+    3-D one, E matrices whose ``scale_inv`` is one per matrix ([E]) or a grid per matrix
+    ([E, ceil(N / 128), ceil(K / 128)]: each matrix's rows padded to whole blocks).
+
+    What the GEMMs derive from the bytes (transposes; a 3-D tensor's matrices with their
+    scales 16 bytes apart) is made once and kept until ``clear_transpose`` (the engine calls it
+    at each gather). An alias starts without it: whoever refills the bytes clears the tensor
+    it holds, not the aliases made from it."""
 
     _data: torch.Tensor
     _scale_inv: torch.Tensor
@@ -54,7 +63,7 @@ class Float8Tensor(torch.Tensor):
         self._data = data
         self._scale_inv = scale_inv
         self._granularity = granularity
-        self._transpose: Optional[Quantized] = None
+        self._derived: dict = {}
 
     def __repr__(self) -> str:
         return (f"Float8Tensor(shape={tuple(self.shape)}, fp8={self._data.dtype}, "
@@ -75,14 +84,32 @@ class Float8Tensor(torch.Tensor):
 
     def transposed(self) -> Quantized:
         """The transposed FP8 copy the input-gradient GEMM needs, made once per gather."""
-        if self._transpose is None:
-            self._transpose = transpose_of(self.quantized())
-        return self._transpose
+        if "t" not in self._derived:
+            self._derived["t"] = transpose_of(self.quantized())
+        return self._derived["t"]
+
+    def matrices(self) -> List[Quantized]:
+        """A 3-D tensor's matrices, each with its scales (per tensor: a 0-d scale_inv on a
+        16-byte boundary, as torch._scaled_mm takes it)."""
+        if "matrices" not in self._derived:
+            inv = aligned(self._scale_inv) if self._granularity is Granularity.TENSOR else self._scale_inv
+            self._derived["matrices"] = [Quantized(self._data[g], inv[g], self._granularity)
+                                         for g in range(self._data.shape[0])]
+        return self._derived["matrices"]
+
+    def transposed_matrices(self) -> List[Quantized]:
+        """Each matrix's transpose, for the input-gradient GEMMs, made once per gather."""
+        if "matrices_t" not in self._derived:
+            self._derived["matrices_t"] = [transpose_of(q) for q in self.matrices()]
+        return self._derived["matrices_t"]
 
     def clear_transpose(self) -> None:
-        self._transpose = None
+        """Forget what was derived from the bytes (they are about to change)."""
+        self._derived.clear()
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        if self._data.dim() == 3:
+            return torch.stack([q.dequantize(dtype or self.dtype) for q in self.matrices()])
         return self.quantized().dequantize(dtype or self.dtype)
 
     @classmethod

@@ -143,8 +143,9 @@ class ModelSpec:
         return self._attention_params() + [Param("router", (self.experts, self.hidden))] + self._attention_extras()
 
     def expert_params(self) -> List["Param"]:
-        """One mixture-of-experts layer's experts, in transformers' layout (models/moe.py); their
-        grouped GEMMs stay in high precision under FP8 (fp8/convert.py)."""
+        """One mixture-of-experts layer's experts, in transformers' layout (models/moe.py); under FP8
+        their grouped GEMMs run in FP8 and their weights gather as FP8 bytes where they convert
+        (planner/model.py gathers_fp8_experts)."""
         e, d, i = self.experts, self.hidden, self.expert_ffn
         return [Param("gate_up_proj", (e, 2 * i, d), expert=True), Param("down_proj", (e, d, i), expert=True)]
 

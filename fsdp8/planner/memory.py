@@ -30,7 +30,7 @@ from ..engine.layout import UnitLayout, plan_unit
 from ..engine.sharded import MemoryReport
 from ..engine.topology import ChunkPlan
 from .activations import Activations
-from .model import ModelSpec, Param, converts_to_fp8, ep_shape, local_shape
+from .model import ModelSpec, Param, converts_to_fp8, ep_shape, gathers_fp8_experts, local_shape
 from .setup import Setup
 
 MAIN_BYTES = 4  # fp32 main weights, gradients and AdamW moments
@@ -75,17 +75,18 @@ def chunk_plan(setup: Setup, experts: bool = False) -> ChunkPlan:
                      inner_sharded=p.strategy.shards_main, outer_sharded=p.outer_strategy is OuterStrategy.OPTIM)
 
 
-def _scale_bytes(shapes: List[Tuple[int, int]], recipe: str) -> int:
-    """Float8Unit._allocate_scales: scale and scale_inv per FP8 weight (MX: scale_inv only), each
-    padded to 4 floats."""
-    def count(rows: int, cols: int) -> int:
+def _scale_bytes(shapes: List[Tuple[int, ...]], recipe: str) -> int:
+    """Float8Unit._allocate_scales: scale and scale_inv per FP8 weight (MX: scale_inv only), or
+    per expert of an experts weight [E, N, K], each weight's padded to 4 floats."""
+    def count(shape: Tuple[int, ...]) -> int:
+        *experts, rows, cols = shape
         if recipe == "block":
-            return math.ceil(rows / 128) * math.ceil(cols / 128)
+            return math.prod(experts) * math.ceil(rows / 128) * math.ceil(cols / 128)
         if recipe == "mxfp8":
             return rows * math.ceil(cols / 32)
-        return 1
+        return math.prod(experts)
 
-    floats = sum(4 * math.ceil(count(r, c) / 4) for r, c in shapes)
+    floats = sum(4 * math.ceil(count(s) / 4) for s in shapes)
     buffers = 1 if recipe == "mxfp8" else 2
     return buffers * 4 * floats + (3 * 4 * DELAYED_HISTORY * len(shapes) if recipe == "delayed" else 0)
 
@@ -95,7 +96,9 @@ def _unit(name: str, count: int, params: List[Param], setup: Setup, tp_rank: int
     chunks = chunk_plan(setup, experts).num_chunks
     shapes = [ep_shape(p, local_shape(p, setup.parallel.tp, tp_rank), setup.parallel.ep) for p in params]
     layout = plan_unit(shapes, len(shapes), chunks)
-    fp8 = [in_unit and converts_to_fp8(p, setup.fp8, setup.parallel.tp, tp_rank) for p in params]
+    experts_fp8 = gathers_fp8_experts([p for p in params if p.expert], setup.fp8)
+    fp8 = [in_unit and (experts_fp8 if p.expert else converts_to_fp8(p, setup.fp8, setup.parallel.tp, tp_rank))
+           for p in params]
     e = setup.compute_bytes
     if any(fp8):
         # Float8Unit._plan_wire: compute-dtype entries, then FP8 bytes, then MX's e8m0 scales.

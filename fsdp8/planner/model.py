@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from ..models.hf_dir import config_file, read_config
 from ..models.llama import PRESETS
@@ -52,6 +52,14 @@ def converts_to_fp8(param: Param, recipe: Optional[str], tp: int, rank: int) -> 
         return False
     split = local[0] if param.tp == "col" else local[1]
     return split % _BLOCK[recipe] == 0
+
+
+def gathers_fp8_experts(experts: List[Param], recipe: Optional[str]) -> bool:
+    """Whether fully_shard(fp8=recipe) gathers a layer's ``experts`` weights as FP8 bytes: experts
+    that convert (every matrix dimension a multiple of 16, fp8.convert) under a recipe whose weight
+    scales are agreed before the gather (engine/fp8_experts.py: per-tensor current or 128x128)."""
+    dims = [s for p in experts for s in p.shape[1:]]
+    return bool(experts) and recipe in ("current", "block") and all(s % 16 == 0 for s in dims)
 
 
 def check_tp(spec: ModelSpec, tp: int) -> None:

@@ -1,0 +1,130 @@
+"""FP8 expert weights gathered as 8-bit bytes, on every rank: functions run by
+tests/dist/test_fp8_experts.py (module level, so workers import them).
+
+Each run trains the built-in ``moe-tiny`` Llama (2 of its 4 layers) twice from the same
+weights and batches: as the engine shards it now (the experts' 3-D weights quantized on the
+ranks that hold them and gathered as bytes, fsdp8/engine/fp8_experts.py), and with the
+experts' weights gathered in the compute dtype and quantized at every call, as before. The
+same bytes and scales reach the same GEMMs, so every loss, gradient and weight is equal, bit
+for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, List
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+import fsdp8
+from fsdp8.engine import model as engine_model
+from fsdp8.fp8.recipes import recipe_from_name
+
+from . import common
+
+STEPS, ROWS_PER_RANK, SEQ, LR = 2, 2, 16, 0.1
+PRECISION = fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def build() -> nn.Module:
+    from fsdp8.models.llama import Llama, preset
+
+    torch.manual_seed(0)
+    return Llama(preset("moe-tiny", n_layers=2)).to(common.device())
+
+
+def parallelized(model: nn.Module, layout: dict, recipe_name: str, experts_in_8_bits: bool) -> nn.Module:
+    """``model`` parallelized; ``experts_in_8_bits=False``: expert weights travel in the compute
+    dtype (the engine is told no slot is an FP8 expert weight)."""
+    config = fsdp8.ParallelConfig(**layout, fp8=recipe_from_name(recipe_name), precision=PRECISION)
+    original = engine_model.gathers_fp8_expert
+    if not experts_in_8_bits:
+        engine_model.gathers_fp8_expert = lambda slot, recipe: False
+    try:
+        return fsdp8.parallelize(model, config)
+    finally:
+        engine_model.gathers_fp8_expert = original
+
+
+class GatheredBytes:
+    """The bytes every rank receives in the engine's all-gathers while active, by unit."""
+
+    def __enter__(self):
+        from fsdp8.distributed import comm
+
+        self.bytes: Dict[str, int] = {}
+        self._original = comm.all_gather
+
+        def counted(out, inp, group, label):
+            self.bytes[label] = self.bytes.get(label, 0) + out.numel() * out.element_size()
+            return self._original(out, inp, group, label)
+
+        comm.all_gather = counted
+        return self
+
+    def __exit__(self, *exc):
+        from fsdp8.distributed import comm
+
+        comm.all_gather = self._original
+        return False
+
+
+def _expert_slots(model: nn.Module):
+    """(unit, slot) of every expert weight."""
+    return [(u, s) for u in model._fsdp8.units for s in u.slots if s.fqn.endswith(("gate_up_proj", "down_proj"))]
+
+
+def _train(model: nn.Module) -> dict:
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    out: dict = {"loss": [], "grads": [], "gathered": []}
+    for step in range(STEPS):
+        x, y = common.global_batch(step, ROWS_PER_RANK * model.dp_size, SEQ, model.config.vocab_size)
+        batch = model.shard_batch({"tokens": x, "targets": y})
+        with GatheredBytes() as gathered:
+            loss = model(**{k: v.to(common.device()) for k, v in batch.items()})
+            loss.backward()
+        out["gathered"].append(gathered.bytes)
+        out["loss"].append(loss.detach().float().cpu())
+        out["grads"].append({n: common.full_tensor(p.grad).detach().float().cpu() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    out["weights"] = {n: common.full_tensor(p).detach().float().cpu() for n, p in model.named_parameters()}
+    return out
+
+
+def _differences(new: dict, old: dict) -> List[str]:
+    wrong = [f"loss {i}" for i, (a, b) in enumerate(zip(new["loss"], old["loss"])) if not torch.equal(a, b)]
+    for i, (a, b) in enumerate(zip(new["grads"], old["grads"])):
+        wrong += [f"grad {i} {n}" for n in a if not torch.equal(a[n], b[n])]
+    return wrong + [f"weight {n}" for n in new["weights"] if not torch.equal(new["weights"][n], old["weights"][n])]
+
+
+def wire_parity(recipe_name: str, layout: dict) -> dict:
+    """Train both ways (module doc): what differs, what the experts compute with, and the bytes
+    each unit's gathers moved in the first step."""
+    initial = build()
+    old = parallelized(copy.deepcopy(initial), layout, recipe_name, experts_in_8_bits=False)
+    new = parallelized(initial, layout, recipe_name, experts_in_8_bits=True)
+    kinds = set()
+
+    def record(module, args):
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(module, name)
+            kinds.add(type(weight._local_tensor if isinstance(weight, DTensor) else weight).__name__)
+
+    experts = [m for n, m in new.named_modules() if n.endswith("experts")]
+    hooks = [m.register_forward_pre_hook(record) for m in experts]
+    old_run, new_run = _train(old), _train(new)
+    for hook in hooks:
+        hook.remove()
+    experts_numel: Dict[str, int] = {}
+    for unit, slot in _expert_slots(new):
+        experts_numel[unit.name] = experts_numel.get(unit.name, 0) + slot.layout.numel
+    # What each unit's gathered parameters take (a one-chunk unit packs them without a gather).
+    held = {u.name: (v.unsharded_nbytes, u.unsharded_nbytes) for u, v in zip(new._fsdp8.units, old._fsdp8.units)}
+    return {"differences": _differences(new_run, old_run), "kinds": sorted(kinds), "experts": len(experts),
+            "old_gathered": old_run["gathered"][0], "new_gathered": new_run["gathered"][0], "held": held,
+            "experts_numel": experts_numel, "chunks": {u.name: u.layout.num_chunks for u in new._fsdp8.units},
+            "converted": sorted(n for n, m in new.named_modules() if getattr(m, "fp8_recipe", None) is not None)}

@@ -1,0 +1,39 @@
+"""FP8 experts' weights all-gathered as 8-bit bytes (fsdp8/engine/fp8_experts.py) against the
+same training with them gathered in the compute dtype and quantized at every call (gloo, the
+built-in moe-tiny Llama, 2 layers).
+
+Both runs quantize each expert's matrix with the same per-expert scales into the same bytes,
+and every other operation is the same, so losses, gradients and weights are equal bit for bit.
+At world 2 with ep 2 each experts unit is one chunk (efsdp 1): no gather, the bytes are packed
+in place; its expert scales are still agreed with the other ep rank's zeros around them."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist import fp8_experts_workers as workers
+from tests.harness import run_on_ranks
+
+
+@pytest.mark.parametrize("recipe,layout", [("fp8-current", {}), ("fp8-current", {"ep": 2}), ("fp8-block", {}),
+                                           ("fp8-current", {"strategy": "optim_grads"})],
+                         ids=["current-dp2", "current-ep2", "block-dp2", "current-dp2-zero2"])
+def test_fp8_experts_gathered_in_8_bits_equal_the_high_precision_gather(recipe, layout):
+    for out in run_on_ranks(2, workers.wire_parity, recipe, layout):
+        assert out["differences"] == [], out["differences"][:10]
+        assert out["experts"] == 2 and len(out["converted"]) == 2, out["converted"]
+        assert out["kinds"] == ["Float8Tensor"], out["kinds"]  # the experts compute with the gathered bytes
+        # One byte per expert weight element where bf16 took two, gathered and held (each chunk
+        # of a unit's wire padded to 16 bytes).
+        own_units = "ep" in layout  # experts are units of their own under ep
+        assert set(out["experts_numel"]) == ({"layers.0.ffn.experts", "layers.1.ffn.experts"} if own_units
+                                             else {"layers.0", "layers.1"}), out["experts_numel"]
+        for unit, numel in out["experts_numel"].items():
+            slack = 16 * out["chunks"][unit]
+            old, new = out["held"][unit]
+            assert abs((old - new) - numel) < slack, (unit, old, new, numel)
+            if out["chunks"][unit] > 1:
+                saved = out["old_gathered"][unit] - out["new_gathered"][unit]
+                gathers = out["new_gathered"][unit] // new  # forward and backward (ZeRO-3), forward (ZeRO-2)
+                assert gathers == (1 if layout.get("strategy") else 2), gathers
+                assert abs(saved - gathers * numel) < gathers * slack, (unit, saved, numel)
