@@ -346,7 +346,10 @@ def tree_of(rev: str, own_harness: bool) -> tuple[Path, str]:
     """A folder holding `rev`'s fsdp8/ and benchmarks/ (this checkout's benchmarks/ unless
     own_harness, so the two sides differ in fsdp8 only), and the revision's description."""
     if rev == ".":
-        return REPO, "this checkout: " + describe(REPO, "HEAD")
+        # A machine without this repository's current .git (a copied working tree) describes its
+        # HEAD wrongly: `prepare` recorded what the checkout was where git is.
+        recorded = REPO / ".ab" / "CHECKOUT"
+        return REPO, "this checkout: " + (recorded.read_text().strip() if recorded.is_file() else describe(REPO, "HEAD"))
     tree = Path(tempfile.mkdtemp(prefix="fsdp8-ab-"))
     prepared = REPO / ".ab" / rev
     if prepared.is_dir():  # carried from a machine with git (`gpu_run.py prepare REV`)
@@ -386,6 +389,10 @@ def job_prepare(s: Session, a: argparse.Namespace, rest: list) -> int:
             raise SystemExit(f"prepare: `git archive {rev}` failed")
         (dest / "REVISION").write_text(describe(REPO, rev) + "\n")
         print(f"{dest.relative_to(REPO)}: {describe(REPO, rev)}  (carry .ab)")
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    checkout = describe(REPO, "HEAD") + (" + uncommitted changes" if dirty else "")
+    (REPO / ".ab" / "CHECKOUT").write_text(checkout + "\n")
     return 0
 
 
