@@ -54,7 +54,7 @@ def wire(w: torch.Tensor, chunks: int, recipe, inner=None):
     scale, inv = scale[pick], inv[pick]
     data = []
     for p, r in zip(placements, rows):
-        out = torch.empty(r.numel(), dtype=fp8)
+        out = torch.empty(r.numel(), dtype=fp8, device=w.device)
         pack = quantize_pieces if g is Granularity.TENSOR else quantize_block_pieces
         pack(r.flatten(), out, scale, p.pack_pieces(g, 0, 0, 0), fp8)
         data.append(out.view(r.shape))
