@@ -51,6 +51,7 @@ same tokens; the gradient stays ``Replicate`` (summing would count the tokens tp
 
 from __future__ import annotations
 
+import itertools
 import types
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -219,14 +220,18 @@ def dispatch_and_compute(module: nn.Module, group: ExpertGroup, hidden_states: t
     sent = counts.view(group.size, group.local_experts)
     received = torch.empty_like(sent)  # received[j, e]: rows rank j sends to local expert e
     comm.all_to_all(received, sent, [1] * group.size, [1] * group.size, group.group, "ep token counts")
-    in_splits, out_splits = torch.stack([sent.sum(1), received.sum(1)]).tolist()  # the one host sync
+    # The one host sync: the split sizes, and each local expert's rows (FP8 expert GEMMs run
+    # group by group, so they need those on the host too).
+    sizes = torch.cat([sent.sum(1), received.sum(1), received.sum(0)]).tolist()
+    in_splits, out_splits, expert_rows = sizes[:group.size], sizes[group.size:2 * group.size], sizes[2 * group.size:]
     arrived = _AllToAll.apply(rows, out_splits, in_splits, group.group, "ep dispatch")
     regroup, local_counts = permute_by_expert(_local_expert_of_rows(received, sum(out_splits)), group.local_experts)
+    ends = list(itertools.accumulate(expert_rows))
     scale = 1.0 / group.size
     gate_up = _ScaleGrad.apply(_local(module.gate_up_proj, group.grad_placements), scale)
     down = _ScaleGrad.apply(_local(module.down_proj, group.grad_placements), scale)
     computed = expert_mlp(arrived[regroup], local_counts, gate_up, down, module.act_fn,
-                          recipe=getattr(module, "fp8_recipe", None))
+                          recipe=getattr(module, "fp8_recipe", None), bounds=list(zip([0] + ends[:-1], ends)))
     restored = computed.new_empty(computed.shape).index_copy(0, regroup, computed)  # back to arrival order
     returned = _AllToAll.apply(restored, in_splits, out_splits, group.group, "ep combine")
     return combine_by_token(returned, order, token, top_k_weights, hidden_states)

@@ -203,3 +203,29 @@ def fp8_block_parity(family: str, layout: dict) -> dict:
     converted = sorted(n for n, m in model.named_modules() if getattr(m, "fp8_recipe", None) is not None)
     return {"loss": abs(float(total) / dist.get_world_size() - ref_loss) / abs(ref_loss), "grads": grads,
             "converted": converted, "experts": sorted(adapter_for(model).experts(model))}
+
+
+def host_reads_per_moe_layer(recipe_name: str) -> float:
+    """Device-to-host reads (``Tensor.tolist`` / ``.item``) in one training step's forward and
+    backward at ep 2, per mixture-of-experts layer: the dispatch's split sizes and, with an FP8
+    recipe, the local experts' row counts (its grouped GEMMs run group by group)."""
+    from fsdp8.fp8.recipes import recipe_from_name
+
+    recipe = recipe_from_name(recipe_name) if recipe_name != "bf16" else None
+    model = fsdp8.parallelize(build("builtin"), fsdp8.ParallelConfig(ep=2, fp8=recipe, precision=FP32))
+    loss_of(model, model.shard_batch(batch("builtin", 0, ROWS_PER_RANK * model.dp_size))).backward()
+    reads = []
+    originals = torch.Tensor.tolist, torch.Tensor.item
+
+    def counted(original):
+        def read(self, *args, **kwargs):
+            reads.append(original.__name__)
+            return original(self, *args, **kwargs)
+        return read
+
+    torch.Tensor.tolist, torch.Tensor.item = counted(originals[0]), counted(originals[1])
+    try:
+        loss_of(model, model.shard_batch(batch("builtin", 1, ROWS_PER_RANK * model.dp_size))).backward()
+    finally:
+        torch.Tensor.tolist, torch.Tensor.item = originals
+    return len(reads) / model.config.n_layers

@@ -148,3 +148,10 @@ def test_fp8_experts(family, layout):
         others = {n: e for n, e in out["grads"].items() if "experts" not in n}
         assert max(others.values()) <= 1e-6, others
         assert max(experts.values()) <= (0.1 if layout.get("ep", 1) > 1 else 1e-6), experts
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8-current", "fp8-block"])
+def test_one_host_read_per_moe_layer(recipe):
+    # The split sizes and the FP8 GEMMs' group bounds come from one read of the counts.
+    for reads in run_on_ranks(2, workers.host_reads_per_moe_layer, recipe):
+        assert reads == 1, reads
