@@ -17,6 +17,14 @@ def test_global_balancing_equals_one_process_on_the_global_batch(layout):
         assert max(worst.values()) <= TOL, worst
 
 
+def test_global_balancing_with_ep_and_sequence_parallel_tp():
+    # World 4 = dp_shard 2 x tp 2, ep 2: the router's probabilities are gathered over tp, the
+    # expert counts summed over dp_shard only (tp ranks hold the same sequences).
+    for worst in run_on_ranks(4, workers.global_batch_parity, "global",
+                              {"ep": 2, "tp": 2, "sequence_parallel": True}):
+        assert max(worst.values()) <= TOL, worst
+
+
 def test_local_balancing_differs_from_the_global_batch():
     # The comparison above can fail: each rank counting its own rows is another loss.
     for worst in run_on_ranks(2, workers.global_batch_parity, "local", {}):
