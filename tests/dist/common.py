@@ -249,18 +249,19 @@ def build_fp8_llama(seed: int = 0, **kw) -> nn.Module:
 
 
 class CountGathers:
-    """The engine's all-gathers while active: how many by unit (comm.all_gather's label) and
-    the bytes every rank receives (the payload)."""
+    """The engine's all-gathers while active: how many by unit (comm.all_gather's label), the
+    bytes every rank receives (the payload) and those bytes by unit (``bytes_by_label``)."""
 
     def __enter__(self):
         from fsdp8.distributed import comm
 
-        self.counts, self.bytes = {}, 0
+        self.counts, self.bytes, self.bytes_by_label = {}, 0, {}
         self._original = comm.all_gather
 
         def counted(out, inp, group, label):
             self.counts[label] = self.counts.get(label, 0) + 1
             self.bytes += out.numel() * out.element_size()
+            self.bytes_by_label[label] = self.bytes_by_label.get(label, 0) + out.numel() * out.element_size()
             return self._original(out, inp, group, label)
 
         comm.all_gather = counted

@@ -48,29 +48,6 @@ def parallelized(model: nn.Module, layout: dict, recipe_name: str, experts_in_8_
         engine_model.gathers_fp8_expert = original
 
 
-class GatheredBytes:
-    """The bytes every rank receives in the engine's all-gathers while active, by unit."""
-
-    def __enter__(self):
-        from fsdp8.distributed import comm
-
-        self.bytes: Dict[str, int] = {}
-        self._original = comm.all_gather
-
-        def counted(out, inp, group, label):
-            self.bytes[label] = self.bytes.get(label, 0) + out.numel() * out.element_size()
-            return self._original(out, inp, group, label)
-
-        comm.all_gather = counted
-        return self
-
-    def __exit__(self, *exc):
-        from fsdp8.distributed import comm
-
-        comm.all_gather = self._original
-        return False
-
-
 def _expert_slots(model: nn.Module):
     """(unit, slot) of every expert weight."""
     return [(u, s) for u in model._fsdp8.units for s in u.slots if s.fqn.endswith(("gate_up_proj", "down_proj"))]
@@ -82,10 +59,10 @@ def _train(model: nn.Module) -> dict:
     for step in range(STEPS):
         x, y = common.global_batch(step, ROWS_PER_RANK * model.dp_size, SEQ, model.config.vocab_size)
         batch = model.shard_batch({"tokens": x, "targets": y})
-        with GatheredBytes() as gathered:
+        with common.CountGathers() as gathered:
             loss = model(**{k: v.to(common.device()) for k, v in batch.items()})
             loss.backward()
-        out["gathered"].append(gathered.bytes)
+        out["gathered"].append(gathered.bytes_by_label)
         out["loss"].append(loss.detach().float().cpu())
         out["grads"].append({n: common.full_tensor(p.grad).detach().float().cpu() for n, p in model.named_parameters()})
         opt.step()
