@@ -36,6 +36,16 @@ its activations add the experts' output and input rows' (e k 2H) and SwiGLU's th
 (e k 3I), or attention's or the norms' when larger, plus the residual's gradient.
 
 Expert parallelism assumes balanced routing: each rank computes T k rows, as many as it sends.
+
+[Note: a mixture of experts beside tensor parallelism]
+With tp > 1 (and ep > 1, fsdp8.models.tp_plan.ExpertParallelBlock) attention is split over tp as
+in a dense layer, but the router and the experts are not: each tp rank routes and computes its own
+tokens with whole weights. Under sequence parallelism those are its T/tp tokens of the tp group's
+T, without it all T (every tp rank repeats the experts' work). So per token of the group's
+micro-batch, what routing and the experts keep, compute and send is scaled by ``routed_share``
+(1/tp or 1); the router's input is the block's input as the rank holds it (H/tp or H per token).
+Under sequence parallelism the router's output is also gathered over tp for the load-balancing
+loss (fp32, E per token of all T), which keeps none of it (its mean's backward needs the shape).
 """
 
 from __future__ import annotations
@@ -64,6 +74,13 @@ class Activations:
 def expands_kv(spec: ModelSpec) -> bool:
     """Whether the attention repeats K and V to every query head before SDPA."""
     return spec.family == "fsdp8" and spec.kv_heads != spec.heads
+
+
+def routed_share(setup: Setup) -> float:
+    """The share of the tp group's tokens that one tp rank routes through an MoE layer's router and
+    experts (see [Note: a mixture of experts beside tensor parallelism])."""
+    p = setup.parallel
+    return 1 / p.tp if p.sequence_parallel else 1.0
 
 
 def routed_bytes(spec: ModelSpec, setup: Setup) -> float:
@@ -104,8 +121,9 @@ def activations(spec: ModelSpec, setup: Setup, fp8: Dict[str, bool], kind: str =
     attention = e * q + 2 * k_saved + e * q + 4 * spec.heads / tp  # q, k, v, output, logsumexp
     wo_input = q if fp8.get("wo") else 0  # the output is kept for SDPA already; FP8 adds its bytes
     qk_norm = ((4 + e) * (q + kv) + 8) if spec.qk_norm else 0
-    if moe:  # the router's input (never FP8), then what routing and the experts keep
-        mlp_input, mlp = e * d, routed_bytes(spec, setup)
+    share = routed_share(setup)
+    if moe:  # the router's input (never FP8), then what routing and the experts keep, for this rank's tokens
+        mlp_input, mlp = e * d * share, routed_bytes(spec, setup) * share
     else:  # w1 and w3's input, their outputs, silu, the product
         mlp_input, mlp = inputs("w1", "w3", width=d), 3 * e * f + (f if fp8.get("w2") else e * f)
     none = 2 * norm + inputs("wq", "wk", "wv", width=d) + attention + wo_input + qk_norm + mlp_input + mlp
@@ -117,7 +135,7 @@ def activations(spec: ModelSpec, setup: Setup, fp8: Dict[str, bool], kind: str =
     else:
         saved = none
     if moe:  # the experts' output and input rows' gradients, SwiGLU's three
-        mlp_work = e * spec.experts_per_token * (2 * d + 3 * spec.expert_ffn)
+        mlp_work = e * spec.experts_per_token * (2 * d + 3 * spec.expert_ffn) * share
     else:  # SwiGLU's three F-wide gradients
         mlp_work = 3 * e * f
     # Inside a layer's backward: the MLP's gradients, or attention's dq/dk/dv with FA2's fp32 dq
@@ -139,9 +157,10 @@ def _selective_extra(spec: ModelSpec, setup: Setup, fp8: Dict[str, bool], moe: b
     e, tp = setup.compute_bytes, setup.parallel.tp
     d, q, kv, f = spec.hidden, spec.q_dim / tp, spec.kv_dim / tp, spec.ffn / tp
     dn = d / tp if setup.parallel.sequence_parallel else d
-    if moe:
-        return e * (q + kv + spec.experts) + e * q + 4 * spec.heads / tp + (d if fp8.get("wq") else 0) \
-            + (q if fp8.get("wo") else 0)
+    if moe:  # the router's logits for this rank's tokens
+        router = spec.experts * routed_share(setup)
+        return e * (q + kv + router) + e * q + 4 * spec.heads / tp + (d if fp8.get("wq") else 0) \
+            + (q if fp8.get("wo") else 0) + (e * dn if setup.parallel.sequence_parallel else 0)  # wo's reduce-scatter
     saved = e * (q + kv + f + d) + e * q + 4 * spec.heads / tp
     saved += (d if fp8.get("wq") else 0) + (q if fp8.get("wo") else 0) + (d if fp8.get("w1") else 0) \
         + (f if fp8.get("w2") else 0)

@@ -44,11 +44,12 @@ def _divisors(n: int) -> List[int]:
 
 
 def expert_degrees(spec: ModelSpec, dp_shard: int, tp: int) -> List[int]:
-    """The ep a layout can take: 1, and for a mixture of experts without tensor parallelism every
-    divisor of dp_shard that splits the experts evenly (what fsdp8.parallelize accepts)."""
-    if not spec.experts or tp > 1:
+    """The ep a layout can take (what fsdp8.parallelize accepts): 1 for a dense model; for a
+    mixture of experts every divisor of dp_shard that splits the experts evenly, but 1 beside
+    tensor parallelism (tp splits attention and dense layers; the experts need ep > 1)."""
+    if not spec.experts:
         return [1]
-    return [d for d in _divisors(dp_shard) if spec.experts % d == 0]
+    return [d for d in _divisors(dp_shard) if spec.experts % d == 0 and (d > 1 or tp == 1)]
 
 
 def _plans(spec: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, precision: Optional[Precision],
@@ -97,7 +98,7 @@ def search(model: Union[str, ModelSpec, None] = None, *, gpu: Union[str, GPU] = 
     first: strategies x outer strategies x dp_replicate x tp x cp x activation checkpointing x
     micro-batch (within ``global_batch``, default one sequence per GPU) x offload x sequence
     parallelism, and for a mixture of experts x ep (the divisors of dp_shard that split its
-    experts; tp = 1, which fsdp8 requires beside ep and has no plan for experts without); of those that predict the same speed and differ only in how the data-parallel
+    experts; beside tp > 1 only ep > 1, as fsdp8.parallelize requires); of those that predict the same speed and differ only in how the data-parallel
     ranks shard, the one with the least memory (and the fewest replicas). ``tps`` defaults to
     the divisors of gpus_per_node (TP inside a node), ``cps`` to 1: pass context-parallel
     degrees to weigh them too (worth it for long sequences, whose activations or attention

@@ -6,7 +6,9 @@ A mixture-of-experts layer computes its router's GEMM and its experts' grouped G
 token (k experts per token: the FLOPs of the active parameters), at the dense GEMM rate; routing
 moves rows through HBM (gathering them by expert, weighting and summing them back, and under ep
 regrouping what arrived). Its grouped GEMMs are recomputed under selective checkpointing too (see
-activations.py [Note: what a mixture-of-experts layer keeps]).
+activations.py [Note: what a mixture-of-experts layer keeps]). Beside tensor parallelism its
+attention is split over tp and its router and experts compute whole on the rank's tokens
+(activations.py [Note: a mixture of experts beside tensor parallelism]).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict
 
-from .activations import expands_kv
+from .activations import expands_kv, routed_share
 from .hardware import EP_OPS, MOE_OPS, HostCost, host_model
 from .model import ModelSpec, converts_to_fp8, local_shape
 from .setup import Setup
@@ -55,9 +57,10 @@ def _elementwise_bytes(spec: ModelSpec, setup: Setup, kind: str) -> float:
     d = spec.hidden / tp if setup.parallel.sequence_parallel else spec.hidden
     q, kv, f = spec.q_dim / tp, spec.kv_dim / tp, spec.ffn / tp
     gqa = 2 * e * (kv + q) if expands_kv(spec) else 0
-    if kind == "moe":
+    if kind == "moe":  # on this tp rank's share of the tokens (activations.routed_share)
         rows = e * spec.experts_per_token
-        mlp = 5 * rows * spec.expert_ffn + (6 + 4 * (setup.parallel.ep > 1)) * rows * spec.hidden + 12 * spec.experts
+        mlp = (5 * rows * spec.expert_ffn + (6 + 4 * (setup.parallel.ep > 1)) * rows * spec.hidden
+               + 12 * spec.experts) * routed_share(setup)
     else:
         mlp = 5 * e * f
     return 2 * (32 + 2 * e) * d + 9 * e * (q + kv) + gqa + 6 * e * d + mlp
@@ -94,10 +97,11 @@ def _layer(spec: ModelSpec, setup: Setup, kind: str) -> LayerCompute:
         if fp8:  # quantize x and dy, and transpose both for the weight gradient
             quant += (e + 3) * (out + inp) * t / hbm
             fp8_linears += 1
-    if moe:
-        router = 2 * t * spec.experts * spec.hidden
+    if moe:  # whole weights on this tp rank's tokens (t/tp under sequence parallelism, else t)
+        routed = t * routed_share(setup)
+        router = 2 * routed * spec.experts * spec.hidden
         # gate_up [2I, H] and down [H, I] on each of the token's k rows.
-        experts = 2 * t * spec.experts_per_token * 3 * spec.expert_ffn * spec.hidden
+        experts = 2 * routed * spec.experts_per_token * 3 * spec.expert_ffn * spec.hidden
         gemm += (router + experts) / dense
         mm_flops += router + experts
         recomputed = (router if ac == "full" else 0) + (experts if ac != "none" else 0)

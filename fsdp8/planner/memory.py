@@ -17,6 +17,9 @@ shards over the experts' mesh, ``efsdp = dp_shard / ep`` (x cp, and dp_replicate
 strategy says), while the layer's other weights and the dense ones are sharded over
 ``dp_shard`` (x cp) as before. A ``LayerGroup`` is a kind of layer with its units; the peak
 takes each per-layer transient from the larger kind when a model mixes dense and MoE layers.
+Beside tensor parallelism (ep x tp) the layer's attention is split over tp as a dense layer's,
+its norms, router and experts are not (``Param.tp`` is None for them): every tp rank holds the
+same E/ep experts, sharded over efsdp (x cp) as above.
 """
 
 from __future__ import annotations

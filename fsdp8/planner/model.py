@@ -63,34 +63,41 @@ def gathers_fp8_experts(experts: List[Param], recipe: Optional[str]) -> bool:
 
 
 def check_tp(spec: ModelSpec, tp: int) -> None:
-    """The splits fsdp8.parallel.tensor_parallel refuses (whole heads per rank, the feed-forward width;
-    the vocabulary may split unevenly), as one ValueError."""
+    """The splits fsdp8.parallel.tensor_parallel refuses (whole heads per rank, the feed-forward width
+    of the dense layers, if any: a mixture of experts' router and experts are not split by tp; the
+    vocabulary may split unevenly), as one ValueError."""
     if tp == 1:
         return
-    if spec.experts:
-        raise ValueError(f"tp={tp}: {spec.name} has mixture-of-experts layers, and the planner does not predict them "
-                         "beside tensor parallelism yet (fsdp8.parallelize runs them with ep > 1); plan with tp=1, "
-                         "and ep to split the experts over ranks")
-    counts = (("heads", spec.heads), ("kv_heads", spec.kv_heads), ("ffn", spec.ffn))
+    counts = (("heads", spec.heads), ("kv_heads", spec.kv_heads))
+    if spec.moe_layers < spec.layers:  # some layer keeps the dense MLP, which tp splits
+        counts += (("ffn", spec.ffn),)
     problems = [f"{what}={count}" for what, count in counts if count % tp]
     if problems:
         options = [t for t in range(1, spec.kv_heads + 1) if all(count % t == 0 for _, count in counts)]
         raise ValueError(f"tp={tp} does not divide {', '.join(problems)} of {spec.name}; use tp in {tuple(options)}")
 
 
-def check_ep(spec: ModelSpec, ep: int, dp_shard: int) -> None:
+def check_ep(spec: ModelSpec, ep: int, dp_shard: int, tp: int = 1) -> None:
     """What fsdp8.parallelize refuses of expert parallelism (parallel/manager.py, parallel/ep.py),
-    as one ValueError naming ep and the fix: experts to split, ep ranks borrowed from dp_shard,
-    whole experts per rank."""
+    as one ValueError naming ep and the fix: experts to split, ep ranks borrowed from dp_shard
+    (what tp leaves of the world), whole experts per rank; and a mixture of experts beside tensor
+    parallelism needs ep > 1 (tp splits attention and dense layers, the experts go to ep)."""
+    options = [d for d in range(1, dp_shard + 1) if dp_shard % d == 0 and spec.experts % d == 0]
     if ep == 1:
+        if tp > 1 and spec.experts:
+            lower = ", so lower tp" if dp_shard == 1 else ""
+            raise ValueError(f"tp={tp} with a mixture-of-experts model and ep=1: tensor parallelism splits attention "
+                             f"and dense layers, and the experts go to expert parallelism; set ep to a divisor > 1 of "
+                             f"dp_shard={dp_shard} (the ranks left beside tp={tp}{lower}), or use tp=1")
         return
     if not spec.experts:
         raise ValueError(f"ep={ep} splits the experts of a mixture-of-experts model, but {spec.name} is dense; use "
                          "ep=1")
-    options = [d for d in range(1, dp_shard + 1) if dp_shard % d == 0 and spec.experts % d == 0]
     if dp_shard % ep:
-        raise ValueError(f"ep={ep} must divide dp_shard={dp_shard}: expert parallelism borrows its ranks from the "
-                         f"data-parallel shard dim; choose ep among {options}")
+        beside = f" (the ranks left beside tp={tp})" if tp > 1 else ""
+        raise ValueError(f"ep={ep} must divide dp_shard={dp_shard}{beside}: expert parallelism borrows its ranks from "
+                         f"the data-parallel shard dim; choose ep among {options}"
+                         f"{', or lower tp' if tp > 1 else ''}")
     if spec.experts % ep:
         raise ValueError(f"ep={ep} does not divide the {spec.experts} experts of {spec.name}; choose ep among "
                          f"{options}")

@@ -101,7 +101,7 @@ def make_setup(spec: ModelSpec, cluster: Cluster, parallel: Optional[ParallelCon
     parallel = _mesh_sizes(parallel or ParallelConfig(), cluster)
     cp, tp = parallel.cp, parallel.tp
     check_tp(spec, tp)
-    check_ep(spec, parallel.ep, parallel.dp_shard)
+    check_ep(spec, parallel.ep, parallel.dp_shard, tp)
     if cp > 1 and seq_len % (2 * cp):
         raise ValueError(f"seq_len {seq_len} is not a multiple of 2 x cp = {2 * cp} (context parallelism gives each "
                          f"rank a head and a tail chunk); use a seq_len that is")

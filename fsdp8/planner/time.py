@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Dict, List, Sequence, Tuple
 
 from ..config import OuterStrategy, Strategy
+from .activations import routed_share
 from .compute import compute
 from .memory import MAIN_BYTES, REDUCE_BYTES, LayerGroup, UnitPlan, layer_groups
 from .model import ModelSpec, converts_to_fp8
@@ -230,21 +231,30 @@ def _reductions(u: UnitPlan, setup: Setup, g: Groups, sync: bool) -> List[Transf
 def _amax_agreements(spec: ModelSpec, setup: Setup, g: Groups) -> Transfer:
     """Current scaling under TP agrees each sharded operand's per-tensor scale over tp, one
     4-byte max all-reduce each (fp8/tp_forward.py): per layer, in forward the row-parallel
-    layers' inputs and, under sequence parallelism, the two gathered inputs (q/k/v's and
-    gate/up's, fp8/tp_gather.py), and in backward the column-parallel layers' output
-    gradients; recomputation repeats the forward's. Latency-bound: their count is the cost."""
+    layers' inputs and, under sequence parallelism, the gathered inputs (q/k/v's and a dense
+    layer's gate/up's, fp8/tp_gather.py; an MoE layer's router and experts take the rank's own
+    tokens), and in backward the column-parallel layers' output gradients; recomputation repeats
+    the forward's. Latency-bound: their count is the cost."""
     p = setup.parallel
-    block = spec.moe_block_params() if spec.experts else spec.block_params()
-    fp8 = [q for q in block if converts_to_fp8(q, setup.fp8, p.tp, 0)]
-    col, row = sum(q.tp == "col" for q in fp8), sum(q.tp == "row" for q in fp8)
-    forward = row + (2 if p.sequence_parallel and col else 0)
-    calls = spec.layers * (forward * (1 + (p.activation_checkpointing != "none")) + col)
+    calls = 0
+    for kind, count in spec.layer_kinds():
+        block = spec.moe_block_params() if kind == "moe" else spec.block_params()
+        fp8 = [q for q in block if converts_to_fp8(q, setup.fp8, p.tp, 0)]
+        col, row = sum(q.tp == "col" for q in fp8), sum(q.tp == "row" for q in fp8)
+        forward = row + ((1 if kind == "moe" else 2) if p.sequence_parallel and col else 0)
+        calls += count * (forward * (1 + (p.activation_checkpointing != "none")) + col)
     return Transfer("TP FP8 amax agreements", "all_reduce", g.tp, 4, "compute", calls)
 
 
 def _model_parallel(spec: ModelSpec, setup: Setup, g: Groups) -> List[Transfer]:
     """Tensor- and context-parallel collectives of one micro-batch (torch's TP styles and CP's
-    K/V gathers; recomputation repeats those checkpointing does not keep)."""
+    K/V gathers; recomputation repeats those checkpointing does not keep), and expert
+    parallelism's all-to-alls. Beside tp an MoE layer's attention is tensor-parallel and its
+    router and experts are not: they take the rank's own tokens with no TP collective (under
+    sequence parallelism the router's output is gathered over tp for the load-balancing loss, and
+    the router's and experts' gradients, partial sums over tp, are summed in one all-reduce per
+    unit on the compute stream: engine/unit_grads.py), and the all-to-alls carry this tp rank's
+    share of the tokens (activations.py [Note: a mixture of experts beside tensor parallelism])."""
     p = setup.parallel
     e, t, ac, layers = setup.compute_bytes, setup.micro_batch * setup.seq_len / p.cp, p.activation_checkpointing, \
         spec.layers
@@ -254,19 +264,29 @@ def _model_parallel(spec: ModelSpec, setup: Setup, g: Groups) -> List[Transfer]:
         tensorwise = setup.fp8 in ("current", "delayed")
         x_in = t * spec.hidden * (1 if tensorwise and converts_to_fp8(spec.block_params()[1], setup.fp8, p.tp, 0)
                                   else e)
+        blocks = layers + (layers - spec.moe_layers)  # attention in every layer, the MLP in dense ones
         if p.sequence_parallel:
-            # Per layer: gather the norm outputs for attention and FFN, reduce-scatter their outputs;
+            # Per block: gather the norm outputs for attention and FFN, reduce-scatter their outputs;
             # backward the reverse. Selective keeps the reduce-scatter outputs.
-            gathers = 2 * layers * (2 + (ac != "none"))
-            scatters = 2 * layers * (2 + (ac == "full"))
+            gathers = blocks * (2 + (ac != "none"))
+            scatters = blocks * (2 + (ac == "full"))
             out += [Transfer("TP all-gather activations", "all_gather", g.tp, x_in, "compute", gathers),
                     Transfer("TP reduce-scatter activations", "reduce_scatter", g.tp, act, "compute", scatters)]
             # The embedding's output and the head's input gradient are reduce-scattered, the
             # head's input gathered.
             out += [Transfer("TP reduce-scatter embedding/head", "reduce_scatter", g.tp, act, "compute", 2),
                     Transfer("TP all-gather head input", "all_gather", g.tp, act, "compute")]
+            if spec.moe_layers:
+                forwards = spec.moe_layers * (1 + (ac != "none"))
+                local = -(-spec.experts // p.ep) * 3 * spec.expert_ffn * spec.hidden
+                out += [Transfer("TP all-gather router output", "all_gather", g.tp, 4 * t * spec.experts, "compute",
+                                 forwards),
+                        Transfer("TP all-reduce partial router grads", "all_reduce", g.tp,
+                                 spec.experts * spec.hidden * e, "compute", spec.moe_layers),
+                        Transfer("TP all-reduce partial expert grads", "all_reduce", g.tp, local * e, "compute",
+                                 spec.moe_layers)]
         else:
-            calls = 2 * layers * (2 + (ac != "none"))
+            calls = blocks * (2 + (ac != "none"))
             out.append(Transfer("TP all-reduce activations", "all_reduce", g.tp, act, "compute", calls + 2))
         if setup.fp8 == "current":
             out.append(_amax_agreements(spec, setup, g))
@@ -279,9 +299,10 @@ def _model_parallel(spec: ModelSpec, setup: Setup, g: Groups) -> List[Transfer]:
                 Transfer("CP reduce-scatter dK/dV", "reduce_scatter", g.cp, kv, "compute", layers)]
     if g.ep.size > 1 and spec.moe_layers:
         # Per MoE layer and forward (recomputation too): the counts per expert (int64), then the
-        # T k rows dispatched and as many combined; backward sends the gradients back, twice.
+        # T k rows dispatched (this tp rank's share of T) and as many combined; backward sends
+        # the gradients back, twice.
         forwards = spec.moe_layers * (1 + (ac != "none"))
-        rows = t * spec.experts_per_token * spec.hidden * e
+        rows = t * routed_share(setup) * spec.experts_per_token * spec.hidden * e
         out += [Transfer("EP all-to-all tokens", "all_to_all", g.ep, rows, "compute",
                          2 * forwards + 2 * spec.moe_layers),
                 Transfer("EP all-to-all counts per expert", "all_to_all", g.ep, 8 * spec.experts, "compute", forwards)]

@@ -81,18 +81,20 @@ def _moe_model(family: str, sizes: dict):
     return transformers.Qwen3MoeForCausalLM(qwen3_moe_config(sizes))
 
 
-def moe_reports(family: str, sizes: dict, ep: int, dp_replicate: int = 1, outer: str = "no_shard"):
+def moe_reports(family: str, sizes: dict, ep: int, dp_replicate: int = 1, outer: str = "no_shard", tp: int = 1,
+                sequence_parallel: bool = False):
     """memory_report() of a mixture-of-experts model laid out by parallelize with ``ep`` (its
-    experts a unit of their own, sharded over efsdp = dp_shard / ep) for every strategy x
-    precision, keyed by (strategy, precision, fp8)."""
+    experts a unit of their own, sharded over efsdp = dp_shard / ep) and ``tp`` (attention
+    tensor-parallel, router and experts not) for every strategy x precision, keyed by
+    (strategy, precision, fp8); and this rank's tensor-parallel rank."""
     out = {}
     for strategy, (precision, recipe) in [(s, p) for s in STRATEGIES for p in PRECISIONS]:
         model = _moe_model(family, sizes)
-        layout = fsdp8.ParallelConfig(dp_replicate=dp_replicate, ep=ep, strategy=strategy, outer_strategy=outer,
-                                      precision=_precision(precision),
+        layout = fsdp8.ParallelConfig(dp_replicate=dp_replicate, ep=ep, tp=tp, sequence_parallel=sequence_parallel,
+                                      strategy=strategy, outer_strategy=outer, precision=_precision(precision),
                                       fp8=recipe_from_name(f"fp8-{recipe}") if recipe else None)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # routers and experts kept in high precision say so
             sharded = fsdp8.parallelize(model, layout)
         out[(strategy, precision, recipe)] = dataclasses.asdict(sharded.memory_report())
-    return out
+    return out, (dist.get_rank() % tp)  # tp innermost in the world mesh (dp_replicate, dp_shard, cp, tp)

@@ -1,6 +1,6 @@
 """The planner's persistent memory equals memory_report() byte for byte: every strategy and mesh,
 fp32 / bf16 / each FP8 recipe, tensor parallelism, offload, mixtures of experts with and without
-expert parallelism (fsdp8/planner/memory.py [Note: exact and estimated memory]).
+expert parallelism (and beside tensor parallelism) (fsdp8/planner/memory.py [Note: exact and estimated memory]).
 
 The model's sizes make every layout rule count: a vocabulary (37) and widths that no world
 size divides, one kv head (a 16-row weight), FP8 widths where MX scales cover a partial block,
@@ -92,20 +92,24 @@ def _moe_spec(family: str, sizes: dict) -> ModelSpec:
     return hf_spec_of(workers.qwen3_moe_config(sizes).to_dict(), "qwen3_moe")
 
 
-def _check_moe(world: int, family: str, sizes: dict, ep: int, dp_replicate: int = 1, outer: str = "no_shard"):
-    results = run_on_ranks(world, workers.moe_reports, family, sizes, ep, dp_replicate, outer)
+def _check_moe(world: int, family: str, sizes: dict, ep: int, dp_replicate: int = 1, outer: str = "no_shard",
+               tp: int = 1, sequence_parallel: bool = False):
+    results = run_on_ranks(world, workers.moe_reports, family, sizes, ep, dp_replicate, outer, tp, sequence_parallel)
     spec = _moe_spec(family, sizes)
     cluster = Cluster(gpu_named("h100"), 1, world)
     wrong = []
-    for rank, reports in enumerate(results):
+    for rank, (reports, tp_rank) in enumerate(results):
         assert reports, "no case ran"
         for (strategy, precision, fp8), engine in reports.items():
-            parallel = ParallelConfig(dp_replicate=dp_replicate, ep=ep, strategy=strategy, outer_strategy=outer,
+            parallel = ParallelConfig(dp_replicate=dp_replicate, ep=ep, tp=tp, sequence_parallel=sequence_parallel,
+                                      strategy=strategy, outer_strategy=outer,
                                       fp8=recipe_from_name(f"fp8-{fp8}") if fp8 else None,
                                       precision=BF16_MIXED if precision == "bf16" else Precision())
-            planned = dataclasses.asdict(memory_report(spec, make_setup(spec, cluster, parallel, seq_len=16)))
+            setup = make_setup(spec, cluster, parallel, seq_len=16)
+            planned = dataclasses.asdict(memory_report(spec, setup, tp_rank))
             if planned != engine:
-                wrong.append(f"{strategy} {precision} fp8={fp8} rank {rank}: planned {planned}, engine {engine}")
+                wrong.append(f"{strategy} {precision} fp8={fp8} rank {rank} (tp rank {tp_rank}): planned {planned}, "
+                             f"engine {engine}")
     assert not wrong, "\n".join(wrong)
 
 
@@ -129,6 +133,14 @@ def test_moe_world4(ep):
 @pytest.mark.parametrize("outer", ["no_shard", "optim"])
 def test_moe_hsdp_2x2_ep2(outer):
     _check_moe(4, "fsdp8", MOE_SIZES, 2, dp_replicate=2, outer=outer)
+
+
+def test_moe_ep2_tp2_sequence_parallel():
+    # World 4 = dp_shard 2 x tp 2, ep 2 borrowed from dp_shard (efsdp 1): attention split over tp
+    # (the vocabulary of 37 unevenly, so tp ranks hold different roots), router and experts whole
+    # on every tp rank, each rank's 3 of the 6 experts.
+    _check_moe(4, "fsdp8", dict(MOE_SIZES, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96), 2, tp=2,
+               sequence_parallel=True)
 
 
 def test_moe_hugging_face_dense_and_moe_layers_ep2():

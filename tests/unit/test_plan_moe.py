@@ -14,11 +14,12 @@ from fsdp8 import ParallelConfig, Precision
 from fsdp8.models.llama import Llama, LlamaConfig, preset
 from fsdp8.models.spec import llama_spec
 from fsdp8.planner import plan, search
-from fsdp8.planner.activations import activations
+from fsdp8.planner.activations import activations, routed_bytes
 from fsdp8.planner.compute import compute
 from fsdp8.planner.hardware import Cluster, gpu_named
 from fsdp8.planner.memory import layer_groups, memory_report, unit_plans
 from fsdp8.planner.model import ModelSpec, model_spec
+from fsdp8.planner.predict import plan_setup
 from fsdp8.planner.setup import make_setup
 from fsdp8.planner.time import collective_seconds, groups, host_syncs
 from tests.unit.test_plan import saved_by_first_block
@@ -179,6 +180,50 @@ def test_all_to_all_traffic_and_host_syncs(ac, forwards):
     assert dense.time.syncs == 0 and not [c for c in dense.time.collectives if c.op == "all_to_all"]
 
 
+# -- beside tensor parallelism (ep x tp) ---------------------------------------------------------------
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_splits_attention_but_not_the_experts(sp):
+    """ep 2 x tp 2 on 8 GPUs (dp_shard 4) against ep 2 alone on 4 GPUs (the same dp_shard and
+    efsdp): the layer's attention halves, its router and the experts' unit stay whole; what the
+    router and experts keep, compute and send per tp rank halves under sequence parallelism (each
+    tp rank routes its half of the tokens) and stays whole without (every tp rank routes all)."""
+    spec = _moe()
+    alone = _setup(spec, world=4, gpus_per_node=4, parallel=ParallelConfig(ep=2))
+    beside = _setup(spec, parallel=ParallelConfig(ep=2, tp=2, sequence_parallel=sp))
+    assert (beside.parallel.dp_shard, beside.parallel.tp) == (alone.parallel.dp_shard, 2)
+    layer1, experts1 = unit_plans(spec, alone)[1:]
+    layer2, experts2 = unit_plans(spec, beside)[1:]
+    d, q, kv = spec.hidden, spec.q_dim, spec.kv_dim
+    attention = 2 * q * d + 2 * kv * d  # wq, wo; wk, wv
+    norms_router = 2 * d + spec.experts * d
+    assert layer1.local_numel == attention + norms_router
+    assert layer2.local_numel == attention // 2 + norms_router
+    assert experts2.local_numel == experts1.local_numel == spec.experts // 2 * 3 * spec.expert_ffn * d
+    assert (experts2.layout, experts2.chunks) == (experts1.layout, experts1.chunks)
+    assert memory_report(spec, beside).main_weights < memory_report(spec, alone).main_weights
+
+    share = 0.5 if sp else 1.0
+    # What a MoE layer keeps beyond a dense one: its router's input and routed rows for this tp
+    # rank's tokens, less the dense MLP's (w1/w3's input, four F/tp-wide outputs).
+    e, f = 2, spec.ffn
+    moe, dense = activations(spec, beside, {}, "moe").saved, activations(spec, beside, {}, "dense").saved
+    assert moe - dense == pytest.approx(share * (e * d + routed_bytes(spec, beside)) - (e * d + 4 * e * f / 2))
+
+    c1, c2 = compute(spec, alone).layers["moe"], compute(spec, beside).layers["moe"]
+    t = 2048
+    attn = 3.5 * 2 * t ** 2 * q  # causal attention FLOPs (fwd + bwd), split by tp
+    linears = 3 * 2 * t * attention
+    moe = 3 * 2 * t * (spec.experts * d + spec.experts_per_token * 3 * spec.expert_ffn * d)
+    assert c1.flops == pytest.approx(attn + linears + moe)
+    assert c2.flops == pytest.approx(attn / 2 + linears / 2 + share * moe)
+
+    def sent(s):
+        return next(c.nbytes for c in plan_setup(spec, s).time.collectives
+                    if c.what == "EP all-to-all tokens")
+
+    assert sent(beside) == share * sent(alone) == share * t * spec.experts_per_token * d * 2
+
+
 def test_expert_groups_follow_the_experts_mesh():
     """make_expert_mesh splits dp_shard into (efsdp, ep), ep inner: on 2 nodes of 8, ep 8 stays in a
     node and efsdp crosses them."""
@@ -193,8 +238,11 @@ def test_expert_groups_follow_the_experts_mesh():
 def test_search_weighs_ep_for_mixtures_of_experts_only():
     found = search("moe-1b", seq_len=2048, global_batch=16)
     eps = {c.parallel.ep for c in found}
-    assert eps == {1, 2, 4, 8} and all(c.parallel.tp == 1 for c in found)
+    assert eps == {1, 2, 4, 8}
     assert all(c.parallel.dp_shard % c.parallel.ep == 0 for c in found)
+    # ep x tp is weighed, but never tp > 1 with ep = 1, which fsdp8.parallelize refuses for experts.
+    beside_tp = {(c.parallel.tp, c.parallel.ep) for c in found if c.parallel.tp > 1}
+    assert beside_tp and all(ep > 1 for _, ep in beside_tp)
     assert {c.parallel.ep for c in search("1b", seq_len=2048, global_batch=16)} == {1}
 
 
@@ -202,9 +250,11 @@ def test_search_weighs_ep_for_mixtures_of_experts_only():
     ("1b", dict(ep=2), "ep=2 splits the experts of a mixture-of-experts model, but 1b is dense; use ep=1"),
     ("moe-1b", dict(ep=3), "ep=3 must divide dp_shard=8"),
     ("moe-1b", dict(ep=4, dp_replicate=4), r"ep=4 must divide dp_shard=2: .* choose ep among \[1, 2\]"),
-    ("moe-1b", dict(tp=2), "tp=2: moe-1b has mixture-of-experts layers"),
-    ("moe-1b", dict(ep=2, tp=2), "tp=2: moe-1b has mixture-of-experts layers, and the planner does not predict them "
-                                 "beside tensor parallelism yet"),
+    # As fsdp8.parallelize: beside tp the experts need ep > 1, borrowed from what tp leaves of dp_shard.
+    ("moe-1b", dict(tp=2), r"tp=2 with a mixture-of-experts model and ep=1: .* set ep to a divisor > 1 of "
+                           r"dp_shard=4 \(the ranks left beside tp=2\), or use tp=1"),
+    ("moe-1b", dict(ep=8, tp=2), r"ep=8 must divide dp_shard=4 \(the ranks left beside tp=2\): .* choose ep among "
+                                 r"\[1, 2, 4\], or lower tp"),
 ])
 def test_bad_ep_says_why(model, layout, message):
     with pytest.raises(ValueError, match=message):
