@@ -98,8 +98,9 @@ def search(model: Union[str, ModelSpec, None] = None, *, gpu: Union[str, GPU] = 
     first: strategies x outer strategies x dp_replicate x tp x cp x activation checkpointing x
     micro-batch (within ``global_batch``, default one sequence per GPU) x offload x sequence
     parallelism, and for a mixture of experts x ep (the divisors of dp_shard that split its
-    experts; beside tp > 1 only ep > 1, as fsdp8.parallelize requires); of those that predict the same speed and differ only in how the data-parallel
-    ranks shard, the one with the least memory (and the fewest replicas). ``tps`` defaults to
+    experts; beside tp > 1 only ep > 1, as fsdp8.parallelize requires); of those that predict
+    the same speed and differ only in how the data-parallel ranks shard, the one with the least
+    memory (and the fewest replicas). ``tps`` defaults to
     the divisors of gpus_per_node (TP inside a node), ``cps`` to 1: pass context-parallel
     degrees to weigh them too (worth it for long sequences, whose activations or attention
     time one rank cannot carry). ``precision`` and ``fp8`` are every candidate's, as
