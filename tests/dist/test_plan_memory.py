@@ -34,24 +34,36 @@ def _spec(sizes: dict, tied: bool = False) -> ModelSpec:
                      sizes["vocab_size"], tied=tied)
 
 
-def _check(world: int, sizes: dict, mesh_shape=None, outer="no_shard", tp=1, offload=False, tied=False):
-    results = run_on_ranks(world, workers.reports, dict(sizes, tie_embeddings=tied), mesh_shape, outer, tp, offload)
-    spec = _spec(sizes, tied)
+def _compare(world: int, spec, results, parallel_of) -> None:
+    """Each rank's engine memory reports against the planner's for the same layout: ``results``
+    holds (reports by case, tp rank) per rank; ``parallel_of(case)`` is the case's ParallelConfig."""
     cluster = Cluster(gpu_named("h100"), 1, world)
     wrong = []
-    for reports, tp_rank in results:
+    for rank, (reports, tp_rank) in enumerate(results):
         assert reports, "no case ran"
-        for (strategy, precision, fp8, off), engine in reports.items():
-            parallel = ParallelConfig(dp_replicate=mesh_shape[0] if mesh_shape else 1, tp=tp, strategy=strategy,
-                                      outer_strategy=outer, fp8=recipe_from_name(f"fp8-{fp8}") if fp8 else None,
-                                      precision=BF16_MIXED if precision == "bf16" else Precision(),
-                                      offload="optim" if off else None)
-            setup = make_setup(spec, cluster, parallel, seq_len=16)
+        for case, engine in reports.items():
+            setup = make_setup(spec, cluster, parallel_of(case), seq_len=16)
             planned = dataclasses.asdict(memory_report(spec, setup, tp_rank))
             if planned != engine:
-                wrong.append(f"{strategy} {precision} fp8={fp8} offload={off} tp rank {tp_rank}: planned {planned}, "
-                             f"engine {engine}")
+                wrong.append(f"{case} rank {rank} (tp rank {tp_rank}): planned {planned}, engine {engine}")
     assert not wrong, "\n".join(wrong)
+
+
+def _fp8_and_precision(fp8, precision) -> dict:
+    return dict(fp8=recipe_from_name(f"fp8-{fp8}") if fp8 else None,
+                precision=BF16_MIXED if precision == "bf16" else Precision())
+
+
+def _check(world: int, sizes: dict, mesh_shape=None, outer="no_shard", tp=1, offload=False, tied=False):
+    results = run_on_ranks(world, workers.reports, dict(sizes, tie_embeddings=tied), mesh_shape, outer, tp, offload)
+
+    def parallel_of(case):
+        strategy, precision, fp8, off = case
+        return ParallelConfig(dp_replicate=mesh_shape[0] if mesh_shape else 1, tp=tp, strategy=strategy,
+                              outer_strategy=outer, offload="optim" if off else None,
+                              **_fp8_and_precision(fp8, precision))
+
+    _compare(world, _spec(sizes, tied), results, parallel_of)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -95,22 +107,13 @@ def _moe_spec(family: str, sizes: dict) -> ModelSpec:
 def _check_moe(world: int, family: str, sizes: dict, ep: int, dp_replicate: int = 1, outer: str = "no_shard",
                tp: int = 1, sequence_parallel: bool = False):
     results = run_on_ranks(world, workers.moe_reports, family, sizes, ep, dp_replicate, outer, tp, sequence_parallel)
-    spec = _moe_spec(family, sizes)
-    cluster = Cluster(gpu_named("h100"), 1, world)
-    wrong = []
-    for rank, (reports, tp_rank) in enumerate(results):
-        assert reports, "no case ran"
-        for (strategy, precision, fp8), engine in reports.items():
-            parallel = ParallelConfig(dp_replicate=dp_replicate, ep=ep, tp=tp, sequence_parallel=sequence_parallel,
-                                      strategy=strategy, outer_strategy=outer,
-                                      fp8=recipe_from_name(f"fp8-{fp8}") if fp8 else None,
-                                      precision=BF16_MIXED if precision == "bf16" else Precision())
-            setup = make_setup(spec, cluster, parallel, seq_len=16)
-            planned = dataclasses.asdict(memory_report(spec, setup, tp_rank))
-            if planned != engine:
-                wrong.append(f"{strategy} {precision} fp8={fp8} rank {rank} (tp rank {tp_rank}): planned {planned}, "
-                             f"engine {engine}")
-    assert not wrong, "\n".join(wrong)
+
+    def parallel_of(case):
+        strategy, precision, fp8 = case
+        return ParallelConfig(dp_replicate=dp_replicate, ep=ep, tp=tp, sequence_parallel=sequence_parallel,
+                              strategy=strategy, outer_strategy=outer, **_fp8_and_precision(fp8, precision))
+
+    _compare(world, _moe_spec(family, sizes), results, parallel_of)
 
 
 @pytest.mark.parametrize("ep", [1, 2])
