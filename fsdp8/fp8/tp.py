@@ -9,6 +9,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 from .formats import Granularity
 from .linear import Float8Linear
+from .tp_gather import shared_per_input
 
 
 class Float8ColwiseParallel(ColwiseParallel):
@@ -32,10 +33,6 @@ class Float8ColwiseParallel(ColwiseParallel):
             return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
         # One high-precision gather per input, shared by the projections it feeds (q/k/v,
         # gate/up): autograd sums their gradients before the gather's single reduce-scatter.
-        key = (x._local_tensor._version, tuple(desired_input_layouts or ()), id(device_mesh))
-        cached = getattr(x, "_fsdp8_colwise_input", None)
-        if cached is None or cached[0] != key:
-            cached = key, ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs,
-                                                            device_mesh)
-            x._fsdp8_colwise_input = cached
-        return cached[1]
+        return shared_per_input(
+            x, "_fsdp8_colwise_input", (tuple(desired_input_layouts or ()), id(device_mesh)),
+            lambda: ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh))

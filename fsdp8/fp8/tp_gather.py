@@ -26,7 +26,7 @@ Sharing needs one scale for all readers, so it applies to current scaling; delay
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,8 @@ from .formats import Granularity
 from .gemm import group_scale
 from .kernels import Quantized, amax, quantize
 from .recipes import X, DelayedState, Recipe
+
+T = TypeVar("T")
 
 
 def gathered_shape(shape, dim: int, group) -> torch.Size:
@@ -99,19 +101,30 @@ class SequenceGather(torch.autograd.Function):
         return reduce_scatter_sum(dx, ctx.dim, ctx.group), None, None, None, None
 
 
+def shared_per_input(x: DTensor, name: str, key: tuple, make: Callable[[], T]) -> T:
+    """``make()``, computed once for the DTensor ``x`` and kept on it (attribute ``name``) while
+    ``key`` and ``x``'s values stay the same: what the projections fed one input share (its
+    gather, in FP8 here or in high precision by Float8ColwiseParallel). It lives as long as ``x``."""
+    key = (x._local_tensor._version,) + key
+    cached = getattr(x, name, None)
+    if cached is None or cached[0] != key:
+        cached = key, make()
+        setattr(x, name, cached)
+    return cached[1]
+
+
 def sequence_gather(x: DTensor, recipe: Recipe, state: Optional[DelayedState], dim: int,
                     group) -> Tuple[torch.Tensor, Tuple[Quantized, Quantized]]:
     """The gathered input's placeholder and its FP8 operands, for the sequence-sharded DTensor
-    ``x``: shared by every linear fed the same ``x`` with current scaling (cached on it until it
-    changes); delayed scaling and compiled graphs gather per call."""
-    shareable = state is None and not torch.compiler.is_compiling()
-    key = (x._local_tensor._version, recipe.fwd_dtype, dim, id(group))
-    cached = getattr(x, "_fsdp8_sequence_gather", None) if shareable else None
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    placeholder, data, scale_inv, data_t = SequenceGather.apply(x.to_local(), recipe, state, dim, group)
-    result = placeholder, (Quantized(data, scale_inv, Granularity.TENSOR),
-                           Quantized(data_t, scale_inv, Granularity.TENSOR))
-    if shareable:
-        x._fsdp8_sequence_gather = (key, result)
-    return result
+    ``x``: shared by every linear fed the same ``x`` with current scaling (``shared_per_input``);
+    delayed scaling (each linear's own scale) and compiled graphs (which cannot keep it on ``x``)
+    gather per call."""
+
+    def gather():
+        placeholder, data, scale_inv, data_t = SequenceGather.apply(x.to_local(), recipe, state, dim, group)
+        return placeholder, (Quantized(data, scale_inv, Granularity.TENSOR),
+                             Quantized(data_t, scale_inv, Granularity.TENSOR))
+
+    if state is not None or torch.compiler.is_compiling():
+        return gather()
+    return shared_per_input(x, "_fsdp8_sequence_gather", (recipe.fwd_dtype, dim, id(group)), gather)
