@@ -73,10 +73,14 @@ def runs_fp8_experts(module: torch.nn.Module) -> bool:
 
 
 # -- groups ----------------------------------------------------------------------------------------
-def group_bounds(offs: torch.Tensor) -> Bounds:
-    """(first row, end row) of each group, on the host: the call's one synchronisation."""
-    ends = offs.tolist()
+def bounds_of(ends: List[int]) -> Bounds:
+    """(first row, end row) of each group whose end rows (cumulative) are ``ends``."""
     return list(zip([0] + ends[:-1], ends))
+
+
+def group_bounds(offs: torch.Tensor) -> Bounds:
+    """``bounds_of`` the groups' ends ``offs``, read on the host: the call's one synchronisation."""
+    return bounds_of(offs.tolist())
 
 
 def group_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:

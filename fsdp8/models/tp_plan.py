@@ -54,6 +54,12 @@ def _local_output(module: nn.Module, output, mesh: DeviceMesh):
     return output.to_local() if isinstance(output, DTensor) else output
 
 
+def beside_router_and_experts(block: nn.Module) -> List[str]:
+    """The parameters of a mixture-of-experts ``block`` outside its ``gate`` and ``experts``
+    (shared experts, say), which ExpertParallelBlock has no tensor-parallel layout for."""
+    return [name for name, _ in block.named_parameters() if not name.startswith(("gate.", "experts."))]
+
+
 class ExpertParallelBlock(ParallelStyle):
     """A mixture-of-experts block (router ``gate`` + ``experts``) inside a tensor-parallel model
     whose experts expert parallelism splits (fsdp8.parallel.ep): the block computes on this
@@ -87,7 +93,7 @@ class ExpertParallelBlock(ParallelStyle):
         if not isinstance(gate, nn.Module) or not isinstance(getattr(module, "experts", None), nn.Module):
             raise ValueError(f"ExpertParallelBlock applies to a mixture-of-experts block with 'gate' and 'experts' "
                              f"children, got {type(module).__name__}")
-        outside = [name for name, _ in module.named_parameters() if not name.startswith(("gate.", "experts."))]
+        outside = beside_router_and_experts(module)
         if outside:
             raise ValueError(f"ExpertParallelBlock: {type(module).__name__} holds {outside[0]!r} beside its router and "
                              "experts (shared experts?), which it has no tensor-parallel layout for")

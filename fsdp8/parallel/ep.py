@@ -63,9 +63,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 from ..distributed import comm
-from ..fp8.grouped import fp8_experts_forward, runs_fp8_experts
+from ..fp8.grouped import bounds_of, fp8_experts_forward, runs_fp8_experts
 from ..models.adapter import adapter_for
 from ..models.moe import combine_by_token, expert_mlp, experts_forward, permute_by_expert
+from ..models.tp_plan import beside_router_and_experts
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -151,7 +152,7 @@ def _check_blocks(model: nn.Module, experts: Dict[str, nn.Module], ep: int, tp: 
     for name in experts:
         parent = name.rsplit(".", 1)[0] if "." in name else ""
         block = modules[parent]
-        outside = [p for p, _ in block.named_parameters() if not p.startswith(("gate.", "experts."))]
+        outside = beside_router_and_experts(block)
         if name != f"{parent}.experts" or not isinstance(getattr(block, "gate", None), nn.Module) or outside:
             what = f"holds {outside[0]!r} beside them" if outside else "does not call them 'experts' beside a 'gate'"
             raise ValueError(
@@ -226,12 +227,12 @@ def dispatch_and_compute(module: nn.Module, group: ExpertGroup, hidden_states: t
     in_splits, out_splits, expert_rows = sizes[:group.size], sizes[group.size:2 * group.size], sizes[2 * group.size:]
     arrived = _AllToAll.apply(rows, out_splits, in_splits, group.group, "ep dispatch")
     regroup, local_counts = permute_by_expert(_local_expert_of_rows(received, sum(out_splits)), group.local_experts)
-    ends = list(itertools.accumulate(expert_rows))
     scale = 1.0 / group.size
     gate_up = _ScaleGrad.apply(_local(module.gate_up_proj, group.grad_placements), scale)
     down = _ScaleGrad.apply(_local(module.down_proj, group.grad_placements), scale)
+    bounds = bounds_of(list(itertools.accumulate(expert_rows)))
     computed = expert_mlp(arrived[regroup], local_counts, gate_up, down, module.act_fn,
-                          recipe=getattr(module, "fp8_recipe", None), bounds=list(zip([0] + ends[:-1], ends)))
+                          recipe=getattr(module, "fp8_recipe", None), bounds=bounds)
     restored = computed.new_empty(computed.shape).index_copy(0, regroup, computed)  # back to arrival order
     returned = _AllToAll.apply(restored, in_splits, out_splits, group.group, "ep combine")
     return combine_by_token(returned, order, token, top_k_weights, hidden_states)
