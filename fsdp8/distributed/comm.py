@@ -53,6 +53,7 @@ from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.profiler import record_function
 
 from . import watchdog
@@ -225,8 +226,6 @@ def summed(tensor: torch.Tensor, groups, label: str) -> torch.Tensor:
     functional collectives, which torch.compile traces: for per-batch statistics computed inside
     a compiled block's forward (a router's expert counts), where the in-place ones would break
     the graph."""
-    import torch.distributed._functional_collectives as funcol
-
     for group in groups:
         if group_size(group) > 1:
             with record_function(f"fsdp8::all_reduce[{label}]"):

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from ..config import ParallelConfig, check_checkpointing_with_cp, resolve_precision
@@ -212,8 +213,10 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
         _apply_tensor_parallel(model, config, tp_mesh(mesh), experts)
     if cp > 1:
         context_parallel(model, mesh, config.sequence_parallel)
-    for module in balanced:  # the router loss counts the experts' tokens of the global batch
-        module.load_balancing_groups = token_groups(mesh)
+    if balanced:  # the router loss counts the experts' tokens of the global batch
+        groups = token_groups(mesh)
+        for module in balanced:
+            module.load_balancing_groups = groups
     precision = resolve_precision(config.precision, mesh.device_type)
     units = config.units if config.units is not None else adapter.units(model)
     expert_mesh = make_expert_mesh(mesh, config.ep) if experts else None
@@ -261,8 +264,6 @@ def _waiting_on_async_inputs(compiled):
     """``compiled`` called with its top-level AsyncCollectiveTensor arguments (positional or
     keyword) made plain tensors connected to autograd ([Note: compiled units and
     async-collective inputs])."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
     def plain(arg):
         return _Waited.apply(arg) if isinstance(arg, AsyncCollectiveTensor) else arg
 
