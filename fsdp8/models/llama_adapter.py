@@ -110,27 +110,23 @@ def llama_plan(config, sequence_parallel: bool = False, loss_parallel: bool = Fa
         "layers.*.attn.wk": ColwiseParallel(),
         "layers.*.attn.wv": ColwiseParallel(),
         "layers.*.attn.wo": RowwiseParallel(output_layouts=seq),
-        "layers.*.ffn.w1": ColwiseParallel(),
-        "layers.*.ffn.w3": ColwiseParallel(),
-        "layers.*.ffn.w2": RowwiseParallel(output_layouts=seq),
         "head": head,
     }
     # Norms on the residual stream: on sequence shards, or whole and replicated.
     norm = SequenceParallel if sequence_parallel else ReplicateParallel
     styles.update({"norm": norm(), "layers.*.attn_norm": norm(), "layers.*.ffn_norm": norm()})
     if sequence_parallel:
-        styles.update({
-            # attention(x, cos, sin): gather x's sequence; cos/sin are full-length tables already.
-            "layers.*.attn": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
-            "layers.*.ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        })
+        # attention(x, cos, sin): gather x's sequence; cos/sin are full-length tables already.
+        styles["layers.*.attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                     desired_input_layouts=(Replicate(), None, None))
     if config.num_experts:
-        for name in ("w1", "w3", "w2"):
-            del styles[f"layers.*.ffn.{name}"]
         # The residual stream between blocks is plain (local shards under sequence parallel).
         styles["layers.*.ffn"] = ExpertParallelBlock(sequence_parallel, use_local_output=True)
+    else:
+        styles.update({"layers.*.ffn.w1": ColwiseParallel(), "layers.*.ffn.w3": ColwiseParallel(),
+                       "layers.*.ffn.w2": RowwiseParallel(output_layouts=seq)})
+        if sequence_parallel:
+            styles["layers.*.ffn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     heads = [("n_heads", config.n_heads, "layers.*.attn.wq"), ("n_kv_heads", config.n_kv_heads, "layers.*.attn.wk")]
     return FamilyPlan(styles, heads=heads, vocab_modules=("embed", "head"))
 
