@@ -27,7 +27,9 @@ PEER_VARIANTS = ("fsdp2-keep-last",)
 # Tensor parallelism (--tp T, sequence parallel on) x data parallelism over world/T: both stacks
 # split the layers with the same torch ParallelStyles (fsdp8.parallel.tensor_parallel's plan, torchtitan's
 # Megatron layout), then shard over the data-parallel ranks with fsdp8 or with torch FSDP2.
-TP_STACKS = ("fsdp8-tp", "fsdp2-tp", "fsdp8-tp-fp8", "torchao-tp-fp8")
+TP_STACKS = ("fsdp8-tp", "fsdp2-tp", "fsdp8-tp-fp8", "torchao-tp-fp8",
+             "fsdp8-tp-compile", "fsdp2-tp-compile", "fsdp8-tp-fp8-compile", "torchao-tp-fp8-compile",
+             "fsdp8-tp-fp8-block-compile")
 ALL_STACKS = STACKS + FP8_STACKS + HSDP_STACKS + MANAGER_STACKS + PEER_VARIANTS + TP_STACKS
 
 
@@ -139,11 +141,11 @@ def unavailable_reason(stack: str, ctx: Context) -> str | None:
         tp = ctx.args.tp
         if tp < 2 or ctx.world % tp:
             return f"--tp {tp} must be >= 2 and divide the world of {ctx.world} ranks"
-        if stack == "torchao-tp-fp8":
+        if stack.startswith("torchao-tp-fp8"):
             if ctx.device.type != "cuda":  # measured: "RuntimeError: Invalid scalar type" from gloo
                 return "gloo cannot all-gather float8 tensors (torchao's FP8 sequence gathers); CUDA only"
             return unavailable_reason("torchao", ctx) or unavailable_reason("fsdp2", ctx)
-        return unavailable_reason("fsdp2" if stack == "fsdp2-tp" else "fsdp8", ctx)
+        return unavailable_reason("fsdp2" if stack.startswith("fsdp2") else "fsdp8", ctx)
     if stack in HSDP_STACKS:
         try:
             hsdp_mesh_shape(ctx.world, ctx.args.hsdp_replicate)
@@ -246,34 +248,46 @@ def _tp_mesh(ctx: Context):
     return ctx.meshes["tp"]
 
 
-def build_fsdp8_tp(model: torch.nn.Module, ctx: Context, recipe_name: Optional[str] = None) -> Built:
+def build_fsdp8_tp(model: torch.nn.Module, ctx: Context, recipe_name: Optional[str] = None,
+                   compile_blocks: bool = False) -> Built:
     """fsdp8.parallel.tensor_parallel (sequence parallel), then fsdp8 ZeRO-3 over the data-parallel ranks
     of the 2-D mesh (with ``recipe_name``: FP8 linears, their sequence gathers in 8 bits)."""
     from fsdp8.parallel.tp import tensor_parallel
 
     mesh = _tp_mesh(ctx)
     model = tensor_parallel(model, mesh["tp"], sequence_parallel=True)
-    return build_fsdp8(model, ctx, mesh=mesh, recipe_name=recipe_name)
+    built = build_fsdp8(model, ctx, mesh=mesh, recipe_name=recipe_name)
+    if compile_blocks:
+        _compile_layers(built.model, ctx, dynamic=TP_COMPILE_DYNAMIC)
+    return built
 
 
-def build_fsdp2_tp(model: torch.nn.Module, ctx: Context) -> Built:
+def build_fsdp2_tp(model: torch.nn.Module, ctx: Context, compile_blocks: bool = False) -> Built:
     """The same torch TP styles, then torch FSDP2 on the data-parallel sub-mesh (2-D FSDP2 x TP,
     last layer kept for backward as torchtitan does)."""
     from fsdp8.parallel.tp import tensor_parallel
 
     mesh = _tp_mesh(ctx)
     model = tensor_parallel(model, mesh["tp"], sequence_parallel=True)
-    return build_fsdp2(model, ctx, mesh=mesh["dp_shard"], keep_last=True)
+    built = build_fsdp2(model, ctx, mesh=mesh["dp_shard"], keep_last=True)
+    if compile_blocks:
+        _compile_layers(built.model, ctx, dynamic=TP_COMPILE_DYNAMIC)
+    return built
 
 
-def build_torchao_tp(model: torch.nn.Module, ctx: Context) -> Built:
+def build_torchao_tp(model: torch.nn.Module, ctx: Context, compile_blocks: bool = False) -> Built:
     """torchao float8 with its TP styles (torchtitan's layout, peer_torchao_tp.py), then torch
-    FSDP2 on the data-parallel sub-mesh; scales precomputed after each step."""
+    FSDP2 on the data-parallel sub-mesh; scales precomputed after each step. Compiled as
+    torchtitan orders it: TP, then each block compiled, then FSDP2."""
     from peer_torchao_tp import apply_torchao_tp
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     mesh = _tp_mesh(ctx)
     model = apply_torchao_tp(model, mesh["tp"])
+    if compile_blocks:
+        layers = model.model.layers
+        for i, layer in enumerate(layers):
+            layers[i] = torch.compile(layer, mode=ctx.args.compile_mode, dynamic=TP_COMPILE_DYNAMIC)
     built = build_fsdp2(model, ctx, mesh=mesh["dp_shard"], keep_last=True)
     built.after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)
     return built
@@ -314,12 +328,19 @@ def build_megatron(model: torch.nn.Module, ctx: Context) -> Built:
     return build_megatron_fsdp(model, ctx)
 
 
-def _compile_layers(model: torch.nn.Module, ctx: Context) -> None:
+def _compile_layers(model: torch.nn.Module, ctx: Context, dynamic: Optional[bool] = None) -> None:
     """torch.compile each decoder layer's forward (fsdp8's hooks stay outside, in __call__;
     Float8Linear calls are opaque breaks, everything between them is fused), in the mode
-    --compile-mode names."""
+    --compile-mode names. The TP stacks pass ``dynamic=False`` (see TP_COMPILE_DYNAMIC)."""
     for layer in model.model.layers:
-        layer.forward = torch.compile(layer.forward, mode=ctx.args.compile_mode)
+        layer.forward = torch.compile(layer.forward, mode=ctx.args.compile_mode, dynamic=dynamic)
+
+
+# Every compiled TP stack compiles with static shapes, as fsdp8.parallelize does under TP on torch
+# < 2.13: torch 2.11's DTensor cannot hash a symbolic shape (pytorch#185190), which a recompiled
+# layer with DTensor inputs from a graph break then hits. The same setting for the peers keeps
+# the comparison even.
+TP_COMPILE_DYNAMIC = False
 
 
 def build_fsdp8_compiled(model: torch.nn.Module, ctx: Context) -> Built:
@@ -410,4 +431,9 @@ BUILDERS = {
     "fsdp2-tp": build_fsdp2_tp,
     "fsdp8-tp-fp8": lambda m, c: build_fsdp8_tp(m, c, "fp8-current"),
     "torchao-tp-fp8": build_torchao_tp,
+    "fsdp8-tp-compile": lambda m, c: build_fsdp8_tp(m, c, compile_blocks=True),
+    "fsdp2-tp-compile": lambda m, c: build_fsdp2_tp(m, c, compile_blocks=True),
+    "fsdp8-tp-fp8-compile": lambda m, c: build_fsdp8_tp(m, c, "fp8-current", compile_blocks=True),
+    "fsdp8-tp-fp8-block-compile": lambda m, c: build_fsdp8_tp(m, c, "fp8-block", compile_blocks=True),
+    "torchao-tp-fp8-compile": lambda m, c: build_torchao_tp(m, c, compile_blocks=True),
 }

@@ -25,6 +25,7 @@ TP stacks (opt-in; T = --tp, default 2; mesh world/T x T, sequence parallel on):
   fsdp8-tp-fp8  fsdp8-tp with FP8 current scaling (sequence gathers in 8 bits)
   torchao-tp-fp8  torchao float8 with its TP styles as torchtitan lays them out, then FSDP2
                 (peer_torchao_tp.py; CUDA only: gloo has no float8 all-gather)
+  Each with "-compile" (fsdp8-tp-compile, ...): the decoder layers compiled per block as well.
   A TP group's ranks feed one batch; tokens/s/GPU counts it once per group.
 All use bf16 compute weights, fp32 gradient reduction and fp32 main weights.
 

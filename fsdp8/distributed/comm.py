@@ -233,6 +233,16 @@ def summed(tensor: torch.Tensor, groups, label: str) -> torch.Tensor:
     return tensor
 
 
+def maxed(tensor: torch.Tensor, mesh, label: str) -> torch.Tensor:
+    """``tensor``'s elementwise max over the 1-D DeviceMesh ``mesh`` (out of place), through the
+    functional collectives torch.compile traces: the scale agreements of FP8 linears traced into
+    a compiled layer under tensor parallelism."""
+    if mesh.size() == 1:
+        return tensor
+    with record_function(f"fsdp8::all_reduce[{label}]"):
+        return funcol.wait_tensor(funcol.all_reduce(tensor, "max", mesh))
+
+
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: List[int], in_splits: List[int], group,
                label: str) -> None:
     """Send rows ``in_splits[j]`` of ``inp`` (in order) to rank ``j`` of ``group`` and receive

@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..distributed import comm
 from .formats import Granularity, amax_to_scale, scale_inv_to_e8m0
@@ -127,9 +128,14 @@ class TensorParallelGemm:
 
 
 def group_scale(t: torch.Tensor, fp8_dtype, group) -> torch.Tensor:
-    """The per-tensor scale of the whole tensor of which ``t`` is this rank's piece."""
+    """The per-tensor scale of the whole tensor of which ``t`` is this rank's piece. ``group``: None
+    (``t`` is whole), a ProcessGroup (eager), or the 1-D tp DeviceMesh of a linear traced into a compiled graph
+    (tp_forward.py [Note: FP8 under TP, compiled]), agreed with a functional collective."""
     t_amax = amax(t)
-    comm.all_reduce(t_amax, group, dist.ReduceOp.MAX, "fp8 tensor-parallel amax")
+    if isinstance(group, DeviceMesh):
+        t_amax = comm.maxed(t_amax, group, "fp8 tensor-parallel amax")
+    elif group is not None:
+        comm.all_reduce(t_amax, group, dist.ReduceOp.MAX, "fp8 tensor-parallel amax")
     return amax_to_scale(t_amax, fp8_dtype)
 
 
@@ -140,7 +146,10 @@ def quantize_both_ways(t: torch.Tensor, granularity: Granularity, fp8_dtype, sta
     per-tensor scale agreed over ``group`` when ``t`` is a tensor-parallel shard)."""
     if granularity is Granularity.TENSOR:
         # Delayed: the scale comes from the history and t's amax out of the same pass.
-        scale = state.scale[row] if state is not None else (group_scale(t, fp8_dtype, group) if group else None)
+        if state is not None:
+            scale = state.scale[row]
+        else:
+            scale = group_scale(t, fp8_dtype, group) if group is not None else None
         q, q_t, t_amax, inv = cast_transpose(t, fp8_dtype, scale)
         if state is not None:
             state.record(row, t_amax)
@@ -192,6 +201,18 @@ def weight_transposed(weight, qw: Quantized) -> Quantized:
     if isinstance(weight, Float8Tensor) and not torch.compiler.is_compiling():
         return weight.transposed()
     return transpose_of(qw)
+
+
+def input_in_graph(x: torch.Tensor, recipe: Recipe, group=None) -> Tuple[Quantized, Optional[torch.Tensor]]:
+    """In a compiled graph, a linear's input quantized along its rows, and its per-tensor scale
+    (agreed over the tp mesh ``group`` when the input is a tensor-parallel piece), which backward
+    reuses for the transpose (``input_transposed``). See Float8Linear.forward for why this
+    happens outside the linear's autograd function."""
+    x2d = x.detach().reshape(-1, x.shape[-1])
+    x_scale = None
+    if recipe.x_granularity is Granularity.TENSOR:
+        x_scale = group_scale(x2d, recipe.fwd_dtype, group)
+    return quantize(x2d, recipe.fwd_dtype, recipe.x_granularity, x_scale), x_scale
 
 
 def input_transposed(x: torch.Tensor, recipe: Recipe, scale: Optional[torch.Tensor] = None) -> Quantized:

@@ -9,8 +9,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .formats import Granularity, amax_to_scale
+from .formats import Granularity
 from .kernels import amax, quantize
+from .gemm import input_in_graph
 from .linear_fn import Float8LinearFn
 from .recipes import X, DelayedState, Recipe, record_amax, update_delayed_states
 from .tp_forward import tensor_parallel_forward
@@ -81,6 +82,8 @@ class Float8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, DTensor):
+            if torch.compiler.is_compiling() and self.recipe.traceable and not self.recipe.delayed:
+                return tensor_parallel_forward(self, x, traced=True)  # tp_forward.py: FP8 under TP, compiled
             return self._tensor_parallel_forward(x)
         if not self.traced():
             return self._forward_opaque(x)
@@ -98,14 +101,11 @@ class Float8Linear(nn.Linear):
         # with a per-tensor scale saved from here: finding it again from the input cost a
         # reduction over every distinct input a layer (docs/PERFORMANCE.md, 2026-11-26 fifth
         # session); block scales of the transpose are other blocks, found in backward.
-        x2d = x.detach().reshape(-1, x.shape[-1])
         if state is None:
-            x_scale = None
-            if self.recipe.x_granularity is Granularity.TENSOR:
-                x_scale = amax_to_scale(amax(x2d), self.recipe.fwd_dtype)
-            qx = quantize(x2d, self.recipe.fwd_dtype, self.recipe.x_granularity, x_scale)
+            qx, x_scale = input_in_graph(x, self.recipe)
             return Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, None, qx.data, qx.scale_inv, None,
                                          None, None, x_scale)
+        x2d = x.detach().reshape(-1, x.shape[-1])
         # [Note: delayed scaling in a compiled block]
         # The scales come from the state's scale buffer and every amax (x here; w in forward
         # and dy in backward inside the function) is folded into its pending buffer with
@@ -122,11 +122,10 @@ class Float8Linear(nn.Linear):
         return Float8LinearFn.apply(x, self.weight, self.bias, self.recipe, None, qx.data, state.scale_inv[X], None,
                                      state.scale, state.pending, None, state.scale_inv)
 
-    # Opaque in compiled blocks: its collectives (scale agreements, the FP8 sequence gather)
-    # are calls the compiler does not trace, and a graph split inside it handed the engine's
-    # FP8 weight (a Float8Tensor piece) across the split as an output that requires grad,
-    # whose plain-tensor gradient AOTAutograd then refused ("Expected a Float8Tensor tangent").
-    # Run eagerly, it also shares one sequence gather among the projections fed one input.
+    # Delayed scaling under TP in a compiled block: an opaque call (its state update and FP8
+    # sequence gather are host-side work). Opaque, not split: a graph split inside it handed the
+    # engine's FP8 weight (a Float8Tensor piece) across the split as an output that requires
+    # grad, whose plain-tensor gradient AOTAutograd then refused ("Expected a Float8Tensor tangent").
     @torch.compiler.disable
     def _tensor_parallel_forward(self, x):
         return tensor_parallel_forward(self, x)

@@ -19,6 +19,20 @@ bytes, as torchao's Float8ColwiseParallel does, instead of letting the style gat
 input in high precision; linears fed the same input share that gather (tp_gather.py [Note:
 one gather per input]).
 
+[Note: FP8 under TP, compiled]
+In a compiled layer, a current- or block-scaled FP8 linear under TP is traced into the
+layer's graph, with no graph break (``traced=True``): the input is taken as torch's
+ColwiseParallel takes it (DTensor gathers a sequence-sharded input in high precision, which
+the compiler may merge for the projections fed one input, as in bf16 layers), it is quantized
+in the graph, and the scale agreements over tp are functional all-reduces (comm.maxed) the
+compiler schedules with the rest. Host-side work per linear and step (Python, DTensor
+dispatch, several small eager kernels per scale, a c10d call per agreement) was what made an
+opaque FP8 linear slower under TP than the bf16 one it replaces (docs/PERFORMANCE.md, section
+6). The FP8 bytes each GEMM computes with are the same as in eager mode; only where the
+sequence gather happens (before quantizing, not after) differs, and a per-tensor scale of the
+whole input is the same either way. Delayed scaling (a state updated on the host) stays an
+opaque eager call.
+
 A rowwise layer's bias is added on tp rank 0 only (its output is a partial sum), so the
 bias gradient is a partial sum too, which the engine sums over tp with the norms'.
 """
@@ -31,7 +45,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .formats import Granularity
-from .gemm import TensorParallelGemm
+from .gemm import TensorParallelGemm, input_in_graph
 from .linear_fn import Float8LinearFn
 from .recipes import Recipe, update_delayed_states
 from .tp_gather import sequence_gather
@@ -66,17 +80,20 @@ def tp_fp8_ok(linear: nn.Linear, recipe: Recipe) -> Optional[str]:
     return None
 
 
-def tensor_parallel_forward(module: nn.Module, x) -> DTensor:
-    """A Float8Linear ``module``'s forward when its weight is a tensor-parallel DTensor (see the note)."""
+def tensor_parallel_forward(module: nn.Module, x, traced: bool = False) -> DTensor:
+    """A Float8Linear ``module``'s forward when its weight is a tensor-parallel DTensor (see the
+    notes; ``traced``: inside a compiled graph, current or block scaling)."""
     weight = module.weight
     mesh = weight.device_mesh
     reason = tp_fp8_ok(module, module.recipe)
     if reason is not None:
         raise ValueError(f"this Float8Linear cannot run under tensor parallelism: {reason}; keep it in high "
                          "precision (fsdp8 does so automatically when it converts a model after TP)")
-    group = mesh.get_group(0)
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    if traced:
+        return _traced_forward(module, x, weight, mesh)
+    group = mesh.get_group(0)
     state = module.delayed_state(x.device)
     if state is not None and not module.external_delayed_update and state.dirty:
         # Standalone use: fold last step's amaxes in, agreed over tp (the engine does it per step).
@@ -114,3 +131,32 @@ def tensor_parallel_forward(module: nn.Module, x) -> DTensor:
     tp = TensorParallelGemm(group, w_sharded=False)
     out = Float8LinearFn.apply(x.to_local(), w_local, b_local, module.recipe, state, None, None, tp)
     return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+
+
+def _traced_forward(module: nn.Module, x: DTensor, weight: DTensor, mesh) -> DTensor:
+    """The compiled-graph form of tensor_parallel_forward ([Note: FP8 under TP, compiled]): the
+    tp mesh is the group of every scale agreement, traced as functional collectives."""
+    recipe, bias, kind = module.recipe, module.bias, _kind(weight)
+    w_local = weight.to_local()
+    if kind == "rowwise":
+        if x.placements[0] != Shard(x.ndim - 1):
+            x = x.redistribute(mesh, [Shard(x.ndim - 1)])
+        x_local = x.to_local()
+        qx, x_scale = input_in_graph(x_local, recipe, mesh)  # a feature-split input: its amax agreed
+        b_local = None
+        if bias is not None:
+            b_local = bias.to_local(grad_placements=[Partial()]) if isinstance(bias, DTensor) else bias
+            if mesh.get_local_rank() != 0:
+                b_local = b_local * 0  # added once to the partial sums
+        tp = TensorParallelGemm(mesh, x_sharded=True)
+        placement = Partial()
+    else:
+        x = x.redistribute(mesh, [Replicate()])
+        x_local = x.to_local(grad_placements=[Partial()])  # each rank's input gradient is a partial sum
+        qx, x_scale = input_in_graph(x_local, recipe)  # the whole input on every rank: no agreement
+        b_local = bias.to_local() if isinstance(bias, DTensor) else bias
+        tp = TensorParallelGemm(mesh, dy_sharded=kind == "colwise", w_sharded=kind == "colwise")
+        placement = Shard(x_local.ndim - 1) if kind == "colwise" else Replicate()
+    out = Float8LinearFn.apply(x_local, w_local, b_local, recipe, None, qx.data, qx.scale_inv, tp, None, None,
+                               x_scale)
+    return DTensor.from_local(out, mesh, [placement], run_check=False)

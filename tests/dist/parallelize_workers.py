@@ -451,7 +451,45 @@ def own_adapter() -> dict:
             "run": run, "on_tp": on_tp}
 
 
-def sequence_parallel_collectives(family: str = "llama", fp8: bool = True, compiled: bool = False) -> Dict[str, int]:
+def compiled_fp8_tp_in_graph(family: str = "llama") -> Dict[str, int]:
+    """Compiled layers with FP8 current scaling at tp 2 with sequence parallelism, two training
+    steps: Dynamo's graph breaks, and the eager calls of fsdp8's tensor-parallel FP8 collectives
+    (scale agreements, FP8 sequence gathers, their reduce-scatters), which a linear traced into
+    the graph never makes. Patched before the first compile, so the patch itself changes nothing
+    Dynamo guards on."""
+    from torch._dynamo.utils import counters
+    from fsdp8.distributed import comm
+    from fsdp8.fp8 import tp_gather
+
+    eager = {"amax": 0, "gather": 0, "reduce_scatter": 0}
+    originals = comm.all_reduce, comm.all_gather, tp_gather.reduce_scatter_sum
+
+    def reduce(tensor, group, op, label):
+        eager["amax"] += "tensor-parallel amax" in label
+        return originals[0](tensor, group, op, label)
+
+    def gather(out, inp, group, label):
+        eager["gather"] += "sequence-parallel" in label
+        return originals[1](out, inp, group, label)
+
+    def scatter(*args):
+        eager["reduce_scatter"] += 1
+        return originals[2](*args)
+
+    comm.all_reduce, comm.all_gather, tp_gather.reduce_scatter_sum = reduce, gather, scatter
+    counters.clear()
+    try:
+        config = fsdp8.ParallelConfig(tp=dist.get_world_size(), sequence_parallel=True, fp8=fsdp8.Float8CurrentScaling(),
+                                      precision=common.FP8_PARITY_PRECISION, compile={"backend": "aot_eager"})
+        model = fsdp8.parallelize(build(family), config)
+        for step in range(2):
+            loss_of(model, model.shard_batch(batch(family, step))).backward()
+    finally:
+        comm.all_reduce, comm.all_gather, tp_gather.reduce_scatter_sum = originals
+    return dict(eager, graph_breaks=sum(counters["graph_break"].values()))
+
+
+def sequence_parallel_collectives(family: str = "llama", fp8: bool = True) -> Dict[str, int]:
     """The tensor-parallel collectives of the column-parallel layers' inputs in one training step
     (after one that settles the engine) at tp 2 with sequence parallelism, counted by label: with
     FP8 (current scaling) the FP8 sequence gathers, the amax agreements and the input gradients'
@@ -462,8 +500,7 @@ def sequence_parallel_collectives(family: str = "llama", fp8: bool = True, compi
 
     config = fsdp8.ParallelConfig(tp=dist.get_world_size(), sequence_parallel=True,
                                   fp8=fsdp8.Float8CurrentScaling() if fp8 else None,
-                                  precision=common.FP8_PARITY_PRECISION,
-                                  compile={"backend": "aot_eager"} if compiled else False)
+                                  precision=common.FP8_PARITY_PRECISION)
     model = fsdp8.parallelize(build(family), config)
     loss_of(model, model.shard_batch(batch(family, 0))).backward()
     counts = {"gather": 0, "amax": 0, "reduce_scatter": 0, "dtensor_gather": 0}
