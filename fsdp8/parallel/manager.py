@@ -236,7 +236,7 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
     if config.activation_checkpointing != "none":
         checkpoint_units(unit_modules, config.activation_checkpointing, adapter.checkpoint_filter(model))
     if config.compile is not False:  # True, or a dict of torch.compile options ({} too)
-        options = {} if config.compile is True else dict(config.compile)
+        options = compile_options(config)
         for module in unit_modules:
             module.forward = _waiting_on_async_inputs(torch.compile(module.forward, **options))
     if skip_packed is not None:
@@ -245,6 +245,23 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
     sharded._fsdp8_parallel = _Layout(mesh, config, dp_rank, dp_size, cp)
     sharded.__class__ = _parallelized_class(type(sharded))
     return sharded
+
+
+# torch 2.13 is the first release whose DTensor hashes a symbolic shape (pytorch#185190).
+_DTENSOR_HASHES_SYMBOLIC_SHAPES = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+
+
+def compile_options(config: ParallelConfig) -> Dict[str, Any]:
+    """The torch.compile keyword arguments of each unit: the user's, and ``dynamic=False`` under
+    tensor or context parallelism on torch before 2.13 unless the user says otherwise. There, a
+    unit recompiled for a second shape (a graph break, e.g. an opaque FP8 linear with delayed
+    scaling, is compiled again for each distinct linear shape) would make the DTensor inputs'
+    sizes symbolic, which torch 2.11's DTensor cannot hash ("unhashable type: non-nested
+    SymInt", seen on GPUs with FP8 under TP). Static shapes recompile per shape instead."""
+    options = {} if config.compile is True else dict(config.compile)
+    if (config.tp > 1 or config.cp > 1) and not _DTENSOR_HASHES_SYMBOLIC_SHAPES:
+        options.setdefault("dynamic", False)
+    return options
 
 
 class _Waited(torch.autograd.Function):

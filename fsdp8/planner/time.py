@@ -228,20 +228,30 @@ def _reductions(u: UnitPlan, setup: Setup, g: Groups, sync: bool) -> List[Transf
     return out
 
 
+def _gathers_fp8_bytes(setup: Setup) -> bool:
+    """Whether FP8 layers all-gather a sequence-sharded input as FP8 bytes: per-tensor recipes in
+    eager layers, and delayed scaling (an opaque call) in compiled ones too; compiled current
+    scaling is traced and gathers in high precision (fp8/tp_forward.py [Note: FP8 under TP, compiled])."""
+    return setup.fp8 == "delayed" or (setup.fp8 == "current" and setup.parallel.compile is False)
+
+
 def _amax_agreements(spec: ModelSpec, setup: Setup, g: Groups) -> Transfer:
     """Current scaling under TP agrees each sharded operand's per-tensor scale over tp, one
     4-byte max all-reduce each (fp8/tp_forward.py): per layer, in forward the row-parallel
     layers' inputs and, under sequence parallelism, the gathered inputs (q/k/v's and a dense
     layer's gate/up's, fp8/tp_gather.py; an MoE layer's router and experts take the rank's own
     tokens), and in backward the column-parallel layers' output gradients; recomputation repeats
-    the forward's. Latency-bound: their count is the cost."""
+    the forward's. Latency-bound: their count is the cost. Compiled layers gather the inputs in
+    high precision and quantize the whole of them (fp8/tp_forward.py [Note: FP8 under TP,
+    compiled]): no agreement for those."""
     p = setup.parallel
     calls = 0
     for kind, count in spec.layer_kinds():
         block = spec.moe_block_params() if kind == "moe" else spec.block_params()
         fp8 = [q for q in block if converts_to_fp8(q, setup.fp8, p.tp, 0)]
         col, row = sum(q.tp == "col" for q in fp8), sum(q.tp == "row" for q in fp8)
-        forward = row + ((1 if kind == "moe" else 2) if p.sequence_parallel and col else 0)
+        gathered = p.sequence_parallel and col and _gathers_fp8_bytes(setup)
+        forward = row + ((1 if kind == "moe" else 2) if gathered else 0)
         calls += count * (forward * (1 + (p.activation_checkpointing != "none")) + col)
     return Transfer("TP FP8 amax agreements", "all_reduce", g.tp, 4, "compute", calls)
 
@@ -261,9 +271,8 @@ def _model_parallel(spec: ModelSpec, setup: Setup, g: Groups) -> List[Transfer]:
     out: List[Transfer] = []
     if g.tp.size > 1:
         act = t * spec.hidden * e
-        tensorwise = setup.fp8 in ("current", "delayed")
-        x_in = t * spec.hidden * (1 if tensorwise and converts_to_fp8(spec.block_params()[1], setup.fp8, p.tp, 0)
-                                  else e)
+        x_in = t * spec.hidden * (1 if _gathers_fp8_bytes(setup)
+                                  and converts_to_fp8(spec.block_params()[1], setup.fp8, p.tp, 0) else e)
         blocks = layers + (layers - spec.moe_layers)  # attention in every layer, the MLP in dense ones
         if p.sequence_parallel:
             # Per block: gather the norm outputs for attention and FFN, reduce-scatter their outputs;

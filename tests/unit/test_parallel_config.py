@@ -148,3 +148,18 @@ def test_auto_says_once_which_layout_it_chose_and_why(capsys):
         "fastest layout that fits on 1 h100 GPU (the planner's figures for the CPU ranks here: only the ranking "
         f"counts), predicted {best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU and {best.plan.memory.total / 2**30:.1f} "
         "GiB per GPU with 1 sequence(s) of 2048 tokens per rank (model.parallel_config holds it)"]
+
+
+@pytest.mark.parametrize("hashes_symbolic,tp,cp,user,expected", [
+    (False, 2, 1, True, {"dynamic": False}),  # torch < 2.13 under TP: static shapes
+    (False, 1, 2, {"mode": "max-autotune"}, {"mode": "max-autotune", "dynamic": False}),
+    (False, 2, 1, {"dynamic": True}, {"dynamic": True}),  # the user's choice stands
+    (False, 1, 1, True, {}),  # no DTensor inputs: torch's default
+    (True, 2, 1, True, {}),  # torch >= 2.13 hashes symbolic shapes
+])
+def test_compile_options_keep_shapes_static_where_dtensor_cannot_hash_symbols(monkeypatch, hashes_symbolic, tp, cp,
+                                                                              user, expected):
+    from fsdp8.parallel import manager
+
+    monkeypatch.setattr(manager, "_DTENSOR_HASHES_SYMBOLIC_SHAPES", hashes_symbolic)
+    assert manager.compile_options(ParallelConfig(tp=tp, cp=cp, compile=user)) == expected

@@ -200,19 +200,36 @@ def test_step_time_parts_and_throughput():
     assert {"TP all-reduce activations", "all-gather params", "reduce-scatter grads"} <= whats
 
 
-@pytest.mark.parametrize("sequence_parallel,ac,per_layer", [(True, "none", 9), (False, "none", 7), (True, "full", 13)])
-def test_fp8_current_scaling_under_tp_counts_its_amax_agreements(sequence_parallel, ac, per_layer):
-    # Per layer: forward agrees o_proj's and down's feature-split inputs (and, under sequence
-    # parallelism, the two gathered inputs), backward the 5 column-parallel output gradients;
-    # full recomputation repeats the forward's. Delayed scaling agrees nothing per GEMM.
+@pytest.mark.parametrize("sequence_parallel,ac,compiled,per_layer", [
+    (True, "none", False, 9), (False, "none", False, 7), (True, "full", False, 13),
+    (True, "none", True, 7), (True, "full", True, 9)])
+def test_fp8_current_scaling_under_tp_counts_its_amax_agreements(sequence_parallel, ac, compiled, per_layer):
+    # Per layer: forward agrees o_proj's and down's feature-split inputs (and, in eager layers under
+    # sequence parallelism, the two inputs gathered as FP8 bytes; compiled layers gather them in
+    # high precision), backward the 5 column-parallel output gradients; full recomputation repeats
+    # the forward's. Delayed scaling agrees nothing per GEMM.
     def agreements(recipe):
-        config = ParallelConfig(tp=2, sequence_parallel=sequence_parallel, activation_checkpointing=ac, fp8=recipe)
+        config = ParallelConfig(tp=2, sequence_parallel=sequence_parallel, activation_checkpointing=ac, fp8=recipe,
+                                compile=compiled)
         p = plan("1b", config, gpus_per_node=2, seq_len=2048)
         return [c for c in p.time.collectives if c.what == "TP FP8 amax agreements"], p.spec.layers
 
     rows, layers = agreements(fsdp8.Float8CurrentScaling())
     assert [(r.op, r.calls, r.nbytes) for r in rows] == [("all_reduce", per_layer * layers, 4)]
     assert agreements(fsdp8.DelayedScaling())[0] == []
+
+
+@pytest.mark.parametrize("compiled,recipe,width", [(False, "current", 1), (True, "current", 2), (True, "delayed", 1),
+                                                   (False, "block", 2)])
+def test_sequence_gather_bytes_follow_where_fp8_layers_quantize(compiled, recipe, width):
+    # Eager per-tensor FP8 layers (and delayed scaling, an opaque call when compiled) gather the
+    # sequence as FP8 bytes; compiled current scaling and block scaling gather it in bf16.
+    recipes = {"current": fsdp8.Float8CurrentScaling(), "delayed": fsdp8.DelayedScaling(),
+               "block": fsdp8.Float8BlockScaling()}
+    config = ParallelConfig(tp=2, sequence_parallel=True, fp8=recipes[recipe], compile=compiled)
+    p = plan("1b", config, gpus_per_node=2, seq_len=2048, micro_batch=1)
+    [gather] = [c for c in p.time.collectives if c.what == "TP all-gather activations"]
+    assert gather.nbytes == 2048 * p.spec.hidden * width
 
 
 def test_faster_links_expose_less():
