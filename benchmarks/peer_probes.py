@@ -24,15 +24,41 @@ def host_profile(step: Callable[[], object], out_dir: str, stem: str, label: str
     if ctx.device.type == "cuda":
         torch.cuda.synchronize()
     profiler.disable()
-    if ctx.rank != 0:
-        return
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("tottime").print_stats(45)
     stats.sort_stats("cumulative").print_stats(45)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}-host.txt").write_text(f"{label}, {steps} steps\n" + text.getvalue())
+    # Every rank's: the slowest host sets a collective-bound step, and it need not be rank 0's.
+    (out / f"{stem}-host-rank{ctx.rank}.txt").write_text(f"{label}, rank {ctx.rank}, {steps} steps\n"
+                                                         + text.getvalue())
+
+
+def host_syncs(step: Callable[[], object], out_dir: str, stem: str, label: str, ctx) -> None:
+    """One step under ``torch.cuda.set_sync_debug_mode("warn")``: each call that made this rank's
+    host wait for its GPU, with where it came from (every rank's file)."""
+    import traceback
+    import warnings
+
+    seen = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "site-packages/torch" not in f.filename]
+        seen.append(f"{message}\n" + "".join(traceback.format_list(frames[-6:])))
+
+    with warnings.catch_warnings():  # restores the filters and showwarning
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}-syncs-rank{ctx.rank}.txt").write_text(
+        f"{label}, rank {ctx.rank}: {len(seen)} host synchronisations in one step\n\n" + "\n".join(seen))
 
 
 def profile_one_step(step: Callable[[], object], out_dir: str, stem: str, label: str, ctx) -> None:

@@ -151,6 +151,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host-profile", default="",
                    help="directory: after timing, run 3 more steps under cProfile and write where the host's time "
                         "went (Python functions by own time; the step is host-bound when the GPU idles)")
+    p.add_argument("--host-syncs", default="",
+                   help="directory: after timing, run one more step under torch.cuda.set_sync_debug_mode('warn') and "
+                        "write, for every rank, each call that made its host wait for the GPU and where it came from")
     p.add_argument("--memory-peak", default="",
                    help="directory: after timing, record one more step's allocations and write what is alive at "
                         "its peak, by where it was allocated (fsdp8/app/bench/memory_peak.py)")
@@ -331,6 +334,8 @@ def measure(spec: ModelSpec, stack: str, ctx: Context, result: Result) -> None:
         peer_probes.profile_one_step(step, ctx.args.profile, stem, label, ctx)
     if ctx.args.host_profile:
         peer_probes.host_profile(step, ctx.args.host_profile, stem, label, ctx)
+    if ctx.args.host_syncs and ctx.device.type == "cuda":
+        peer_probes.host_syncs(step, ctx.args.host_syncs, stem, label, ctx)
     if ctx.args.memory_peak and ctx.device.type == "cuda":
         peer_probes.memory_peak_of_step(step, ctx.args.memory_peak, stem, label, ctx)
     report = getattr(built.model, "memory_report", None)
