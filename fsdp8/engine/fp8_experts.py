@@ -17,11 +17,14 @@ compute dtype, as it does for a Float8Linear's weight ([Note: the FP8 wire]):
 - the pack: each held expert is one piece of the unit's pack kernel (quantize_pieces, or
   quantize_block_pieces with the expert's grid, rows counted from the expert's first row).
 
+- MXFP8: 1x32 blocks lie inside a row, so nothing is agreed: each rank quantizes the rows of the
+  experts it holds and sends their e8m0 scales with the bytes, as for a dense MX weight; the
+  gathered scales are [E, N, ceil(K / 32)].
+
 So the gathered bytes and scales are those ``fp8_grouped_mm`` makes from the high-precision
-weight, and the module computes with a 3-D Float8Tensor over them. Recipes whose weight
-blocks are row-local (MXFP8) keep expert weights in the compute dtype on the wire, quantized
-at every call as before, and so does any weight another model-parallel dim than dim 0 cuts
-(an expert's matrix split across tp ranks: not laid out by fsdp8's plans).
+weight, and the module computes with a 3-D Float8Tensor over them. A weight another
+model-parallel dim than dim 0 cuts (an expert's matrix split across tp ranks: not laid out by
+fsdp8's plans) stays in the compute dtype on the wire, quantized at every call.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from ..fp8.formats import Granularity
 from ..fp8.grouped import FP8_EXPERT_WEIGHTS
 from ..fp8.recipes import Recipe
 
-# The recipes whose expert weights travel as FP8 bytes: scales agreed before the gather.
-WIRE_GRANULARITIES = (Granularity.TENSOR, Granularity.BLOCK_128x128)
+# The recipes whose expert weights travel as FP8 bytes: scales agreed before the gather (per
+# tensor, 128x128) or row-local ones that travel with the bytes (MX).
+WIRE_GRANULARITIES = (Granularity.TENSOR, Granularity.BLOCK_128x128, Granularity.MX_1x32)
 
 
 def gathers_fp8_expert(slot, recipe: Optional[Recipe]) -> bool:
@@ -74,6 +78,8 @@ class ExpertPlacement:
 
     def scale_shape(self, granularity: Granularity) -> Tuple[int, ...]:
         """The scales of the engine's experts, as the gathered Float8Tensor carries them."""
+        if granularity is Granularity.MX_1x32:
+            return self.experts, self.rows, math.ceil(self.cols / 32)
         return (self.experts,) if granularity is Granularity.TENSOR else (self.experts,) + self.grid()
 
     def amax_size(self, granularity: Granularity) -> int:

@@ -59,7 +59,9 @@ class Float8Unit(ShardedUnit):
         entries = [(s, "value", s.layout.row_numel * itemsize) for s in self.slots if id(s) not in self.fp8_ids]
         entries += [(s, "fp8", s.layout.row_numel) for s in self.slots if id(s) in self.fp8_ids]
         if self.recipe.w_granularity is Granularity.MX_1x32:
-            entries += [(s, "e8m0", math.ceil(s.layout.shape[1] / 32)) for s in self.slots if id(s) in self.fp8_ids]
+            # Per row of the layout (an expert of a 3-D weight: its N rows): a byte per 32 columns.
+            entries += [(s, "e8m0", math.prod(s.layout.shape[1:-1]) * math.ceil(s.layout.shape[-1] / 32))
+                        for s in self.slots if id(s) in self.fp8_ids]
         layout = plan_unit([(s.layout.rows, row_bytes) for s, _, row_bytes in entries], len(entries),
                            self.layout.num_chunks, chunk_align=16)
         self._entries = [(s, kind, p) for (s, kind, _), p in zip(entries, layout.params)]
@@ -321,13 +323,15 @@ class Float8Unit(ShardedUnit):
             region = dest[p.offset : p.offset + rows * p.row_numel]
             if kind == "value":
                 region.view(self.compute_dtype).view(slot.layout.chunk_shape(k)).copy_(self.main_view(slot))
-            elif kind == "fp8" and not agreed:
-                # MX: 1x32 blocks stay inside a row, so each rank quantizes its rows on its own.
-                mx = quantize(self._rows(slot)[0], fp8, Granularity.MX_1x32)
+            elif kind == "fp8" and not agreed and rows:
+                # MX: 1x32 blocks stay inside a row, so each rank quantizes its rows on its own
+                # (an experts weight's held experts as their matrices' rows).
+                held = self._rows(slot)[0]
+                mx = quantize(held.reshape(-1, held.shape[-1]), fp8, Granularity.MX_1x32)
                 e8m0[id(slot)] = scale_inv_to_e8m0(mx.scale_inv)
                 q = mx.data
                 region.view(fp8).view(q.shape).copy_(q)
-            elif kind == "e8m0":
+            elif kind == "e8m0" and rows:
                 region.copy_(e8m0[id(slot)].flatten())
 
     def _pack_pieces(self) -> Tuple[Tuple[int, ...], ...]:
@@ -368,8 +372,9 @@ class Float8Unit(ShardedUnit):
             if self.granularity is Granularity.MX_1x32:
                 p = self._entry(slot, "e8m0")
                 rows, cols = slot.layout.rows, p.row_numel
-                gathered = self.unsharded[p.unsharded_offset : p.unsharded_offset + rows * cols].view(rows, cols)
-                self.scale_inv_of(slot).copy_(e8m0_to_scale_inv(gathered))
+                gathered = self.unsharded[p.unsharded_offset : p.unsharded_offset + rows * cols]
+                scale_inv = self.scale_inv_of(slot)
+                scale_inv.copy_(e8m0_to_scale_inv(gathered).view(scale_inv.shape))
 
     # MX weights' scale_inv (fp32, one per 32 elements: 0.125 bytes per weight element) is
     # made from the e8m0 bytes gathered with the weights and read only while they are

@@ -24,13 +24,13 @@ the model computes in fp64). The group sizes are read on the host for that: one 
 call, where the high-precision grouped_mm on CUDA has none. One native grouped kernel
 (torch._scaled_grouped_mm) would drop it and the per-group launches; it is not used yet.
 
-Under the sharding engine the weight arrives quantized: per-tensor and 128x128 recipes gather an
-FP8 experts module's weights as 8-bit bytes, each expert quantized on the rank that holds it with
-scales agreed across the ranks (fsdp8/engine/fp8_experts.py), and ``weight`` is a 3-D Float8Tensor
-over them. Its bytes and scales are those ``grouped_weights`` makes from the high-precision weight,
-so both GEMMs that read the weight use them as they are, the transposes made once per gather; the
-weight gradient goes to the parameter as before. MXFP8 weights still travel in the compute dtype
-and are quantized here, every call.
+Under the sharding engine the weight arrives quantized: the engine gathers an FP8 experts
+module's weights as 8-bit bytes, each expert quantized on the rank that holds it (per-tensor and
+128x128 scales agreed across the ranks, MX scales travelling with the bytes;
+fsdp8/engine/fp8_experts.py), and ``weight`` is a 3-D Float8Tensor over them. Its bytes and
+scales are those ``grouped_weights`` makes from the high-precision weight, so both GEMMs that
+read the weight use them as they are, the transposes made once per gather; the weight gradient
+goes to the parameter as before.
 
 Not here: delayed scaling (per-expert amax histories agreed across ranks, which fsdp8 does not keep;
 conversion leaves experts in high precision under it and says so), and tracing by torch.compile (an

@@ -86,7 +86,7 @@ def _scale_bytes(shapes: List[Tuple[int, ...]], recipe: str) -> int:
         if recipe == "block":
             return math.prod(experts) * math.ceil(rows / 128) * math.ceil(cols / 128)
         if recipe == "mxfp8":
-            return rows * math.ceil(cols / 32)
+            return math.prod(experts) * rows * math.ceil(cols / 32)
         return math.prod(experts)
 
     floats = sum(4 * math.ceil(count(s) / 4) for s in shapes)
@@ -107,8 +107,8 @@ def _unit(name: str, count: int, params: List[Param], setup: Setup, tp_rank: int
         # Float8Unit._plan_wire: compute-dtype entries, then FP8 bytes, then MX's e8m0 scales.
         rows = [(s[0], math.prod(s[1:]) * e) for s, f in zip(shapes, fp8) if not f]
         rows += [(s[0], math.prod(s[1:])) for s, f in zip(shapes, fp8) if f]
-        if setup.fp8 == "mxfp8":
-            rows += [(s[0], math.ceil(s[1] / 32)) for s, f in zip(shapes, fp8) if f]
+        if setup.fp8 == "mxfp8":  # per layout row (an expert: its N rows), a byte per 32 columns
+            rows += [(s[0], math.prod(s[1:-1]) * math.ceil(s[-1] / 32)) for s, f in zip(shapes, fp8) if f]
         wire, wire_bytes = plan_unit(rows, len(rows), chunks, chunk_align=16), 1
     else:
         wire, wire_bytes = layout, e

@@ -12,6 +12,7 @@ for bit.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Dict, List
 
 import torch
@@ -97,11 +98,15 @@ def wire_parity(recipe_name: str, layout: dict) -> dict:
     for hook in hooks:
         hook.remove()
     experts_numel: Dict[str, int] = {}
+    e8m0: Dict[str, int] = {}  # MX: the scale bytes that travel with the experts' bytes
     for unit, slot in _expert_slots(new):
         experts_numel[unit.name] = experts_numel.get(unit.name, 0) + slot.layout.numel
+        *rows, cols = slot.layout.shape
+        mx = recipe_name == "fp8-mxfp8"
+        e8m0[unit.name] = e8m0.get(unit.name, 0) + (math.prod(rows) * math.ceil(cols / 32) if mx else 0)
     # What each unit's gathered parameters take (a one-chunk unit packs them without a gather).
     held = {u.name: (v.unsharded_nbytes, u.unsharded_nbytes) for u, v in zip(new._fsdp8.units, old._fsdp8.units)}
     return {"differences": _differences(new_run, old_run), "kinds": sorted(kinds), "experts": len(experts),
             "old_gathered": old_run["gathered"][0], "new_gathered": new_run["gathered"][0], "held": held,
-            "experts_numel": experts_numel, "chunks": {u.name: u.layout.num_chunks for u in new._fsdp8.units},
+            "experts_numel": experts_numel, "e8m0": e8m0, "chunks": {u.name: u.layout.num_chunks for u in new._fsdp8.units},
             "converted": sorted(n for n, m in new.named_modules() if getattr(m, "fp8_recipe", None) is not None)}

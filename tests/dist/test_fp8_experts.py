@@ -16,24 +16,27 @@ from tests.harness import run_on_ranks
 
 
 @pytest.mark.parametrize("recipe,layout", [("fp8-current", {}), ("fp8-current", {"ep": 2}), ("fp8-block", {}),
-                                           ("fp8-current", {"strategy": "optim_grads"})],
-                         ids=["current-dp2", "current-ep2", "block-dp2", "current-dp2-zero2"])
+                                           ("fp8-current", {"strategy": "optim_grads"}), ("fp8-mxfp8", {}),
+                                           ("fp8-mxfp8", {"ep": 2})],
+                         ids=["current-dp2", "current-ep2", "block-dp2", "current-dp2-zero2", "mxfp8-dp2",
+                              "mxfp8-ep2"])
 def test_fp8_experts_gathered_in_8_bits_equal_the_high_precision_gather(recipe, layout):
     for out in run_on_ranks(2, workers.wire_parity, recipe, layout):
         assert out["differences"] == [], out["differences"][:10]
         assert out["experts"] == 2 and len(out["converted"]) == 2, out["converted"]
         assert out["kinds"] == ["Float8Tensor"], out["kinds"]  # the experts compute with the gathered bytes
         # One byte per expert weight element where bf16 took two, gathered and held (each chunk
-        # of a unit's wire padded to 16 bytes).
+        # of a unit's wire padded to 16 bytes), plus MX's e8m0 scale bytes.
         own_units = "ep" in layout  # experts are units of their own under ep
         assert set(out["experts_numel"]) == ({"layers.0.ffn.experts", "layers.1.ffn.experts"} if own_units
                                              else {"layers.0", "layers.1"}), out["experts_numel"]
         for unit, numel in out["experts_numel"].items():
             slack = 16 * out["chunks"][unit]
             old, new = out["held"][unit]
-            assert abs((old - new) - numel) < slack, (unit, old, new, numel)
+            saving = numel - out["e8m0"][unit]
+            assert abs((old - new) - saving) < slack, (unit, old, new, saving)
             if out["chunks"][unit] > 1:
                 saved = out["old_gathered"][unit] - out["new_gathered"][unit]
                 gathers = out["new_gathered"][unit] // new  # forward and backward (ZeRO-3), forward (ZeRO-2)
                 assert gathers == (1 if layout.get("strategy") else 2), gathers
-                assert abs(saved - gathers * numel) < gathers * slack, (unit, saved, numel)
+                assert abs(saved - gathers * saving) < gathers * slack, (unit, saved, saving)

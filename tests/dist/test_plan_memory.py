@@ -124,7 +124,7 @@ def test_moe_world2(ep):
 @pytest.mark.parametrize("ep", [1, 2])
 def test_moe_fp8_experts_world2(ep):
     # Experts of 48 x 48 convert (multiples of 16): their weights gather as FP8 bytes, one scale
-    # (or 128x128 grid) per expert (engine/fp8_experts.py); MXFP8's in the compute dtype.
+    # (or 128x128 grid) per expert, MX scales with the bytes (engine/fp8_experts.py).
     _check_moe(2, "fsdp8", dict(MOE_SIZES, moe_ffn_dim=48), ep)
 
 

@@ -12,12 +12,12 @@ from fsdp8.engine.fp8_experts import expert_placement
 from fsdp8.engine.layout import plan_unit
 from fsdp8.fp8.formats import Granularity
 from fsdp8.fp8.grouped import fp8_grouped_mm, grouped_weights
-from fsdp8.fp8.kernels import scales_for
-from fsdp8.fp8.recipes import Float8BlockScaling, Float8CurrentScaling
+from fsdp8.fp8.kernels import quantize, scales_for
+from fsdp8.fp8.recipes import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from fsdp8.fp8.tensor import Float8Tensor
 from fsdp8.fp8.weight_kernels import amaxes, block_amax_grids, quantize_block_pieces, quantize_pieces
 
-RECIPES = [Float8CurrentScaling(), Float8BlockScaling()]
+RECIPES = [Float8CurrentScaling(), Float8BlockScaling(), MXFP8BlockScaling()]
 ids = lambda r: r.name  # noqa: E731
 # 5 experts over 3 chunks (2, 2, 1 experts), 48 rows: a partial 128-row block per expert.
 EXPERTS, N, K = 5, 48, 160
@@ -44,6 +44,10 @@ def wire(w: torch.Tensor, chunks: int, recipe, inner=None):
     slot = _slot(chunks, inner)
     placements = [expert_placement(slot, k) for k in range(chunks)]
     rows = [w[slice(*p.held)].contiguous() for p in placements]
+    if g is Granularity.MX_1x32:  # nothing agreed: each chunk's rows with their own 1x32 scales
+        qs = [quantize(r.reshape(-1, K), fp8, g) for r in rows]
+        return (torch.cat([q.data for q in qs]).view(w.shape),
+                torch.cat([q.scale_inv for q in qs]).view(placements[0].scale_shape(g)))
     if g is Granularity.TENSOR:
         local = [amaxes(p.amax_inputs(r)) for p, r in zip(placements, rows)]
     else:
