@@ -233,6 +233,35 @@ def summed(tensor: torch.Tensor, groups, label: str) -> torch.Tensor:
     return tensor
 
 
+# [Note: async-collective inputs]
+# Under tensor parallelism a unit's input can be an ``AsyncCollectiveTensor`` (ACT): the
+# embedding's ``RowwiseParallel`` hands its output back with ``redistribute(async_op=True)``
+# then ``to_local()``, an ACT wrapper that requires grad (``_ToTorchTensorBackward``) around a
+# plain inner tensor that does not. torch's AOTAutograd (torch 2.13; pytorch#179849) replaces a
+# top-level ACT input by ``trigger_wait()``, that inner tensor, before tracing, so it traces the
+# input as not requiring grad and a compiled unit hands no gradient back to it: everything
+# before the first compiled unit (an embedding, the biases of a norm feeding a column-parallel
+# layer) got no or a wrong gradient, silently, with aot_eager and inductor alike (Dynamo alone is
+# right; pytorch#191113 proposes restoring requires_grad). So the engine waits on a unit's
+# top-level ACT arguments in its pre-forward hook, outside any compiled code (``waited``): an
+# identity for autograd whose output is a plain tensor. The unit would wait on it first thing
+# anyway (the compiled code emits that ``trigger_wait()``; eager code waits at the first op).
+class _Waited(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.trigger_wait().view(x.shape)  # a new plain tensor: autograd gives it this node
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def waited(x):
+    """``x`` as a plain tensor connected to autograd if it is an AsyncCollectiveTensor, else ``x``
+    ([Note: async-collective inputs])."""
+    return _Waited.apply(x) if isinstance(x, funcol.AsyncCollectiveTensor) else x
+
+
 def maxed(tensor: torch.Tensor, mesh, label: str) -> torch.Tensor:
     """``tensor``'s elementwise max over the 1-D DeviceMesh ``mesh`` (out of place), through the
     functional collectives torch.compile traces: the scale agreements of FP8 linears traced into

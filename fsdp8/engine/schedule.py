@@ -229,8 +229,10 @@ class Schedule:
         self._unshard(unit, self._next(self.forward_order, unit))
         if not torch.is_grad_enabled():
             return None
-        flat = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-        keyed = [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        # Asynchronous-collective inputs are waited on here, outside any compiled forward
+        # (comm.py [Note: async-collective inputs]).
+        flat = [(i, comm.waited(a)) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        keyed = [(k, comm.waited(v)) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
         if not flat and not keyed:
             return None
         self._expected_post[unit] = self._expected_post.get(unit, 0) + 1

@@ -15,25 +15,10 @@
    hooks (checkpointing.py [Note: checkpointing inside the engine's hooks]). Wrapping a
    forward changes no module, name or parameter, so doing it after sharding is the same as
    before it, except that nothing has to guess which modules will be units.
-
-[Note: compiled units and async-collective inputs]
-Under tensor parallelism a unit's input can be an ``AsyncCollectiveTensor`` (ACT): the
-embedding's ``RowwiseParallel`` hands its output back with ``redistribute(async_op=True)``
-then ``to_local()``, an ACT wrapper that requires grad (``_ToTorchTensorBackward``) around a
-plain inner tensor that does not. torch's AOTAutograd (torch 2.13; pytorch#179849) replaces a
-top-level ACT input by ``trigger_wait()``, that inner tensor, before tracing, so it traces the
-input as not requiring grad and the compiled unit hands no gradient back to it: everything
-before the first compiled unit (the embedding) gets a zero gradient, with aot_eager and
-inductor alike (Dynamo alone is right; pytorch#191113 proposes restoring requires_grad).
-Activation checkpointing happened to hide it. So a compiled unit's top-level ACT arguments are
-waited on outside the compiled code by ``_Waited``, an identity for autograd whose output is
-a plain tensor: the compiled graph sees a plain input that requires grad. The compiled code
-would wait on it first thing anyway (AOTAutograd emits that ``trigger_wait()``).
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 import sys
@@ -44,7 +29,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from ..config import ParallelConfig, check_checkpointing_with_cp, resolve_precision
@@ -238,7 +222,7 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
     if config.compile is not False:  # True, or a dict of torch.compile options ({} too)
         options = compile_options(config)
         for module in unit_modules:
-            module.forward = _waiting_on_async_inputs(torch.compile(module.forward, **options))
+            module.forward = torch.compile(module.forward, **options)
     if skip_packed is not None:
         skip_packed()
     dp_rank, dp_size = _data_parallel_place(mesh)
@@ -262,33 +246,6 @@ def compile_options(config: ParallelConfig) -> Dict[str, Any]:
     if (config.tp > 1 or config.cp > 1) and not _DTENSOR_HASHES_SYMBOLIC_SHAPES:
         options.setdefault("dynamic", False)
     return options
-
-
-class _Waited(torch.autograd.Function):
-    """An AsyncCollectiveTensor's waited local tensor, as a plain tensor; the gradient passes
-    through unchanged ([Note: compiled units and async-collective inputs])."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.trigger_wait().view(x.shape)  # a new plain tensor: autograd gives it this node
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
-def _waiting_on_async_inputs(compiled):
-    """``compiled`` called with its top-level AsyncCollectiveTensor arguments (positional or
-    keyword) made plain tensors connected to autograd ([Note: compiled units and
-    async-collective inputs])."""
-    def plain(arg):
-        return _Waited.apply(arg) if isinstance(arg, AsyncCollectiveTensor) else arg
-
-    @functools.wraps(compiled, updated=())  # not Dynamo's attributes: this wrapper runs eagerly
-    def forward(*args, **kwargs):
-        return compiled(*map(plain, args), **{name: plain(value) for name, value in kwargs.items()})
-
-    return forward
 
 
 def _check_model(model: nn.Module, config: ParallelConfig) -> None:

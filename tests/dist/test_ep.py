@@ -79,8 +79,8 @@ def test_ep2_with_tp2(family, sequence_parallel):
 def test_ep2_with_tp2_compiled(sequence_parallel):
     # Each decoder layer compiled (aot_eager: Dynamo and AOTAutograd as inductor, without its C++
     # compilation on CPUs). The embedding's row-parallel output reaches the first compiled layer
-    # as an AsyncCollectiveTensor, whose gradient AOTAutograd drops unless parallelize waits on it
-    # outside the graph (manager.py [Note: compiled units and async-collective inputs]): the
+    # as an AsyncCollectiveTensor, whose gradient AOTAutograd drops unless the engine waits on it
+    # outside the graph (comm.py [Note: async-collective inputs]): the
     # embedding's gradient was zero. Nothing recompiles after the first step.
     layout = {"ep": 2, "tp": 2, "sequence_parallel": sequence_parallel, "compile": {"backend": "aot_eager"}}
     _check(run_on_ranks(4, workers.parity, "builtin", layout), 2, tp=2)

@@ -151,8 +151,7 @@ def test_compiled_units_keep_the_engine_hooks_outside():
 def test_compiled_units_pass_the_gradient_to_the_embedding():
     # Without checkpointing the first compiled layer's input is the embedding's asynchronous
     # all-reduce output (an AsyncCollectiveTensor), which AOTAutograd traced as not requiring
-    # grad: the embedding got a zero gradient (manager.py [Note: compiled units and
-    # async-collective inputs]).
+    # grad: the embedding got a zero gradient (comm.py [Note: async-collective inputs]).
     for out in run_on_ranks(4, workers.compiled, "builtin", {"backend": "aot_eager"}, "none"):
         errors = out["errors"]
         assert errors["loss"] <= LOSS_TOL and errors["grad"] <= FP32_TOL and errors["weight"] <= FP32_TOL, errors
