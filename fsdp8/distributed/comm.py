@@ -262,14 +262,14 @@ def waited(x):
     return _Waited.apply(x) if isinstance(x, funcol.AsyncCollectiveTensor) else x
 
 
-def maxed(tensor: torch.Tensor, mesh, label: str) -> torch.Tensor:
+def maxed(tensor: torch.Tensor, mesh) -> torch.Tensor:
     """``tensor``'s elementwise max over the 1-D DeviceMesh ``mesh`` (out of place), through the
     functional collectives torch.compile traces: the scale agreements of FP8 linears traced into
-    a compiled layer under tensor parallelism."""
+    a compiled layer under tensor parallelism. No profiler label: Dynamo ignores a
+    record_function, with a warning."""
     if mesh.size() == 1:
         return tensor
-    with record_function(f"fsdp8::all_reduce[{label}]"):
-        return funcol.wait_tensor(funcol.all_reduce(tensor, "max", mesh))
+    return funcol.wait_tensor(funcol.all_reduce(tensor, "max", mesh))
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: List[int], in_splits: List[int], group,

@@ -133,7 +133,7 @@ def group_scale(t: torch.Tensor, fp8_dtype, group) -> torch.Tensor:
     (tp_forward.py [Note: FP8 under TP, compiled]), agreed with a functional collective."""
     t_amax = amax(t)
     if isinstance(group, DeviceMesh):
-        t_amax = comm.maxed(t_amax, group, "fp8 tensor-parallel amax")
+        t_amax = comm.maxed(t_amax, group)
     elif group is not None:
         comm.all_reduce(t_amax, group, dist.ReduceOp.MAX, "fp8 tensor-parallel amax")
     return amax_to_scale(t_amax, fp8_dtype)
