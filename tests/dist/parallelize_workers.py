@@ -451,41 +451,49 @@ def own_adapter() -> dict:
             "run": run, "on_tp": on_tp}
 
 
-def compiled_fp8_tp_in_graph(family: str = "llama") -> Dict[str, int]:
-    """Compiled layers with FP8 current scaling at tp 2 with sequence parallelism, two training
-    steps: Dynamo's graph breaks, and the eager calls of fsdp8's tensor-parallel FP8 collectives
-    (scale agreements, FP8 sequence gathers, their reduce-scatters), which a linear traced into
-    the graph never makes. Patched before the first compile, so the patch itself changes nothing
-    Dynamo guards on."""
-    from torch._dynamo.utils import counters
+@contextlib.contextmanager
+def _counting_tp_fp8_collectives(counts: Dict[str, int]):
+    """Count the eager calls of fsdp8's tensor-parallel FP8 collectives into ``counts`` (keys
+    "amax", "gather", "reduce_scatter"): scale agreements, FP8 sequence gathers and their input
+    gradients' reduce-scatters."""
     from fsdp8.distributed import comm
     from fsdp8.fp8 import tp_gather
 
-    eager = {"amax": 0, "gather": 0, "reduce_scatter": 0}
     originals = comm.all_reduce, comm.all_gather, tp_gather.reduce_scatter_sum
 
     def reduce(tensor, group, op, label):
-        eager["amax"] += "tensor-parallel amax" in label
+        counts["amax"] += "tensor-parallel amax" in label
         return originals[0](tensor, group, op, label)
 
     def gather(out, inp, group, label):
-        eager["gather"] += "sequence-parallel" in label
+        counts["gather"] += "sequence-parallel" in label
         return originals[1](out, inp, group, label)
 
     def scatter(*args):
-        eager["reduce_scatter"] += 1
+        counts["reduce_scatter"] += 1
         return originals[2](*args)
 
     comm.all_reduce, comm.all_gather, tp_gather.reduce_scatter_sum = reduce, gather, scatter
-    counters.clear()
     try:
+        yield counts
+    finally:
+        comm.all_reduce, comm.all_gather, tp_gather.reduce_scatter_sum = originals
+
+
+def compiled_fp8_tp_in_graph(family: str = "llama") -> Dict[str, int]:
+    """Compiled layers with FP8 current scaling at tp 2 with sequence parallelism, two training
+    steps: Dynamo's graph breaks, and the eager calls of fsdp8's tensor-parallel FP8 collectives,
+    which a linear traced into the graph never makes. Counted from before the first compile, so
+    the patch itself changes nothing Dynamo guards on."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    with _counting_tp_fp8_collectives({"amax": 0, "gather": 0, "reduce_scatter": 0}) as eager:
         config = fsdp8.ParallelConfig(tp=dist.get_world_size(), sequence_parallel=True, fp8=fsdp8.Float8CurrentScaling(),
                                       precision=common.FP8_PARITY_PRECISION, compile={"backend": "aot_eager"})
         model = fsdp8.parallelize(build(family), config)
         for step in range(2):
             loss_of(model, model.shard_batch(batch(family, step))).backward()
-    finally:
-        comm.all_reduce, comm.all_gather, tp_gather.reduce_scatter_sum = originals
     return dict(eager, graph_breaks=sum(counters["graph_break"].values()))
 
 
@@ -495,8 +503,6 @@ def sequence_parallel_collectives(family: str = "llama", fp8: bool = True) -> Di
     FP8 (current scaling) the FP8 sequence gathers, the amax agreements and the input gradients'
     reduce-scatters; without, DTensor's gathers of activations (3-D tensors)."""
     import torch.distributed._functional_collectives as funcol
-    from fsdp8.distributed import comm
-    from fsdp8.fp8 import tp_gather
 
     config = fsdp8.ParallelConfig(tp=dist.get_world_size(), sequence_parallel=True,
                                   fp8=fsdp8.Float8CurrentScaling() if fp8 else None,
@@ -505,30 +511,17 @@ def sequence_parallel_collectives(family: str = "llama", fp8: bool = True) -> Di
     loss_of(model, model.shard_batch(batch(family, 0))).backward()
     counts = {"gather": 0, "amax": 0, "reduce_scatter": 0, "dtensor_gather": 0}
     funcol_name = "all_gather_single" if hasattr(funcol, "all_gather_single") else "all_gather_tensor"
-    originals = (comm.all_gather, comm.all_reduce, tp_gather.reduce_scatter_sum, getattr(funcol, funcol_name))
-
-    def gather(out, inp, group, label):
-        counts["gather"] += "sequence-parallel" in label
-        return originals[0](out, inp, group, label)
-
-    def reduce(tensor, group, op, label):
-        counts["amax"] += "tensor-parallel amax" in label
-        return originals[1](tensor, group, op, label)
-
-    def scatter(*args):
-        counts["reduce_scatter"] += 1
-        return originals[2](*args)
+    original = getattr(funcol, funcol_name)
 
     def dtensor_gather(tensor, *args, **kwargs):
         counts["dtensor_gather"] += tensor.dim() == 3
-        return originals[3](tensor, *args, **kwargs)
+        return original(tensor, *args, **kwargs)
 
-    comm.all_gather, comm.all_reduce, tp_gather.reduce_scatter_sum = gather, reduce, scatter
     setattr(funcol, funcol_name, dtensor_gather)
     try:
-        loss_of(model, model.shard_batch(batch(family, 1))).backward()
+        with _counting_tp_fp8_collectives(counts):
+            loss_of(model, model.shard_batch(batch(family, 1))).backward()
     finally:
-        comm.all_gather, comm.all_reduce, tp_gather.reduce_scatter_sum = originals[:3]
-        setattr(funcol, funcol_name, originals[3])
+        setattr(funcol, funcol_name, original)
     counts["layers"] = len(model.model.layers)
     return counts
