@@ -40,6 +40,28 @@ def test_tp_stacks_of_the_peer_benchmark_agree(tmp_path):
     assert results["torchao-tp-fp8"]["status"] == "skipped" and "CUDA only" in results["torchao-tp-fp8"]["note"]
 
 
+def test_compiled_fp8_tp_stack_of_the_peer_benchmark(tmp_path):
+    # The compiled FP8 TP stack (its linears traced into each compiled layer) trains, and
+    # --host-profile writes every rank's profile: the slowest host, not rank 0's, sets a
+    # collective-bound step.
+    pytest.importorskip("transformers")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    out, host = tmp_path / "peers.json", tmp_path / "host"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(REPO / "benchmarks" / "peers.py"), "--models", "tiny", "--device", "cpu", "--warmup", "1",
+                           "--steps", "3", "--stacks", "fsdp8-tp-fp8-compile", "--out", str(out),
+                           "--host-profile", str(host)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [result] = json.loads(out.read_text())["results"]
+    assert result["status"] == "ok" and result["mesh"] == "1 dp x 2 tp", result["error"]
+    assert result["losses"][-1] < result["losses"][0]
+    profiles = sorted(p.name for p in host.iterdir())
+    assert profiles == [f"tiny-fsdp8-tp-fp8-compile-host-rank{r}.txt" for r in (0, 1)], profiles
+
+
 def test_inductor_settings_of_the_peer_benchmark():
     """``peers.py --inductor``: key=value items, 0/1 as booleans, integers as ints; a bare key is refused.
     Asked of the script's module from benchmarks/, where it runs (its sibling modules are found there)."""
