@@ -228,7 +228,9 @@ def summed(tensor: torch.Tensor, groups, label: str) -> torch.Tensor:
     the graph."""
     for group in groups:
         if group_size(group) > 1:
-            with record_function(f"fsdp8::all_reduce[{label}]"):
+            # Labelled for the profiler in eager code; Dynamo ignores a record_function, with a warning.
+            with contextlib.nullcontext() if torch.compiler.is_compiling() else \
+                    record_function(f"fsdp8::all_reduce[{label}]"):
                 tensor = funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group))
     return tensor
 

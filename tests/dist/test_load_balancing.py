@@ -11,7 +11,8 @@ from tests.harness import run_on_ranks
 TOL = 4e-6
 
 
-@pytest.mark.parametrize("layout", [{}, {"ep": 2}], ids=["dp2", "dp2-ep2"])
+@pytest.mark.parametrize("layout", [{}, {"ep": 2}, {"compile": {"backend": "aot_eager"}}],
+                         ids=["dp2", "dp2-ep2", "dp2-compiled"])
 def test_global_balancing_equals_one_process_on_the_global_batch(layout):
     for worst in run_on_ranks(2, workers.global_batch_parity, "global", layout):
         assert max(worst.values()) <= TOL, worst
