@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..fp8.formats import Granularity, scale_to_inv
 from ..fp8.kernels import scales_for
-from ..fp8.weight_kernels import amaxes, block_amax_grids
+from ..fp8.weight_kernels import weight_amaxes
 from ..fp8.recipes import W, DelayedState, update_states
 from ..distributed import comm
 from .fp8_unit import Float8Unit
@@ -157,6 +157,5 @@ def local_amaxes_of(units: Sequence[Float8Unit]) -> torch.Tensor:
     dtypes = {u.compute_dtype for u in units}
     if len(dtypes) > 1 or (granularity is not Granularity.TENSOR and not all(u.whole_grids() for u in units)):
         return torch.cat([u.local_amaxes() for u in units])
-    pieces = [piece for u, s in slots for piece in u.amax_pieces(s)]
-    local = amaxes(pieces) if granularity is Granularity.TENSOR else block_amax_grids(pieces)
+    local = weight_amaxes(granularity, [piece for u, s in slots for piece in u.amax_pieces(s)])
     return local.to(dtypes.pop()).float()

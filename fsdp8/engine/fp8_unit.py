@@ -22,7 +22,9 @@ import torch
 
 from ..fp8.formats import SCALE_ALIGN, Granularity, e8m0_to_scale_inv, scale_inv_to_e8m0
 from ..fp8.kernels import quantize
-from ..fp8.weight_kernels import amaxes, block_amax_grids, partial_block_amax, quantize_block_pieces, quantize_pieces
+from ..fp8.weight_kernels import (
+    block_amax_grids, partial_block_amax, quantize_block_pieces, quantize_pieces, weight_amaxes,
+)
 from ..fp8.recipes import DelayedState, Recipe
 from ..fp8.tensor import Float8Tensor
 from .fp8_experts import ExpertPlacement, expert_placement
@@ -219,11 +221,10 @@ class Float8Unit(ShardedUnit):
         slots = self.amax_slots()
         if not slots:
             return torch.zeros(0, dtype=torch.float32, device=self.device)
-        if self.granularity is Granularity.TENSOR:
-            local = amaxes([t for s in slots for t in self.amax_pieces(s)])
+        if self.granularity is Granularity.TENSOR or self.whole_grids():
+            local = weight_amaxes(self.granularity, [p for s in slots for p in self.amax_pieces(s)])
         else:
-            local = block_amax_grids([p for s in slots for p in self.amax_pieces(s)]) if self.whole_grids() \
-                else self._placed_grids()
+            local = self._placed_grids()
         return local.to(self.compute_dtype).float()
 
     def amax_count(self) -> int:

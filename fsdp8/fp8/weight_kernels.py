@@ -187,6 +187,12 @@ def block_amax_grids(pieces: Sequence[Tuple[torch.Tensor, int, int]]) -> torch.T
     return torch.cat([partial_block_amax(rows, start, total).flatten() for rows, start, total in pieces])
 
 
+def weight_amaxes(granularity: Granularity, pieces: Sequence) -> torch.Tensor:
+    """What the engine's weights contribute to the scale agreement: ``amaxes`` of the tensors
+    ``pieces`` (per-tensor scaling) or ``block_amax_grids`` of the pieces (128x128)."""
+    return amaxes(pieces) if granularity is Granularity.TENSOR else block_amax_grids(pieces)
+
+
 def _row_block_amax(x: torch.Tensor) -> torch.Tensor:
     """(rows, ceil(cols / 128)) fp32: the largest magnitude of each row's 128-column blocks
     (NaN propagates)."""
