@@ -26,7 +26,7 @@ TP stacks (opt-in; T = --tp, default 2; mesh world/T x T, sequence parallel on):
   torchao-tp-fp8  torchao float8 with its TP styles as torchtitan lays them out, then FSDP2
                 (peer_torchao_tp.py; CUDA only: gloo has no float8 all-gather)
   Each with "-compile" (fsdp8-tp-compile, ...): the decoder layers compiled per block as well.
-  A TP group's ranks feed one batch; tokens/s/GPU counts it once per group.
+  A TP group's ranks feed one batch (--tp-full-batch: tp micro-batches); tokens/s/GPU counts it once per group.
 All use bf16 compute weights, fp32 gradient reduction and fp32 main weights.
 
 On 2 GPUs:
@@ -137,6 +137,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2,
                    help="tensor-parallel degree of the TP stacks (fsdp8-tp, fsdp2-tp, fsdp8-tp-fp8; sequence parallel "
                         "on): a (world/T data-parallel) x (T tensor-parallel) mesh, TP groups of neighbouring ranks")
+    p.add_argument("--tp-full-batch", action="store_true",
+                   help="feed each tensor-parallel group tp times the model's micro-batch, so that each GPU of a TP "
+                        "stack has the tokens of a GPU of the dp stacks (a like-for-like TP cost); default: a TP "
+                        "group trains one micro-batch")
     p.add_argument("--profile", default="",
                    help="directory: after timing, profile one more step of each stack and write where its "
                         "GPU time went (fsdp8/app/bench/step_profile.py; rank 0's trace kept as .json.gz)")
@@ -229,11 +233,18 @@ def build_hf_model(spec: ModelSpec, device: torch.device, seed: int) -> torch.nn
     return model
 
 
+def group_rows(spec: ModelSpec, ctx: Context, tp: int = 1) -> int:
+    """Sequences a data-parallel rank (a tensor-parallel group of ``tp`` ranks) trains per step:
+    the model's micro-batch, or with --tp-full-batch tp times it, so that each GPU of a TP stack
+    has a dp stack GPU's share of tokens."""
+    return spec.micro_batch * (tp if getattr(ctx.args, "tp_full_batch", False) else 1)
+
+
 def make_batches(spec: ModelSpec, n: int, ctx: Context, tp: int = 1) -> list[torch.Tensor]:
     """Random token ids: a fixed stream per data-parallel rank (the ranks of a tensor-parallel
     group, consecutive, share one), identical for every stack."""
     gen = torch.Generator().manual_seed(ctx.args.seed * 1_000_003 + ctx.rank // tp)
-    shape = (spec.micro_batch, spec.seq)
+    shape = (group_rows(spec, ctx, tp), spec.seq)
     return [torch.randint(0, spec.vocab, shape, generator=gen).to(ctx.device) for _ in range(n)]
 
 
@@ -320,7 +331,7 @@ def measure(spec: ModelSpec, stack: str, ctx: Context, result: Result) -> None:
     median, wall = _all_reduce([statistics.median(step_ms), wall_ms], dist.ReduceOp.MAX, ctx)
     result.step_ms_median, result.step_ms_mean_wall = median, wall
     result.step_ms_all = [round(x, 3) for x in step_ms]
-    result.tokens_per_s_per_gpu = spec.micro_batch * spec.seq / tp / (median / 1e3)  # a TP group shares its batch
+    result.tokens_per_s_per_gpu = group_rows(spec, ctx, tp) * spec.seq / tp / (median / 1e3)  # a TP group shares its batch
     if ctx.device.type == "cuda":
         result.mfu = result.tokens_per_s_per_gpu * result.flops_per_token / (ctx.args.peak_tflops * 1e12)
         peaks = [torch.cuda.max_memory_allocated(ctx.device), torch.cuda.max_memory_reserved(ctx.device)]

@@ -62,6 +62,16 @@ def test_compiled_fp8_tp_stack_of_the_peer_benchmark(tmp_path):
     assert profiles == [f"tiny-fsdp8-tp-fp8-compile-host-rank{r}.txt" for r in (0, 1)], profiles
 
 
+def test_tp_full_batch_gives_each_gpu_a_data_parallel_ranks_tokens():
+    # --tp-full-batch: a TP group of 2 trains 2 micro-batches, so each GPU's share of tokens is a
+    # dp rank's; without it the group trains one and each GPU half as many.
+    code = ("import argparse, peers; ctx = argparse.Namespace(args=argparse.Namespace(tp_full_batch={}));"
+            "print(peers.group_rows(peers.MODELS['B'], ctx, 2), peers.group_rows(peers.MODELS['B'], ctx, 1))")
+    rows = [subprocess.run([sys.executable, "-c", code.format(full)], cwd=REPO / "benchmarks", capture_output=True,
+                           text=True, timeout=120) for full in (False, True)]
+    assert [r.stdout.split() for r in rows] == [["2", "2"], ["4", "2"]], [r.stderr[-2000:] for r in rows]
+
+
 def test_inductor_settings_of_the_peer_benchmark():
     """``peers.py --inductor``: key=value items, 0/1 as booleans, integers as ints; a bare key is refused.
     Asked of the script's module from benchmarks/, where it runs (its sibling modules are found there)."""
