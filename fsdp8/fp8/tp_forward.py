@@ -83,80 +83,49 @@ def tp_fp8_ok(linear: nn.Linear, recipe: Recipe) -> Optional[str]:
 def tensor_parallel_forward(module: nn.Module, x, traced: bool = False) -> DTensor:
     """A Float8Linear ``module``'s forward when its weight is a tensor-parallel DTensor (see the
     notes; ``traced``: inside a compiled graph, current or block scaling)."""
-    weight = module.weight
+    weight, recipe = module.weight, module.recipe
     mesh = weight.device_mesh
-    reason = tp_fp8_ok(module, module.recipe)
+    reason = tp_fp8_ok(module, recipe)
     if reason is not None:
         raise ValueError(f"this Float8Linear cannot run under tensor parallelism: {reason}; keep it in high "
                          "precision (fsdp8 does so automatically when it converts a model after TP)")
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-    if traced:
-        return _traced_forward(module, x, weight, mesh)
-    group = mesh.get_group(0)
-    state = module.delayed_state(x.device)
+    # Scale agreements: functional collectives over the mesh in a graph, c10d ones eagerly.
+    group = mesh if traced else mesh.get_group(0)
+    state = None if traced else module.delayed_state(x.device)
     if state is not None and not module.external_delayed_update and state.dirty:
         # Standalone use: fold last step's amaxes in, agreed over tp (the engine does it per step).
         update_delayed_states([state], module.amax_reduction_group or group)
-    bias = module.bias
     kind = _kind(weight)
-    w_local = weight.to_local()
-    tensorwise = module.recipe.x_granularity is Granularity.TENSOR
-    if kind == "colwise":
-        placement = x.placements[0]
-        seq_sharded = isinstance(placement, Shard) and placement.dim % x.ndim != x.ndim - 1
-        if seq_sharded and tensorwise and x.shape[placement.dim] % mesh.size() == 0:
-            x_local, gathered = sequence_gather(x, module.recipe, state, placement.dim % x.ndim, group)
-            tp = TensorParallelGemm(group, dy_sharded=True, gathered=gathered)
-        else:
-            x = x.redistribute(mesh, [Replicate()])
-            tp = TensorParallelGemm(group, dy_sharded=True)
-            x_local = x.to_local(grad_placements=[Partial()])  # each rank's input gradient is a partial sum
-        b_local = bias.to_local() if isinstance(bias, DTensor) else bias
-        out = Float8LinearFn.apply(x_local, w_local, b_local, module.recipe, state, None, None, tp)
-        return DTensor.from_local(out, mesh, [Shard(out.ndim - 1)], run_check=False)
+    bias = module.bias.to_local() if isinstance(module.bias, DTensor) else module.bias
     if kind == "rowwise":
         if x.placements[0] != Shard(x.ndim - 1):
             x = x.redistribute(mesh, [Shard(x.ndim - 1)])
-        b_local = None
-        if bias is not None:
-            b_local = bias.to_local(grad_placements=[Partial()]) if isinstance(bias, DTensor) else bias
-            if mesh.get_local_rank() != 0:
-                b_local = b_local * 0  # added once to the partial sums; a zero gradient here
+        x_local, placement = x.to_local(), Partial()
         tp = TensorParallelGemm(group, x_sharded=True)
-        out = Float8LinearFn.apply(x.to_local(), w_local, b_local, module.recipe, state, None, None, tp)
-        return DTensor.from_local(out, mesh, [Partial()], run_check=False)
-    x = x.redistribute(mesh, [Replicate()])
-    b_local = bias.to_local() if isinstance(bias, DTensor) else bias
-    tp = TensorParallelGemm(group, w_sharded=False)
-    out = Float8LinearFn.apply(x.to_local(), w_local, b_local, module.recipe, state, None, None, tp)
-    return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
-
-
-def _traced_forward(module: nn.Module, x: DTensor, weight: DTensor, mesh) -> DTensor:
-    """The compiled-graph form of tensor_parallel_forward ([Note: FP8 under TP, compiled]): the
-    tp mesh is the group of every scale agreement, traced as functional collectives."""
-    recipe, bias, kind = module.recipe, module.bias, _kind(weight)
-    w_local = weight.to_local()
-    if kind == "rowwise":
-        if x.placements[0] != Shard(x.ndim - 1):
-            x = x.redistribute(mesh, [Shard(x.ndim - 1)])
-        x_local = x.to_local()
-        qx, x_scale = input_in_graph(x_local, recipe, mesh)  # a feature-split input: its amax agreed
-        b_local = None
         if bias is not None:
-            b_local = bias.to_local(grad_placements=[Partial()]) if isinstance(bias, DTensor) else bias
+            if isinstance(module.bias, DTensor):
+                bias = module.bias.to_local(grad_placements=[Partial()])
             if mesh.get_local_rank() != 0:
-                b_local = b_local * 0  # added once to the partial sums
-        tp = TensorParallelGemm(mesh, x_sharded=True)
-        placement = Partial()
+                bias = bias * 0  # added once to the partial sums; a zero gradient here
+    elif kind == "colwise":
+        placement, gathered = Shard(x.ndim - 1), None
+        seq = x.placements[0]
+        if (not traced and recipe.x_granularity is Granularity.TENSOR and isinstance(seq, Shard)
+                and seq.dim % x.ndim != x.ndim - 1 and x.shape[seq.dim] % mesh.size() == 0):
+            x_local, gathered = sequence_gather(x, recipe, state, seq.dim % x.ndim, group)
+        else:
+            # Each rank's input gradient is a partial sum.
+            x_local = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        tp = TensorParallelGemm(group, dy_sharded=True, gathered=gathered)
+    else:  # whole on every rank: so is the input gradient
+        x_local, placement = x.redistribute(mesh, [Replicate()]).to_local(), Replicate()
+        tp = TensorParallelGemm(group, w_sharded=False)
+    if traced:
+        qx, x_scale = input_in_graph(x_local, recipe, tp.amax_group(tp.x_sharded))
+        out = Float8LinearFn.apply(x_local, weight.to_local(), bias, recipe, None, qx.data, qx.scale_inv, tp, None,
+                                   None, x_scale)
     else:
-        x = x.redistribute(mesh, [Replicate()])
-        x_local = x.to_local(grad_placements=[Partial()])  # each rank's input gradient is a partial sum
-        qx, x_scale = input_in_graph(x_local, recipe)  # the whole input on every rank: no agreement
-        b_local = bias.to_local() if isinstance(bias, DTensor) else bias
-        tp = TensorParallelGemm(mesh, dy_sharded=kind == "colwise", w_sharded=kind == "colwise")
-        placement = Shard(x_local.ndim - 1) if kind == "colwise" else Replicate()
-    out = Float8LinearFn.apply(x_local, w_local, b_local, recipe, None, qx.data, qx.scale_inv, tp, None, None,
-                               x_scale)
+        out = Float8LinearFn.apply(x_local, weight.to_local(), bias, recipe, state, None, None, tp)
     return DTensor.from_local(out, mesh, [placement], run_check=False)

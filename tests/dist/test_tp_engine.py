@@ -98,22 +98,26 @@ def test_fsdp2_tp_checkpoint_interop(tmp_path):
 FP8_TOL = 1e-5
 
 
-@pytest.mark.parametrize("recipe,sp,dims,compiled", [
-    ("fp8-current", False, (32, 64), False),
-    ("fp8-current", True, (32, 64), False),
-    ("fp8-block", False, (256, 256), False),
-    ("fp8-mxfp8", False, (64, 64), False),
+@pytest.mark.parametrize("recipe,sp,dims,compiled,replicated", [
+    ("fp8-current", False, (32, 64), False, False),
+    ("fp8-current", True, (32, 64), False, False),
+    ("fp8-block", False, (256, 256), False, False),
+    ("fp8-mxfp8", False, (64, 64), False, False),
     # Compiled blocks (fully_shard, then each block's forward compiled by hand, as the README
     # shows) trace the FP8 linears whole (fullgraph: a graph break fails the test). Without the
     # engine waiting on the first block's asynchronous-collective input, the norms' biases got
     # gradients 4e-3 off (comm.py [Note: async-collective inputs]).
-    ("fp8-current", True, (32, 64), True),
-    ("fp8-current", False, (32, 64), True),
-    ("fp8-block", True, (256, 256), True),
+    ("fp8-current", True, (32, 64), True, False),
+    ("fp8-current", False, (32, 64), True, False),
+    ("fp8-block", True, (256, 256), True, False),
+    # Linears whole on every rank (ReplicateParallel): each rank's input gradient is the whole
+    # one, not a partial sum, eager and compiled.
+    ("fp8-current", False, (32, 64), False, True),
+    ("fp8-current", False, (32, 64), True, True),
 ])
-def test_fp8_tp_parity(recipe, sp, dims, compiled):
+def test_fp8_tp_parity(recipe, sp, dims, compiled, replicated):
     for worst, converted in run_on_ranks(4, tp_fp8_workers.fp8_parity, recipe, (1, 2, 2), sp, 3, *dims,
-                                         "optim_grads_params", compiled):
+                                         "optim_grads_params", compiled, replicated):
         assert converted == ["blocks.0.down", "blocks.0.up", "blocks.1.down", "blocks.1.up"]
         assert max(worst.values()) <= FP8_TOL, {k: v for k, v in worst.items() if v > FP8_TOL}
 

@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 
 import fsdp8
 from fsdp8.fp8.tp import Float8ColwiseParallel
+from fsdp8.models.tp_plan import ReplicateParallel
 
 from . import common
 
@@ -56,14 +57,20 @@ class Stack(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def place(model: Stack, tp_mesh, sequence_parallel: bool = False, tied: bool = False) -> Stack:
-    """torch's ParallelStyles: the Megatron layout, sequence-parallel norms on request."""
+def place(model: Stack, tp_mesh, sequence_parallel: bool = False, tied: bool = False,
+          replicated_blocks: bool = False) -> Stack:
+    """torch's ParallelStyles: the Megatron layout, sequence-parallel norms on request;
+    ``replicated_blocks``: the blocks' linears whole on every rank (ReplicateParallel)."""
     seq = Shard(1) if sequence_parallel else Replicate()
     # Float8ColwiseParallel is ColwiseParallel unless the layer becomes FP8 (fully_shard(fp8=...)).
     block_plan = {
         "up": Float8ColwiseParallel(input_layouts=seq),
         "down": RowwiseParallel(output_layouts=seq),
     }
+    if replicated_blocks:
+        if sequence_parallel:
+            raise ValueError("replicated blocks take the whole sequence: no sequence parallelism")
+        block_plan = {"up": ReplicateParallel(), "down": ReplicateParallel(), "norm": ReplicateParallel()}
     if sequence_parallel:
         block_plan["norm"] = SequenceParallel()
     for block in model.blocks:

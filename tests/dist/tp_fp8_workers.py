@@ -29,11 +29,13 @@ def _fp8_reference_step(reference, step: int, dp_size: int, vocab: int, opt, bat
 
 
 def fp8_parity(recipe_name: str, mesh_shape=(1, 2, 2), sequence_parallel: bool = False, steps: int = 3,
-               dim: int = 32, hidden: int = 64, strategy: str = "optim_grads_params", compiled: bool = False):
+               dim: int = 32, hidden: int = 64, strategy: str = "optim_grads_params", compiled: bool = False,
+               replicated_blocks: bool = False):
     """FP8 training with TP against the same recipe in one process, in lockstep: before each
     step the reference takes the engine's weights (see common.lockstep_errors for why); fp64
     compute (common.FP8_PARITY_PRECISION says why). ``compiled``: each block's forward compiled
-    (aot_eager), the FP8 linears traced into it (fp8/tp_forward.py [Note: FP8 under TP, compiled])."""
+    (aot_eager), the FP8 linears traced into it (fp8/tp_forward.py [Note: FP8 under TP, compiled]).
+    ``replicated_blocks``: the blocks' linears whole on every rank (tp_engine_workers.place)."""
     from fsdp8.fp8.convert import convert_to_fp8
     from fsdp8.fp8.recipes import recipe_from_name
 
@@ -45,7 +47,7 @@ def fp8_parity(recipe_name: str, mesh_shape=(1, 2, 2), sequence_parallel: bool =
     reference = copy.deepcopy(model).to(torch.float64)
     for block in reference.blocks:
         convert_to_fp8(block, recipe)
-    place(model, mesh["tp"], sequence_parallel)
+    place(model, mesh["tp"], sequence_parallel, replicated_blocks=replicated_blocks)
     sharded = fsdp8.fully_shard(model, mesh=mesh, strategy=strategy, fp8=recipe, precision=common.FP8_PARITY_PRECISION)
     if compiled:
         for block in sharded.blocks:
