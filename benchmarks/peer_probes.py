@@ -44,6 +44,8 @@ def host_syncs(step: Callable[[], object], out_dir: str, stem: str, label: str, 
     seen = []
 
     def record(message, category, filename, lineno, file=None, line=None):
+        if str(message).startswith("Synchronization debug mode is a prototype"):
+            return  # what set_sync_debug_mode says of itself, not a synchronisation
         frames = [f for f in traceback.extract_stack()[:-1] if "site-packages/torch" not in f.filename]
         seen.append(f"{message}\n" + "".join(traceback.format_list(frames[-6:])))
 

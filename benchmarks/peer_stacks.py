@@ -30,6 +30,11 @@ PEER_VARIANTS = ("fsdp2-keep-last",)
 TP_STACKS = ("fsdp8-tp", "fsdp2-tp", "fsdp8-tp-fp8", "torchao-tp-fp8",
              "fsdp8-tp-compile", "fsdp2-tp-compile", "fsdp8-tp-fp8-compile", "torchao-tp-fp8-compile",
              "fsdp8-tp-fp8-block-compile")
+# Every compiled TP stack compiles with static shapes, as fsdp8.parallelize does under TP on torch
+# < 2.13: torch 2.11's DTensor cannot hash a symbolic shape (pytorch#185190), which a recompiled
+# layer with DTensor inputs from a graph break then hits. The same setting for the peers keeps
+# the comparison even.
+TP_COMPILE_DYNAMIC = False
 ALL_STACKS = STACKS + FP8_STACKS + HSDP_STACKS + MANAGER_STACKS + PEER_VARIANTS + TP_STACKS
 
 
@@ -335,12 +340,6 @@ def _compile_layers(model: torch.nn.Module, ctx: Context, dynamic: Optional[bool
     for layer in model.model.layers:
         layer.forward = torch.compile(layer.forward, mode=ctx.args.compile_mode, dynamic=dynamic)
 
-
-# Every compiled TP stack compiles with static shapes, as fsdp8.parallelize does under TP on torch
-# < 2.13: torch 2.11's DTensor cannot hash a symbolic shape (pytorch#185190), which a recompiled
-# layer with DTensor inputs from a graph break then hits. The same setting for the peers keeps
-# the comparison even.
-TP_COMPILE_DYNAMIC = False
 
 
 def build_fsdp8_compiled(model: torch.nn.Module, ctx: Context) -> Built:

@@ -10,8 +10,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .formats import Granularity
-from .kernels import amax, quantize
 from .gemm import input_in_graph
+from .kernels import amax, quantize
 from .linear_fn import Float8LinearFn
 from .recipes import X, DelayedState, Recipe, record_amax, update_delayed_states
 from .tp_forward import tensor_parallel_forward

@@ -117,14 +117,14 @@ def sequence_gather(x: DTensor, recipe: Recipe, state: Optional[DelayedState], d
                     group) -> Tuple[torch.Tensor, Tuple[Quantized, Quantized]]:
     """The gathered input's placeholder and its FP8 operands, for the sequence-sharded DTensor
     ``x``: shared by every linear fed the same ``x`` with current scaling (``shared_per_input``);
-    delayed scaling (each linear's own scale) and compiled graphs (which cannot keep it on ``x``)
-    gather per call."""
+    delayed scaling (each linear's own scale) gathers per call. Eager only: compiled layers trace
+    the linears and gather in high precision (tp_forward.py [Note: FP8 under TP, compiled])."""
 
     def gather():
         placeholder, data, scale_inv, data_t = SequenceGather.apply(x.to_local(), recipe, state, dim, group)
         return placeholder, (Quantized(data, scale_inv, Granularity.TENSOR),
                              Quantized(data_t, scale_inv, Granularity.TENSOR))
 
-    if state is not None or torch.compiler.is_compiling():
+    if state is not None:
         return gather()
     return shared_per_input(x, "_fsdp8_sequence_gather", (recipe.fwd_dtype, dim, id(group)), gather)

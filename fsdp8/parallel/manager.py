@@ -231,7 +231,8 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
     return sharded
 
 
-# torch 2.13 is the first release whose DTensor hashes a symbolic shape (pytorch#185190).
+# torch 2.13's DTensor hashes a symbolic shape (pytorch#185190); torch 2.11's does not (seen on
+# the GPU machines); 2.12 was not tried, so it counts as not.
 _DTENSOR_HASHES_SYMBOLIC_SHAPES = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
 
 
