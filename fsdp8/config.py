@@ -210,7 +210,7 @@ class ParallelConfig:
       outputs and FP8 amaxes are kept, cheap elementwise ops recomputed).
     - ``compile``: ``True`` compiles each unit's forward with ``torch.compile``; a dict is
       passed to ``torch.compile`` as keyword arguments (e.g. ``{"mode": "max-autotune"}``).
-      Under tp or cp on torch before 2.13 the default is ``dynamic=False`` (that torch's DTensor
+      Under tp on torch before 2.13 the default is ``dynamic=False`` (that torch's DTensor
       cannot hash a symbolic shape): a new sequence length compiles again.
     - ``fp8``, ``precision``, ``strategy``, ``outer_strategy``, ``reshard_after_forward``,
       ``units``, ``offload``: as ``fsdp8.fully_shard`` takes them. ``precision=None`` picks

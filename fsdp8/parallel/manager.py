@@ -238,13 +238,14 @@ _DTENSOR_HASHES_SYMBOLIC_SHAPES = torch.torch_version.TorchVersion(torch.__versi
 
 def compile_options(config: ParallelConfig) -> Dict[str, Any]:
     """The torch.compile keyword arguments of each unit: the user's, and ``dynamic=False`` under
-    tensor or context parallelism on torch before 2.13 unless the user says otherwise. There, a
+    tensor parallelism (DTensor parameters and inputs) on torch before 2.13 unless the user says
+    otherwise. There, a
     unit recompiled for a second shape (a graph break, e.g. an opaque FP8 linear with delayed
     scaling, is compiled again for each distinct linear shape) would make the DTensor inputs'
     sizes symbolic, which torch 2.11's DTensor cannot hash ("unhashable type: non-nested
     SymInt", seen on GPUs with FP8 under TP). Static shapes recompile per shape instead."""
     options = {} if config.compile is True else dict(config.compile)
-    if (config.tp > 1 or config.cp > 1) and not _DTENSOR_HASHES_SYMBOLIC_SHAPES:
+    if config.tp > 1 and not _DTENSOR_HASHES_SYMBOLIC_SHAPES:
         options.setdefault("dynamic", False)
     return options
 

@@ -152,7 +152,8 @@ def test_auto_says_once_which_layout_it_chose_and_why(capsys):
 
 @pytest.mark.parametrize("hashes_symbolic,tp,cp,user,expected", [
     (False, 2, 1, True, {"dynamic": False}),  # torch < 2.13 under TP: static shapes
-    (False, 1, 2, {"mode": "max-autotune"}, {"mode": "max-autotune", "dynamic": False}),
+    (False, 2, 2, {"mode": "max-autotune"}, {"mode": "max-autotune", "dynamic": False}),
+    (False, 1, 2, True, {}),  # cp alone: no DTensor parameters or inputs
     (False, 2, 1, {"dynamic": True}, {"dynamic": True}),  # the user's choice stands
     (False, 1, 1, True, {}),  # no DTensor inputs: torch's default
     (True, 2, 1, True, {}),  # torch >= 2.13 hashes symbolic shapes
