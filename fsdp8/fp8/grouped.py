@@ -18,11 +18,13 @@ its out, dx and dw are that linear's:
   on its own, its blocks starting at the group's first row, as the dense linear on that group does.
   So the weight gradient is FP8 for every recipe, exactly to its definition.
 
-Every GEMM then runs group by group through gemm.fp8_mm: torch._scaled_mm where the device has a
-native FP8 GEMM for the recipe, else the exact emulation (dequantize, then an fp32 matmul, fp64 when
-the model computes in fp64). The group sizes are read on the host for that: one synchronisation per
-call, where the high-precision grouped_mm on CUDA has none. One native grouped kernel
-(torch._scaled_grouped_mm) would drop it and the per-group launches; it is not used yet.
+Per-tensor scaling of a bf16 model on a GPU whose grouped FP8 kernel works runs all groups in one
+``torch._scaled_grouped_mm`` per GEMM, with no group sizes on the host (fsdp8/fp8/grouped_kernel.py,
+[Note: FP8 experts in one grouped kernel]; its backward too when the gradients are e4m3). Every other
+GEMM runs group by group through gemm.fp8_mm: torch._scaled_mm where the device has a native FP8 GEMM
+for the recipe, else the exact emulation (dequantize, then an fp32 matmul, fp64 when the model
+computes in fp64). The group sizes are read on the host for that: one synchronisation per layer
+(``GroupBounds``, shared by the experts' GEMMs), where the high-precision grouped_mm on CUDA has none.
 
 Under the sharding engine the weight arrives quantized: the engine gathers an FP8 experts
 module's weights as 8-bit bytes, each expert quantized on the rank that holds it (per-tensor and
@@ -39,14 +41,16 @@ opaque call inside a compiled block).
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
-from .formats import Granularity, aligned, amax_to_scale, scale_to_inv
+from . import grouped_kernel
+from .formats import E4M3, Granularity, aligned
 from .gemm import fp8_mm
-from .kernels import Quantized, quantize, quantize_transposed, saturate_cast
+from .grouped_kernel import quantize_experts, quantize_groups
+from .kernels import Quantized, quantize, quantize_transposed
 from .recipes import Recipe
 from .tensor import Float8Tensor, transpose_of
 
@@ -78,21 +82,18 @@ def bounds_of(ends: List[int]) -> Bounds:
     return list(zip([0] + ends[:-1], ends))
 
 
-def group_bounds(offs: torch.Tensor) -> Bounds:
-    """``bounds_of`` the groups' ends ``offs``, read on the host: the call's one synchronisation."""
-    return bounds_of(offs.tolist())
+class GroupBounds:
+    """The groups' (first, end) rows, read from ``offs`` on the host at most once: the one
+    synchronisation that the experts' GEMMs going group by group share (none if the caller knew
+    them, or if no GEMM goes group by group)."""
 
+    def __init__(self, offs: torch.Tensor, known: Optional[Bounds] = None):
+        self.offs, self._bounds = offs, known
 
-def group_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
-    """The group of each of ``rows`` rows, on the device (empty groups own no row)."""
-    return torch.searchsorted(offs, torch.arange(rows, dtype=offs.dtype, device=offs.device), right=True)
-
-
-def group_amax(t: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
-    """The largest magnitude of each group's rows of ``t`` [T, K] (fp32 [groups]; 0 for an empty
-    group, NaN propagates), without a host synchronisation."""
-    rows = t.detach().abs().amax(dim=1).float()
-    return torch.zeros(groups, dtype=torch.float32, device=t.device).scatter_reduce_(0, group, rows, "amax")
+    def get(self) -> Bounds:
+        if self._bounds is None:
+            self._bounds = bounds_of(self.offs.tolist())
+        return self._bounds
 
 
 # -- the operands, one Quantized per group ---------------------------------------------------------
@@ -100,23 +101,25 @@ def grouped_rows(t: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granulari
                  bounds: Bounds) -> List[Quantized]:
     """Each group's rows of ``t`` [T, K] (contiguous) quantized along K as that group alone would be."""
     if granularity is Granularity.TENSOR:
-        group = group_of_rows(offs, t.shape[0])
-        scale = amax_to_scale(group_amax(t, group, len(bounds)), fp8_dtype)
-        data = saturate_cast(t, scale[group][:, None], fp8_dtype)
-        inv = aligned(scale_to_inv(scale))
-        return [Quantized(data[a:b], inv[g], granularity) for g, (a, b) in enumerate(bounds)]
+        data, inv, _ = quantize_groups(t, fp8_dtype, offs)
+        return split_by_group(data, inv, bounds)
     q = quantize(t, fp8_dtype, granularity)  # blocks along one row: local to it, hence to its group
     return [Quantized(q.data[a:b], q.scale_inv[a:b], granularity) for a, b in bounds]
+
+
+def split_by_group(data: torch.Tensor, inv: torch.Tensor, bounds: Bounds, squeeze: bool = False) -> List[Quantized]:
+    """Per-tensor bytes cut into their groups (rows ``a:b``; ``squeeze``: matrix ``a`` of a 3-D
+    tensor), each with its 0-d scale on a 16-byte boundary, as torch._scaled_mm takes it."""
+    inv = aligned(inv)
+    return [Quantized(data[a] if squeeze else data[a:b], inv[g], Granularity.TENSOR) for g, (a, b) in enumerate(bounds)]
 
 
 def grouped_weights(w: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity) -> List[Quantized]:
     """Each expert's matrix of ``w`` [E, N, K] (contiguous) quantized along K as a dense weight."""
     experts, n, k = w.shape
     if granularity is Granularity.TENSOR:
-        scale = amax_to_scale(w.abs().amax(dim=(1, 2)).float(), fp8_dtype)
-        data = saturate_cast(w, scale[:, None, None], fp8_dtype)
-        inv = aligned(scale_to_inv(scale))
-        return [Quantized(data[g], inv[g], granularity) for g in range(experts)]
+        data, inv = quantize_experts(w, fp8_dtype)
+        return split_by_group(data, inv, [(g, g + 1) for g in range(experts)], squeeze=True)
     pad = -n % granularity.block[0]  # 128x128: each expert's rows padded to whole blocks
     padded = F.pad(w, (0, 0, 0, pad)) if pad else w
     q = quantize(padded.reshape(experts * (n + pad), k), fp8_dtype, granularity)
@@ -125,7 +128,7 @@ def grouped_weights(w: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granul
     return [Quantized(data[g, :n], inv[g], granularity) for g in range(experts)]
 
 
-def transposed_groups(parts: List[Quantized], t: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity,
+def transposed_groups(parts: List[Quantized], t: Optional[torch.Tensor], fp8_dtype: torch.dtype, granularity: Granularity,
                       bounds: Bounds) -> List[Optional[Quantized]]:
     """Each group's rows transposed, [K, rows], quantized along the tokens: the weight gradient's
     operands (None for an empty group). Per tensor, the group's bytes transposed (the same scale
@@ -152,45 +155,85 @@ def per_group_products(qa_t: List[Optional[Quantized]], qb_t: List[Optional[Quan
     return torch.stack([zero if a is None else fp8_mm(a, b, dtype, recipe) for a, b in zip(qa_t, qb_t)])
 
 
+def one_kernel(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe) -> bool:
+    """Whether this call's GEMMs run as one grouped kernel each ([Note: FP8 experts in one grouped
+    kernel]): per-tensor scales, a bf16 model, dims the kernel takes, a device where it works."""
+    return (recipe.x_granularity is Granularity.TENSOR and recipe.w_granularity is Granularity.TENSOR
+            and x.dtype == torch.bfloat16 and x.shape[1] % 16 == 0 and weight.shape[1] % 16 == 0
+            and grouped_kernel.kernel_runs(x.device))
+
+
 class Fp8GroupedMm(torch.autograd.Function):
     """out = rows of group g of x times weight[g].T, its three GEMMs in FP8 (see [Note: FP8 experts]).
-    Saved for backward: FP8 bytes only (each group's input transposed, each expert's weight)."""
+    Saved for backward: FP8 bytes only (the input, each expert's weight)."""
 
     @staticmethod
-    def forward(ctx, x, weight, offs, recipe: Recipe, bounds: Optional[Bounds]):
+    def forward(ctx, x, weight, offs, recipe: Recipe, bounds: GroupBounds):
         dtype = x.dtype
-        bounds = bounds if bounds is not None else group_bounds(offs)
         x = x.detach().contiguous()
-        qx = grouped_rows(x, recipe.fwd_dtype, recipe.x_granularity, offs, bounds)
         gathered = isinstance(weight, Float8Tensor)  # the engine's bytes (see the Note)
         if gathered:
             _check_gathered(weight, recipe)
-            qw = weight.matrices()
-        else:
-            qw = grouped_weights(weight.detach().to(dtype).contiguous(), recipe.fwd_dtype, recipe.w_granularity)
-        out = rows_times_groups(qx, qw, weight.shape[1], dtype, recipe, x.device, fast_accum=True)
-        ctx.qx_t = transposed_groups(qx, x, recipe.fwd_dtype, recipe.x_granularity, bounds)
-        ctx.qw, ctx.offs, ctx.bounds, ctx.recipe = qw, offs, bounds, recipe
+        ctx.offs, ctx.bounds, ctx.recipe, ctx.dtype, ctx.weight_dtype, ctx.k = offs, bounds, recipe, dtype, weight.dtype, x.shape[1]
         ctx.gathered = weight if gathered else None  # its transposes are made once per gather
-        ctx.dtype, ctx.weight_dtype, ctx.k = dtype, weight.dtype, x.shape[1]
+        ctx.one_kernel = one_kernel(x, weight, recipe)
+        if ctx.one_kernel:
+            qx, inv_x, group = quantize_groups(x, recipe.fwd_dtype, offs)
+            w, inv_w = (weight._data, weight._scale_inv) if gathered else quantize_experts(weight.to(dtype), recipe.fwd_dtype)
+            ctx.kernel_operands = (qx, inv_x, group, w, inv_w)
+            return grouped_kernel.forward_gemm(qx, inv_x, group, w, inv_w, offs)
+        groups = bounds.get()
+        qx = grouped_rows(x, recipe.fwd_dtype, recipe.x_granularity, offs, groups)
+        qw = weight.matrices() if gathered else grouped_weights(weight.detach().to(dtype).contiguous(),
+                                                                recipe.fwd_dtype, recipe.w_granularity)
+        out = rows_times_groups(qx, qw, weight.shape[1], dtype, recipe, x.device, fast_accum=True)
+        ctx.qx_t = transposed_groups(qx, x, recipe.fwd_dtype, recipe.x_granularity, groups)
+        ctx.qw = qw
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        recipe, bounds, dtype = ctx.recipe, ctx.bounds, ctx.dtype
+        recipe, dtype = ctx.recipe, ctx.dtype
         dy = dy.contiguous().to(dtype)
-        qdy = grouped_rows(dy, recipe.bwd_dtype, recipe.g_granularity, ctx.offs, bounds)
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            gathered = ctx.gathered
-            qw_t = gathered.transposed_matrices() if gathered is not None else [transpose_of(q) for q in ctx.qw]
-            dx = rows_times_groups(qdy, qw_t, ctx.k, dtype, recipe, dy.device)
-        if ctx.needs_input_grad[1]:
-            qdy_t = transposed_groups(qdy, dy, recipe.bwd_dtype, recipe.g_granularity, bounds)
-            dw = per_group_products(qdy_t, ctx.qx_t, (dy.shape[1], ctx.k), dtype, recipe, dy.device)
-            dw = dw.to(ctx.weight_dtype)
-        ctx.qx_t = ctx.qw = ctx.gathered = None
-        return dx, dw, None, None, None
+        if ctx.one_kernel and recipe.bwd_dtype == E4M3:
+            dx, dw = _backward_in_one_kernel(ctx, dy)
+        else:
+            dx, dw = _backward_by_group(ctx, dy)
+        ctx.qx_t = ctx.qw = ctx.gathered = ctx.kernel_operands = None
+        return dx, None if dw is None else dw.to(ctx.weight_dtype), None, None, None
+
+
+def _backward_in_one_kernel(ctx, dy: torch.Tensor):
+    qx, inv_x, group, w, inv_w = ctx.kernel_operands
+    qdy, inv_dy, _ = quantize_groups(dy, ctx.recipe.bwd_dtype, ctx.offs)
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        w_t = ctx.gathered.transposed_bytes() if ctx.gathered is not None else w.transpose(1, 2).contiguous()
+        dx = grouped_kernel.input_grad_gemm(qdy, inv_dy, group, w_t, inv_w, ctx.offs)
+    if ctx.needs_input_grad[1]:
+        dw = grouped_kernel.weight_grad_gemm(qdy, inv_dy, qx, inv_x, group, ctx.offs)
+    return dx, dw
+
+
+def _backward_by_group(ctx, dy: torch.Tensor):
+    """dx and dW group by group (after a forward either way: the one-kernel forward's bytes are
+    the per-group operands' bytes, cut by the groups' bounds)."""
+    recipe, dtype, offs = ctx.recipe, ctx.dtype, ctx.offs
+    bounds = ctx.bounds.get()
+    if ctx.one_kernel:  # hybrid gradients: e5m2, which the grouped kernel does not take
+        qx, inv_x, _, w, inv_w = ctx.kernel_operands
+        ctx.qx_t = transposed_groups(split_by_group(qx, inv_x, bounds), None, recipe.fwd_dtype, Granularity.TENSOR, bounds)
+        ctx.qw = split_by_group(w, inv_w, [(g, g + 1) for g in range(w.shape[0])], squeeze=True)
+    qdy = grouped_rows(dy, recipe.bwd_dtype, recipe.g_granularity, offs, bounds)
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        gathered = ctx.gathered
+        qw_t = gathered.transposed_matrices() if gathered is not None else [transpose_of(q) for q in ctx.qw]
+        dx = rows_times_groups(qdy, qw_t, ctx.k, dtype, recipe, dy.device)
+    if ctx.needs_input_grad[1]:
+        qdy_t = transposed_groups(qdy, dy, recipe.bwd_dtype, recipe.g_granularity, bounds)
+        dw = per_group_products(qdy_t, ctx.qx_t, (dy.shape[1], ctx.k), dtype, recipe, dy.device)
+    return dx, dw
 
 
 def _check_gathered(weight: Float8Tensor, recipe: Recipe) -> None:
@@ -200,15 +243,16 @@ def _check_gathered(weight: Float8Tensor, recipe: Recipe) -> None:
                          f"{recipe.w_granularity.value} scales; shard the model with the experts' recipe")
 
 
-@torch.compiler.disable  # group sizes on the host and per-group GEMMs: an opaque call in compiled blocks
+@torch.compiler.disable  # group sizes may be read on the host: an opaque call in compiled blocks
 def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, recipe: Recipe,
-                   bounds: Optional[Bounds] = None) -> torch.Tensor:
+                   bounds: Union[Bounds, GroupBounds, None] = None) -> torch.Tensor:
     """``grouped_mm`` in FP8 under ``recipe``: the rows of group g of ``x`` [T, K] times
     ``weight[g]``.T for ``weight`` [G, N, K] (high precision, or the engine's 3-D Float8Tensor of
     the recipe's bytes and scales), [T, N] in ``x``'s dtype; ``offs`` int32 [G], the
     groups' cumulative row ends (a group may be empty). Each expert is quantized as a dense FP8
-    linear on its own rows, with its own scales (see [Note: FP8 experts]). ``bounds``:
-    ``group_bounds(offs)`` when the caller has them (the experts' two GEMMs share one host read)."""
+    linear on its own rows, with its own scales (see [Note: FP8 experts]). ``bounds``: the groups'
+    bounds when the caller has them, or a ``GroupBounds`` the experts' two GEMMs share (at most one
+    host read between them); None reads them here if a GEMM goes group by group."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be an fsdp8 FP8 recipe (e.g. Float8CurrentScaling()), got "
                         f"{type(recipe).__name__}")
@@ -218,4 +262,6 @@ def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, re
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2] or offs.shape != weight.shape[:1]:
         raise ValueError(f"fp8_grouped_mm takes x [T, K], weight [G, N, K] and offs [G], got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)} and {tuple(offs.shape)}")
+    if not isinstance(bounds, GroupBounds):
+        bounds = GroupBounds(offs, bounds)
     return Fp8GroupedMm.apply(x, weight, offs, recipe, bounds)

@@ -103,6 +103,13 @@ class Float8Tensor(torch.Tensor):
             self._derived["matrices_t"] = [transpose_of(q) for q in self.matrices()]
         return self._derived["matrices_t"]
 
+    def transposed_bytes(self) -> torch.Tensor:
+        """A 3-D per-tensor weight's matrices transposed, [E, K, N] contiguous: the input-gradient
+        operand of the grouped FP8 kernel (fsdp8/fp8/grouped_kernel.py), made once per gather."""
+        if "bytes_t" not in self._derived:
+            self._derived["bytes_t"] = self._data.transpose(1, 2).contiguous()
+        return self._derived["bytes_t"]
+
     def clear_transpose(self) -> None:
         """Forget what was derived from the bytes (they are about to change)."""
         self._derived.clear()

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..distributed import comm
-from ..fp8.grouped import Bounds, fp8_experts_forward, fp8_grouped_mm, group_bounds
+from ..fp8.grouped import Bounds, GroupBounds, fp8_experts_forward, fp8_grouped_mm
 from ..fp8.recipes import Recipe
 
 # -- grouped GEMM ----------------------------------------------------------------------------------
@@ -141,15 +141,14 @@ def expert_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch
                bounds: Optional[Bounds] = None) -> torch.Tensor:
     """The experts' SwiGLU, ``down(act(gate x) * up x)``, on ``x_sorted`` [T', H] whose first
     ``counts[0]`` rows go to expert 0, the next ``counts[1]`` to expert 1, and so on. With an FP8
-    ``recipe`` both grouped GEMMs run in FP8, each expert with its own scales (fsdp8.fp8.grouped),
-    group by group: ``bounds`` are the groups' (first, end) rows when the caller already holds
-    ``counts`` on the host, else they are read from the device here."""
+    ``recipe`` both grouped GEMMs run in FP8, each expert with its own scales (fsdp8.fp8.grouped):
+    ``bounds`` are the groups' (first, end) rows when the caller already holds ``counts`` on the
+    host, else they are read from the device once, if a GEMM goes group by group."""
     offs = counts.cumsum(0).to(torch.int32)
     if recipe is None:
         gate, up = grouped_mm(x_sorted, gate_up_proj, offs).chunk(2, dim=-1)
         return grouped_mm(act_fn(gate) * up, down_proj, offs)
-    if bounds is None:
-        bounds = group_bounds(offs)  # one host read for both FP8 GEMMs (and their backward)
+    bounds = GroupBounds(offs, bounds)  # at most one host read for both FP8 GEMMs (and their backward)
     gate, up = fp8_grouped_mm(x_sorted, gate_up_proj, offs, recipe, bounds).chunk(2, dim=-1)
     return fp8_grouped_mm(act_fn(gate) * up, down_proj, offs, recipe, bounds)
 

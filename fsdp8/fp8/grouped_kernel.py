@@ -1,0 +1,214 @@
+"""All experts' FP8 GEMMs in one grouped kernel: ``torch._scaled_grouped_mm`` where it runs (Hopper),
+and an exact emulation of it elsewhere, so that CPU runs cover the layouts and scales it is fed.
+
+[Note: FP8 experts in one grouped kernel]
+Per-tensor scaling quantizes each expert's rows with one scale and its matrix with another
+(fsdp8.fp8.grouped, [Note: FP8 experts]). The grouped kernel's row-wise mode multiplies each output
+element by a scale of its row of ``a`` and one of its column of ``b``: giving every row of group g
+its group's inverse scale, and every column of expert g the expert's, makes it compute exactly what
+the per-group ``torch._scaled_mm`` with 0-d scales computes, for all groups in one launch and with
+no group sizes read on the host. The three GEMMs of a step:
+
+- out = x W^T: ``a`` the rows [T, K], ``b`` the experts [G, N, K] read column-major (their bytes as
+  stored), offsets along T (the "2d-3d" form);
+- dx = dy W: ``a`` the output gradient [T, N], ``b`` each expert's transpose [G, K, N] read
+  column-major (made once per gather, cached on the gathered tensor), offsets along T;
+- dW = dy^T x: the "2d-2d" form, contracted over each group's tokens. The kernel's FP8 operands are
+  read 16 bytes at a time along the contraction, so every group's tokens start on a multiple of 16:
+  each group is copied into a zero-padded buffer of ``round_up(T + 15 G, 16)`` token columns, a size
+  known without reading the groups' sizes; zero columns add nothing. The last group takes the
+  buffer's tail (zeros) as well. Per tensor, a group's transposed operand is its bytes transposed
+  (the same scale reads them either way).
+
+The kernel takes ``float8_e4m3fn`` operands only and writes bf16: the forward runs in it for bf16
+models; the backward too when the gradients are e4m3 (``fp8_format="e4m3"``). Under "hybrid"
+(e5m2 gradients) the backward GEMMs go group by group through ``torch._scaled_mm``. The kernel is
+probed once per device against the group-by-group path on a problem with uneven and empty groups;
+where it disagrees or fails the group-by-group path runs (see ``kernel_runs``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, Tuple
+
+import torch
+
+from .formats import E4M3, amax_to_scale, scale_to_inv
+from .kernels import saturate_cast
+
+ALIGN = 16  # tokens per group start in the weight-gradient buffer: 16 FP8 bytes
+_WORKS: Dict[str, bool] = {}
+_LOCK = threading.Lock()
+
+
+# -- quantization by group, on the device ----------------------------------------------------------
+def group_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """The group of each of ``rows`` rows, on the device (empty groups own no row)."""
+    return torch.searchsorted(offs, torch.arange(rows, dtype=offs.dtype, device=offs.device), right=True)
+
+
+def group_amax(t: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
+    """The largest magnitude of each group's rows of ``t`` [T, K] (fp32 [groups]; 0 for an empty
+    group, NaN propagates), without a host synchronisation."""
+    rows = t.detach().abs().amax(dim=1).float()
+    return torch.zeros(groups, dtype=torch.float32, device=t.device).scatter_reduce_(0, group, rows, "amax")
+
+
+def quantize_groups(t: torch.Tensor, fp8_dtype: torch.dtype, offs: torch.Tensor
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of ``t`` [T, K] quantized with one scale per group: (bytes [T, K], each group's
+    inverse scale [G] fp32, each row's group [T])."""
+    group = group_of_rows(offs, t.shape[0])
+    scale = amax_to_scale(group_amax(t, group, offs.shape[0]), fp8_dtype)
+    return saturate_cast(t, scale[group][:, None], fp8_dtype), scale_to_inv(scale), group
+
+
+def quantize_experts(w: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each matrix of ``w`` [E, N, K] quantized with its own scale: (bytes, inverse scales [E])."""
+    scale = amax_to_scale(w.detach().abs().amax(dim=(1, 2)).float(), fp8_dtype)
+    return saturate_cast(w.detach(), scale[:, None, None], fp8_dtype), scale_to_inv(scale)
+
+
+# -- the kernel ------------------------------------------------------------------------------------
+def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                      offs: torch.Tensor, fast_accum: bool = False) -> torch.Tensor:
+    """``torch._scaled_grouped_mm`` (row-wise scales, bf16 out) on CUDA; on other devices its
+    emulation, which checks the same operand rules."""
+    _check_operands(a, b, scale_a, scale_b, offs)
+    if a.is_cuda:
+        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast_accum)
+    return _emulated(a, b, scale_a, scale_b, offs)
+
+
+def _check_operands(a, b, scale_a, scale_b, offs) -> None:
+    if a.dtype != E4M3 or b.dtype != E4M3:
+        raise ValueError(f"the grouped FP8 kernel takes float8_e4m3fn operands, got {a.dtype} and {b.dtype}")
+    if a.stride(-1) != 1 or b.stride(-2) != 1:
+        raise ValueError(f"the grouped FP8 kernel takes a row-major a and a column-major b, got strides "
+                         f"{a.stride()} and {b.stride()}")
+    if a.shape[-1] % 16 or b.shape[-1] % 16 or b.shape[-2] % 16:
+        raise ValueError(f"the grouped FP8 kernel wants dims divisible by 16, got {tuple(a.shape)} x {tuple(b.shape)}")
+    groups = offs.shape[0]
+    if b.dim() == 3:  # 2d-3d
+        want_a, want_b = (a.shape[0],), (groups, b.shape[2])
+    else:  # 2d-2d
+        want_a, want_b = (groups * a.shape[0],), (groups * b.shape[1],)
+    if tuple(scale_a.shape) != want_a or tuple(scale_b.shape) != want_b or offs.dtype != torch.int32:
+        raise ValueError(f"grouped FP8 kernel scales {tuple(scale_a.shape)}, {tuple(scale_b.shape)} (want {want_a}, "
+                         f"{want_b}), offsets {offs.dtype} (want int32)")
+
+
+def _emulated(a, b, scale_a, scale_b, offs) -> torch.Tensor:
+    """The kernel's result from exactly dequantized operands and fp32 GEMMs, group by group."""
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    af = a.float()
+    if b.dim() == 3:
+        out = torch.empty(a.shape[0], b.shape[2], dtype=torch.float32)
+        for g, (s, e) in enumerate(zip(starts, ends)):
+            out[s:e] = (af[s:e] * scale_a[s:e, None]) @ (b[g].float() * scale_b[g][None, :])
+        return out.to(torch.bfloat16)
+    n, k = a.shape[0], b.shape[1]
+    out = torch.empty(len(ends), n, k, dtype=torch.float32)
+    bf = b.float()
+    for g, (s, e) in enumerate(zip(starts, ends)):
+        out[g] = (af[:, s:e] * scale_a[g * n:(g + 1) * n, None]) @ (bf[s:e] * scale_b[g * k:(g + 1) * k][None, :])
+    return out.to(torch.bfloat16)
+
+
+# -- the three GEMMs -------------------------------------------------------------------------------
+def forward_gemm(qx: torch.Tensor, inv_x: torch.Tensor, group: torch.Tensor, w: torch.Tensor, inv_w: torch.Tensor,
+                 offs: torch.Tensor) -> torch.Tensor:
+    """Rows of group g of ``qx`` [T, K] times ``w[g]``.T (``w`` [G, N, K] bytes): [T, N] bf16."""
+    groups, n = w.shape[0], w.shape[1]
+    return scaled_grouped_mm(qx, w.transpose(1, 2), inv_x[group], inv_w[:, None].expand(groups, n).contiguous(),
+                             offs, fast_accum=True)
+
+
+def input_grad_gemm(qdy: torch.Tensor, inv_dy: torch.Tensor, group: torch.Tensor, w_t: torch.Tensor,
+                    inv_w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of group g of ``qdy`` [T, N] times ``w[g]`` [N, K], from ``w_t`` [G, K, N] (each
+    expert's bytes transposed, contiguous): [T, K] bf16."""
+    groups, k = w_t.shape[0], w_t.shape[1]
+    return scaled_grouped_mm(qdy, w_t.transpose(1, 2), inv_dy[group], inv_w[:, None].expand(groups, k).contiguous(),
+                             offs)
+
+
+def weight_grad_gemm(qdy: torch.Tensor, inv_dy: torch.Tensor, qx: torch.Tensor, inv_x: torch.Tensor,
+                     group: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Group g's ``qdy`` rows [rows, N] transposed times its ``qx`` rows [rows, K]: [G, N, K] bf16,
+    through the 16-aligned token buffer of the Note."""
+    groups, (tokens, n), k = offs.shape[0], qdy.shape, qx.shape[1]
+    column = _padded_columns(offs, group, tokens)
+    width = -(-(tokens + (ALIGN - 1) * groups) // ALIGN) * ALIGN
+    a = _scatter_columns(qdy, column, width)  # [N, width], row-major
+    b = _scatter_columns(qx, column, width).t()  # [width, K], column-major
+    ends = _padded_ends(offs)
+    ends = torch.cat([ends[:-1], ends.new_full((1,), width)])  # the tail (zeros) to the last group
+    return scaled_grouped_mm(a, b, inv_dy.repeat_interleave(n), inv_x.repeat_interleave(k), ends)
+
+
+def _padded_ends(offs: torch.Tensor) -> torch.Tensor:
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    return torch.cumsum((counts + ALIGN - 1) // ALIGN * ALIGN, 0).to(torch.int32)
+
+
+def _padded_columns(offs: torch.Tensor, group: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Each row's column in the padded buffer: its group's padded start plus its place in the group."""
+    ends = _padded_ends(offs)
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    padded_starts = (ends - (counts + ALIGN - 1) // ALIGN * ALIGN).long()
+    starts = (offs - counts).long()
+    rows = torch.arange(tokens, device=offs.device)
+    return padded_starts[group] + rows - starts[group]
+
+
+def _scatter_columns(q: torch.Tensor, column: torch.Tensor, width: int) -> torch.Tensor:
+    """``q`` [T, C] FP8 transposed into the zero buffer [C, width] at ``column`` (by bytes: an
+    FP8 zero is the zero byte)."""
+    buffer = torch.zeros(q.shape[1], width, dtype=torch.uint8, device=q.device)
+    buffer.index_copy_(1, column, q.view(torch.uint8).t())
+    return buffer.view(q.dtype)
+
+
+# -- where the kernel runs -------------------------------------------------------------------------
+def kernel_runs(device: torch.device) -> bool:
+    """Whether ``torch._scaled_grouped_mm`` runs on ``device`` and agrees with the group-by-group
+    GEMMs (probed once per device on uneven and empty groups, all three GEMMs). False off CUDA:
+    there the group-by-group path is faster than the emulation, which exists for the tests."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
+        return False
+    key = str(device)
+    with _LOCK:
+        if key not in _WORKS:
+            _WORKS[key] = _probe(device)
+    return _WORKS[key]
+
+
+def _probe(device: torch.device) -> bool:
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        operands = (torch.randn(40, 32, generator=g, dtype=torch.bfloat16),  # x
+                    torch.randn(3, 48, 32, generator=g, dtype=torch.bfloat16),  # w
+                    torch.randn(40, 48, generator=g, dtype=torch.bfloat16),  # dy
+                    torch.tensor([7, 7, 40], dtype=torch.int32))  # uneven groups, one empty
+        got = three_gemms(*(t.to(device) for t in operands))  # the kernel
+        want = three_gemms(*operands)  # the emulation
+        # The same FP8 operands both ways; the kernel's fp32 sums differ in order only, so its bf16
+        # results are the emulation's or one bf16 step beside them.
+        return all(torch.allclose(a.float().cpu(), b.float(), rtol=2 ** -7, atol=0) for a, b in zip(got, want))
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+
+
+def three_gemms(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor):
+    """(out, dx, dW) of the Note for these high-precision operands, all quantized to e4m3 with
+    per-tensor scales per group and per expert."""
+    qx, inv_x, group = quantize_groups(x, E4M3, offs)
+    qdy, inv_dy, _ = quantize_groups(dy, E4M3, offs)
+    qw, inv_w = quantize_experts(w, E4M3)
+    return (forward_gemm(qx, inv_x, group, qw, inv_w, offs),
+            input_grad_gemm(qdy, inv_dy, group, qw.transpose(1, 2).contiguous(), inv_w, offs),
+            weight_grad_gemm(qdy, inv_dy, qx, inv_x, group, offs))

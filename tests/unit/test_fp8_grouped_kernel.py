@@ -1,0 +1,125 @@
+"""All experts' FP8 GEMMs in one grouped kernel (fsdp8/fp8/grouped_kernel.py), single process on
+CPU through the kernel's emulation: the layouts, scales and padded weight-gradient buffer it is fed
+give what the group-by-group path gives, without reading the group sizes on the host."""
+
+import pytest
+import torch
+
+from fsdp8.fp8 import grouped_kernel
+from fsdp8.fp8.formats import E4M3, E5M2, Granularity
+from fsdp8.fp8.grouped import GroupBounds, fp8_grouped_mm, grouped_weights
+from fsdp8.fp8.recipes import Float8CurrentScaling
+from fsdp8.fp8.tensor import Float8Tensor
+
+# Empty groups first, in the middle and last; groups of 1, 17 and 150 rows (none a multiple of 16).
+SIZES, K, N = [0, 150, 1, 0, 17, 0], 160, 48
+RECIPES = [Float8CurrentScaling(fp8_format="e4m3"), Float8CurrentScaling()]  # backward in the kernel; group by group
+
+
+def offsets(sizes) -> torch.Tensor:
+    return torch.tensor(sizes).cumsum(0).to(torch.int32)
+
+
+def operands(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(SIZES), K, generator=g).bfloat16()
+    w = (torch.randn(len(SIZES), N, K, generator=g) * torch.logspace(-2, 1, len(SIZES))[:, None, None]).bfloat16()
+    dy = torch.randn(sum(SIZES), N, generator=g).bfloat16()
+    return x, w, dy
+
+
+def gathered(w: torch.Tensor, recipe) -> Float8Tensor:
+    """``w`` as the engine hands a gathered FP8 experts weight over: its bytes and per-expert scales."""
+    parts = grouped_weights(w, recipe.fwd_dtype, Granularity.TENSOR)
+    return Float8Tensor(torch.stack([q.data for q in parts]), torch.stack([q.scale_inv for q in parts]),
+                        Granularity.TENSOR, w.dtype)
+
+
+def run(x, w, dy, recipe, one_kernel: bool, monkeypatch, bounds=None):
+    monkeypatch.setattr(grouped_kernel, "kernel_runs", lambda device: one_kernel)
+    x = x.clone().requires_grad_()
+    w = w if isinstance(w, Float8Tensor) else w.clone().requires_grad_()
+    out = fp8_grouped_mm(x, w, offsets(SIZES), recipe, bounds)
+    if isinstance(w, Float8Tensor):
+        return out, torch.autograd.grad(out, x, dy)[0]
+    return (out, *torch.autograd.grad(out, (x, w), dy))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.fp8_format)
+@pytest.mark.parametrize("weight", ["high-precision", "gathered"])
+def test_one_kernel_gives_the_group_by_group_results(recipe, weight, monkeypatch):
+    x, w, dy = operands()
+    if weight == "gathered":
+        w = gathered(w, recipe)
+    want = run(x, w, dy, recipe, False, monkeypatch)
+    got = run(x, w, dy, recipe, True, monkeypatch)
+    # The same FP8 bytes and scales both ways, each product exact in fp32; only the order of the
+    # fp32 sums may differ, so a bf16 result is the same value or one bf16 step (2**-8) away.
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -8, atol=0)
+    assert (got[0] != 0).any() and (got[-1] != 0).any()  # not vacuously equal
+
+
+def test_one_kernel_reads_no_group_sizes_on_the_host(monkeypatch):
+    x, w, dy = operands()
+    reads = []
+
+    class Counted(GroupBounds):
+        def get(self):
+            if self._bounds is None:  # a read of the device's offsets on the host
+                reads.append(1)
+            return super().get()
+
+    run(x, w, dy, Float8CurrentScaling(fp8_format="e4m3"), True, monkeypatch, Counted(offsets(SIZES)))
+    assert reads == []
+    run(x, w, dy, Float8CurrentScaling(), True, monkeypatch, Counted(offsets(SIZES)))  # e5m2 gradients
+    assert len(reads) == 1  # the backward, group by group
+    run(x, w, dy, Float8CurrentScaling(), False, monkeypatch, Counted(offsets(SIZES)))
+    assert len(reads) == 2  # group by group: one read, in the forward, shared with the backward
+
+
+def test_three_gemms_are_the_dequantized_products():
+    x, w, dy = operands(1)
+    offs = offsets(SIZES)
+    out, dx, dw = grouped_kernel.three_gemms(x, w, dy, offs)
+    qx, inv_x, group = grouped_kernel.quantize_groups(x, E4M3, offs)
+    qw, inv_w = grouped_kernel.quantize_experts(w, E4M3)
+    qdy, inv_dy, _ = grouped_kernel.quantize_groups(dy, E4M3, offs)
+    xd, wd, dyd = qx.float() * inv_x[group][:, None], qw.float() * inv_w[:, None, None], qdy.float() * inv_dy[group][:, None]
+    bounds = list(zip([0] + offs.tolist()[:-1], offs.tolist()))
+    want_out = torch.cat([xd[a:b] @ wd[g].t() for g, (a, b) in enumerate(bounds)])
+    want_dx = torch.cat([dyd[a:b] @ wd[g] for g, (a, b) in enumerate(bounds)])
+    want_dw = torch.stack([dyd[a:b].t() @ xd[a:b] for a, b in bounds])
+    for got, want in ((out, want_out), (dx, want_dx), (dw, want_dw)):
+        torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=2 ** -8, atol=0)
+    assert (dw[[0, 3, 5]] == 0).all() and (dw[[1, 2, 4]] != 0).any()  # empty groups get no gradient
+
+
+def test_weight_gradient_buffer_starts_every_group_on_16_tokens():
+    sizes = [0, 17, 1, 0, 16, 3]
+    offs = offsets(sizes)
+    group = grouped_kernel.group_of_rows(offs, sum(sizes))
+    columns = grouped_kernel._padded_columns(offs, group, sum(sizes)).tolist()
+    # Group starts 0, 0, 32, 48, 48, 64: rows keep their order within their group.
+    assert columns == list(range(0, 17)) + [32] + list(range(48, 64)) + [64, 65, 66]
+    assert grouped_kernel._padded_ends(offs).tolist() == [0, 32, 48, 48, 64, 80]
+
+
+def test_the_emulated_kernel_refuses_what_the_kernel_refuses():
+    a = torch.zeros(32, 32).to(E4M3)
+    b = torch.zeros(2, 16, 32).to(E4M3).transpose(1, 2)  # [2, 32, 16], column-major
+    offs = torch.tensor([10, 32], dtype=torch.int32)
+    scale_a, scale_b = torch.ones(32), torch.ones(2, 16)
+    assert grouped_kernel.scaled_grouped_mm(a, b, scale_a, scale_b, offs).shape == (32, 16)
+    with pytest.raises(ValueError, match="column-major"):
+        grouped_kernel.scaled_grouped_mm(a, b.contiguous(), scale_a, scale_b, offs)
+    with pytest.raises(ValueError, match="e4m3"):
+        grouped_kernel.scaled_grouped_mm(a.float().to(E5M2), b, scale_a, scale_b, offs)
+    with pytest.raises(ValueError, match="scales"):
+        grouped_kernel.scaled_grouped_mm(a, b, scale_a, torch.ones(2, 32), offs)
+    with pytest.raises(ValueError, match="int32"):
+        grouped_kernel.scaled_grouped_mm(a, b, scale_a, scale_b, offs.long())
+
+
+def test_the_kernel_is_not_used_off_cuda():
+    assert not grouped_kernel.kernel_runs(torch.device("cpu"))
