@@ -4,6 +4,7 @@
 
   suite       tests/dist and tests/gpu over NCCL, spread over pytest-xdist sessions
   peers       benchmarks/peers.py: models x stacks, each stack in its own process (or --together)
+  moe         benchmarks/moe_peers.py: mixture-of-experts stacks (fsdp8 EP, FSDP2, torchtitan), each in its own process
   scaling     peers.py at --nproc GPUs and at --base GPUs, then scaling.py's weak-scaling table
   plan        fsdp8 bench beside the planner: models x worlds x AC modes x FP8 recipes
   ab          two revisions of fsdp8 on one model, run after run (old, new, new, old)
@@ -282,6 +283,24 @@ def job_peers(s: Session, a: argparse.Namespace, rest: list) -> int:
     return 0
 
 
+def job_moe(s: Session, a: argparse.Namespace, rest: list) -> int:
+    print(PEERS_HEAD)
+    for stack in csv(a.stacks):
+        name = f"moe-{a.model}-{stack}"
+        if not s.dry:
+            (s.out / f"{name}.json").unlink(missing_ok=True)
+        cmd = [*TORCHRUN, "--nproc_per_node", a.nproc, "--master_port", 29500 + (s.runs + 1) % 200,
+               REPO / "benchmarks" / "moe_peers.py", "--model", a.model, "--stacks", stack, "--warmup", a.warmup,
+               "--steps", a.steps, "--out", s.out / f"{name}.json", *rest]
+        rc = s.run(cmd, log=f"{name}.log", seconds=s.deadline(a.run_limit, keep=5))
+        results = read_results(s, f"{name}.json")
+        for r in results:
+            print(peers_row(r), flush=True)
+        if not results and not s.dry:
+            print(f"| {a.model} | {stack} | | failed (exit {rc}): {s.last_error(f'{name}.log')} |", flush=True)
+    return 0
+
+
 def job_scaling(s: Session, a: argparse.Namespace, rest: list) -> int:
     """The big run first (HSDP too), then the base (and extra counts) on the first GPUs, then the table."""
     rest = ["--hsdp-replicate", str(a.hsdp_replicate), "--timeout-s", str(a.coll_timeout), *rest]
@@ -542,6 +561,14 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--steps", type=int, default=10)
     q.add_argument("--repeat", type=int, default=1, help="run the grid this many times (host variance)")
     q.add_argument("--run-limit", type=int, default=150, help="seconds for each configuration")
+
+    q = job("moe", job_moe, "moe_peers.py, each stack in its own torchrun process; moe_peers.py flags after --")
+    q.add_argument("--model", default="Q")
+    q.add_argument("--stacks", default="fsdp8-ep,fsdp8-ep-fp8-e4m3,fsdp2,torchtitan-ep")
+    q.add_argument("--nproc", type=int, default=2)
+    q.add_argument("--warmup", type=int, default=2)
+    q.add_argument("--steps", type=int, default=6)
+    q.add_argument("--run-limit", type=int, default=170, help="seconds for each stack's process")
 
     q = job("ab", job_ab, "two revisions of fsdp8 side by side: peers.py in its own process per run, alternating "
             "as --order says; both sides use this checkout's benchmarks/ unless --own-harness")

@@ -5,6 +5,8 @@ Stacks (--stacks; run each in its own process for a per-stack peak: ``gpu_run.py
                   experts split over E ranks (all-to-all dispatch), sharded over the rest; bf16
   fsdp8-ep-fp8    the same with fp8=Float8CurrentScaling(): dense linears and expert GEMMs in FP8,
                   weights (experts included) all-gathered in 8 bits
+  fsdp8-ep-fp8-e4m3   the same with Float8CurrentScaling(fp8_format="e4m3"): e4m3 gradients too, so the
+                  expert GEMMs' backward also runs as one grouped kernel on Hopper
   fsdp8-ep-fp8-block  the same with Float8BlockScaling() (1x128 / 128x128 blocks)
   fsdp8           ep 1: every rank computes every expert for its own tokens, experts sharded
   fsdp2           torch FSDP2 per decoder layer over the same HF model (no expert parallelism:
@@ -198,6 +200,7 @@ def stacks(spec: MoeSpec, ctx: Context) -> Dict[str, Callable[[], Built]]:
     return {
         "fsdp8-ep": lambda: build_fsdp8(spec, ctx, ep),
         "fsdp8-ep-fp8": lambda: build_fsdp8(spec, ctx, ep, fsdp8.Float8CurrentScaling()),
+        "fsdp8-ep-fp8-e4m3": lambda: build_fsdp8(spec, ctx, ep, fsdp8.Float8CurrentScaling(fp8_format="e4m3")),
         "fsdp8-ep-fp8-block": lambda: build_fsdp8(spec, ctx, ep, fsdp8.Float8BlockScaling()),
         "fsdp8": lambda: build_fsdp8(spec, ctx, 1),
         "fsdp2": lambda: build_fsdp2_moe(spec, ctx),
@@ -205,7 +208,19 @@ def stacks(spec: MoeSpec, ctx: Context) -> Dict[str, Callable[[], Built]]:
     }
 
 
-STACK_NAMES = ("fsdp8-ep", "fsdp8-ep-fp8", "fsdp8-ep-fp8-block", "fsdp8", "fsdp2", "torchtitan-ep")
+STACK_NAMES = ("fsdp8-ep", "fsdp8-ep-fp8", "fsdp8-ep-fp8-e4m3", "fsdp8-ep-fp8-block", "fsdp8", "fsdp2", "torchtitan-ep")
+
+
+def unavailable(stack: str, ctx: Context):
+    """None when the stack can run here, else why not."""
+    if stack == "torchtitan-ep":
+        import importlib.util
+
+        if ctx.device.type != "cuda":
+            return "CUDA only (torchtitan permutes tokens with a Triton kernel)"
+        if importlib.util.find_spec("torchtitan") is None:
+            return "torchtitan is not installed (pip install torchtitan==0.2.2)"
+    return None
 
 
 def expert_parallel(stack: str, ctx: Context) -> int:
@@ -284,8 +299,12 @@ def main(argv=None) -> None:
     for stack in args.stacks:
         result = Result(model=spec.name, stack=stack, status="ok", mesh=f"{ctx.world} (ep {expert_parallel(stack, ctx)})")
         torch._dynamo.reset()
+        reason = unavailable(stack, ctx)
         try:
-            measure(spec, stack, ctx, result)
+            if reason is not None:
+                result.status, result.note = "skipped", reason
+            else:
+                measure(spec, stack, ctx, result)
         except Exception as err:  # report and go on with the next stack
             result.status, result.note, result.error = "failed", _short(err), traceback.format_exc()
             if ctx.rank == 0:
