@@ -30,6 +30,7 @@ where it disagrees or fails the group-by-group path runs (see ``kernel_runs``).
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Dict, Tuple
 
 import torch
@@ -196,11 +197,19 @@ def _probe(device: torch.device) -> bool:
                     torch.tensor([7, 7, 40], dtype=torch.int32))  # uneven groups, one empty
         got = three_gemms(*(t.to(device) for t in operands))  # the kernel
         want = three_gemms(*operands)  # the emulation
-        # The same FP8 operands both ways; the kernel's fp32 sums differ in order only, so its bf16
-        # results are the emulation's or one bf16 step beside them.
-        return all(torch.allclose(a.float().cpu(), b.float(), rtol=2 ** -7, atol=0) for a, b in zip(got, want))
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return max(_relative_error(a, b) for a, b in zip(got, want)) < 1e-2
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as err:
+        warnings.warn(f"fsdp8: torch._scaled_grouped_mm does not run here ({type(err).__name__}: {err}); FP8 "
+                      f"experts multiply group by group", RuntimeWarning, stacklevel=2)
         return False
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """|got - want| / |want| (Frobenius). The same FP8 operands both ways: the kernel's sums differ
+    in order (and, in the forward, fast accumulation) only, far below 1e-2; a wrong layout or scale
+    errs by order 1."""
+    want = want.float()
+    return float((got.float().cpu() - want).norm() / want.norm().clamp_min(1e-30))
 
 
 def three_gemms(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor):

@@ -67,6 +67,10 @@ def _op_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if not (type(x) in _PLAIN and type(weight) in _PLAIN):
         return False  # DTensor and other subclasses: the per-group GEMMs go through their dispatch
+    if torch.compiler.is_compiling() and x.is_cuda and x.dtype != torch.bfloat16:
+        # CUDA's eager op takes fp32 (a fallback), but its fake kernel in torch 2.11 refuses
+        # anything but bf16, so a compiled graph could not be traced through it.
+        return False
     size = x.element_size()
     if not (x.is_contiguous() and weight.is_contiguous() and x.shape[1] * size % _ALIGN == 0
             and weight.shape[1] * size % _ALIGN == 0 and x.data_ptr() % _ALIGN == 0

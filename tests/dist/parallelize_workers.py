@@ -88,6 +88,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    b = b.to(a.device)  # a reference may be kept on the GPU
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 

@@ -1,0 +1,114 @@
+"""The experts' grouped GEMMs on one GPU: does torch._scaled_grouped_mm take each of the three FP8
+GEMMs (fsdp8/fp8/grouped_kernel.py), how far from the emulation, and what a forward + backward of
+one expert projection costs as bf16 torch._grouped_mm, FP8 in one grouped kernel, and FP8 group
+by group.
+
+    python3 benchmarks/debug/grouped_fp8_gemms.py [--tokens 32768 --experts 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from fsdp8.fp8 import grouped_kernel  # noqa: E402
+from fsdp8.fp8.formats import E4M3  # noqa: E402
+from fsdp8.fp8.grouped import fp8_grouped_mm  # noqa: E402
+from fsdp8.fp8.recipes import Float8CurrentScaling  # noqa: E402
+from fsdp8.models.moe import grouped_mm  # noqa: E402
+
+
+def check_each_gemm() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 32, generator=g, dtype=torch.bfloat16)
+    w = torch.randn(3, 48, 32, generator=g, dtype=torch.bfloat16)
+    dy = torch.randn(40, 48, generator=g, dtype=torch.bfloat16)
+    offs = torch.tensor([7, 7, 40], dtype=torch.int32)
+    want = grouped_kernel.three_gemms(x, w, dy, offs)
+    cuda = [t.cuda() for t in (x, w, dy, offs)]
+    qx, inv_x, group = grouped_kernel.quantize_groups(cuda[0], E4M3, cuda[3])
+    qdy, inv_dy, _ = grouped_kernel.quantize_groups(cuda[2], E4M3, cuda[3])
+    qw, inv_w = grouped_kernel.quantize_experts(cuda[1], E4M3)
+    calls = {
+        "forward (2d-3d)": lambda: grouped_kernel.forward_gemm(qx, inv_x, group, qw, inv_w, cuda[3]),
+        "input grad (2d-3d)": lambda: grouped_kernel.input_grad_gemm(qdy, inv_dy, group,
+                                                                     qw.transpose(1, 2).contiguous(), inv_w, cuda[3]),
+        "weight grad (2d-2d)": lambda: grouped_kernel.weight_grad_gemm(qdy, inv_dy, qx, inv_x, group, cuda[3]),
+    }
+    for (name, call), ref in zip(calls.items(), want):
+        try:
+            got = call()
+            print(f"{name}: ok, relative error to the emulation {grouped_kernel._relative_error(got, ref):.2e}")
+        except Exception:  # noqa: BLE001 -- a diagnosis: say what failed and go on
+            print(f"{name}: FAILED\n{traceback.format_exc(limit=3)}")
+    print("kernel_runs:", grouped_kernel.kernel_runs(torch.device("cuda")))
+
+
+def timed(fn, reps: int = 10) -> float:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def compare(tokens: int, experts: int, n: int, k: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    # Uneven groups: each expert's share drawn around tokens / experts.
+    share = torch.rand(experts, generator=g, device="cuda") + 0.5
+    sizes = (share / share.sum() * tokens).floor().long()
+    sizes[-1] += tokens - sizes.sum()
+    offs = sizes.cumsum(0).to(torch.int32)
+    x = torch.randn(tokens, k, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(experts, n, k, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+    dy = torch.randn(tokens, n, device="cuda", generator=g, dtype=torch.bfloat16)
+    flops = 6 * tokens * n * k
+
+    def bf16():
+        torch.autograd.backward(grouped_mm(x, w, offs), dy)
+
+    def fp8(one_kernel: bool, fmt: str):
+        def step():
+            original = grouped_kernel.kernel_runs
+            grouped_kernel.kernel_runs = lambda device: one_kernel and original(device)
+            try:
+                torch.autograd.backward(fp8_grouped_mm(x, w, offs, Float8CurrentScaling(fp8_format=fmt)), dy)
+            finally:
+                grouped_kernel.kernel_runs = original
+        return step
+
+    rows = [("bf16 torch._grouped_mm", bf16), ("FP8 e4m3, one grouped kernel", fp8(True, "e4m3")),
+            ("FP8 hybrid, forward one kernel", fp8(True, "hybrid")), ("FP8 e4m3, group by group", fp8(False, "e4m3"))]
+    print(f"\n| {tokens} rows, {experts} experts, [{n}, {k}] | fwd+bwd ms | TFLOP/s |\n|---|---:|---:|")
+    for name, fn in rows:
+        try:
+            ms = timed(fn)
+            print(f"| {name} | {ms:.2f} | {flops / ms / 1e9:.0f} |")
+        except Exception as err:  # noqa: BLE001
+            print(f"| {name} | failed: {type(err).__name__}: {str(err)[:120]} | |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=32768, help="rows on one rank after dispatch (tokens x top-k)")
+    p.add_argument("--experts", type=int, default=32, help="experts on one rank")
+    a = p.parse_args()
+    print("torch", torch.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+    check_each_gemm()
+    compare(a.tokens, a.experts, 1536, 2048)  # gate_up of model Q's experts
+    compare(a.tokens, a.experts, 2048, 768)  # down
+
+
+if __name__ == "__main__":
+    main()
