@@ -9,6 +9,7 @@ Stacks (--stacks; run each in its own process for a per-stack peak: ``gpu_run.py
                   expert GEMMs' backward also runs as one grouped kernel on Hopper
   fsdp8-ep-fp8-block  the same with Float8BlockScaling() (1x128 / 128x128 blocks)
   fsdp8           ep 1: every rank computes every expert for its own tokens, experts sharded
+  fsdp8-fp8-e4m3  ep 1 with Float8CurrentScaling(fp8_format="e4m3")
   fsdp2           torch FSDP2 per decoder layer over the same HF model (no expert parallelism:
                   experts sharded and gathered like dense weights), experts as transformers'
                   grouped_mm, layers compiled
@@ -203,12 +204,13 @@ def stacks(spec: MoeSpec, ctx: Context) -> Dict[str, Callable[[], Built]]:
         "fsdp8-ep-fp8-e4m3": lambda: build_fsdp8(spec, ctx, ep, fsdp8.Float8CurrentScaling(fp8_format="e4m3")),
         "fsdp8-ep-fp8-block": lambda: build_fsdp8(spec, ctx, ep, fsdp8.Float8BlockScaling()),
         "fsdp8": lambda: build_fsdp8(spec, ctx, 1),
+        "fsdp8-fp8-e4m3": lambda: build_fsdp8(spec, ctx, 1, fsdp8.Float8CurrentScaling(fp8_format="e4m3")),
         "fsdp2": lambda: build_fsdp2_moe(spec, ctx),
         "torchtitan-ep": lambda: build_torchtitan(spec, ctx, ep),
     }
 
 
-STACK_NAMES = ("fsdp8-ep", "fsdp8-ep-fp8", "fsdp8-ep-fp8-e4m3", "fsdp8-ep-fp8-block", "fsdp8", "fsdp2", "torchtitan-ep")
+STACK_NAMES = ("fsdp8-ep", "fsdp8-ep-fp8", "fsdp8-ep-fp8-e4m3", "fsdp8-ep-fp8-block", "fsdp8", "fsdp8-fp8-e4m3", "fsdp2", "torchtitan-ep")
 
 
 def unavailable(stack: str, ctx: Context):

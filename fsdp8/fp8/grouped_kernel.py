@@ -29,6 +29,7 @@ where it disagrees or fails the group-by-group path runs (see ``kernel_runs``).
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from typing import Dict, Tuple
@@ -44,6 +45,24 @@ _LOCK = threading.Lock()
 
 
 # -- quantization by group, on the device ----------------------------------------------------------
+def fused_on_cuda(fn):
+    """``fn`` compiled when called on CUDA tensors outside a compiled graph: Inductor fuses its
+    passes over the rows (amaxes, scales, the cast; a padded transpose) into a few kernels, for any
+    row count (``dynamic``), where eager torch reads and writes the rows once per op. As it is
+    elsewhere: on CPU (the tests) and inside a caller's own graph."""
+    compiled = []
+
+    @functools.wraps(fn)
+    def call(*args):
+        if not args[0].is_cuda or torch.compiler.is_compiling():
+            return fn(*args)
+        if not compiled:
+            compiled.append(torch.compile(fn, dynamic=True))
+        return compiled[0](*args)
+
+    return call
+
+
 def group_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
     """The group of each of ``rows`` rows, on the device (empty groups own no row)."""
     return torch.searchsorted(offs, torch.arange(rows, dtype=offs.dtype, device=offs.device), right=True)
@@ -56,6 +75,7 @@ def group_amax(t: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tenso
     return torch.zeros(groups, dtype=torch.float32, device=t.device).scatter_reduce_(0, group, rows, "amax")
 
 
+@fused_on_cuda
 def quantize_groups(t: torch.Tensor, fp8_dtype: torch.dtype, offs: torch.Tensor
                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of ``t`` [T, K] quantized with one scale per group: (bytes [T, K], each group's
@@ -65,6 +85,7 @@ def quantize_groups(t: torch.Tensor, fp8_dtype: torch.dtype, offs: torch.Tensor
     return saturate_cast(t, scale[group][:, None], fp8_dtype), scale_to_inv(scale), group
 
 
+@fused_on_cuda
 def quantize_experts(w: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """Each matrix of ``w`` [E, N, K] quantized with its own scale: (bytes, inverse scales [E])."""
     scale = amax_to_scale(w.detach().abs().amax(dim=(1, 2)).float(), fp8_dtype)
@@ -169,9 +190,13 @@ def _padded_columns(offs: torch.Tensor, group: torch.Tensor, tokens: int) -> tor
 def _scatter_columns(q: torch.Tensor, column: torch.Tensor, width: int) -> torch.Tensor:
     """``q`` [T, C] FP8 transposed into the zero buffer [C, width] at ``column`` (by bytes: an
     FP8 zero is the zero byte)."""
-    buffer = torch.zeros(q.shape[1], width, dtype=torch.uint8, device=q.device)
-    buffer.index_copy_(1, column, q.view(torch.uint8).t())
-    return buffer.view(q.dtype)
+    return _padded_transpose(q.view(torch.uint8), column, width).view(q.dtype)
+
+
+@fused_on_cuda
+def _padded_transpose(q: torch.Tensor, column: torch.Tensor, width: int) -> torch.Tensor:
+    # Whole rows into the padded rows (contiguous copies), then one transpose.
+    return q.new_zeros(width, q.shape[1]).index_copy_(0, column, q).t().contiguous()
 
 
 # -- where the kernel runs -------------------------------------------------------------------------

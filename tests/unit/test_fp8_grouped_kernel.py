@@ -123,3 +123,24 @@ def test_the_emulated_kernel_refuses_what_the_kernel_refuses():
 
 def test_the_kernel_is_not_used_off_cuda():
     assert not grouped_kernel.kernel_runs(torch.device("cpu"))
+
+
+def test_the_fused_helpers_compile_to_the_same_bytes():
+    """On CUDA the row passes run compiled (``fused_on_cuda``); the compiled graphs, for any row
+    count, give the eager functions' bytes and scales exactly (here through Inductor's CPU code)."""
+    def same(a, b):
+        return all(torch.equal(p.view(torch.uint8), q.view(torch.uint8)) if p.dtype in (E4M3, E5M2)
+                   else torch.equal(p, q) for p, q in zip(a, b))
+
+    rows = torch.compile(grouped_kernel.quantize_groups.__wrapped__, dynamic=True, fullgraph=True)
+    for sizes in (SIZES, [5, 0, 30]):
+        x = operands()[0][:sum(sizes), :32]
+        assert same(rows(x, E5M2, offsets(sizes)), grouped_kernel.quantize_groups(x, E5M2, offsets(sizes)))
+    experts = torch.compile(grouped_kernel.quantize_experts.__wrapped__, dynamic=True, fullgraph=True)
+    w = operands()[1]
+    assert same(experts(w, E4M3), grouped_kernel.quantize_experts(w, E4M3))
+    padded = torch.compile(grouped_kernel._padded_transpose.__wrapped__, dynamic=True, fullgraph=True)
+    q = torch.randint(0, 255, (sum(SIZES), 32), dtype=torch.uint8)
+    offs = offsets(SIZES)
+    column = grouped_kernel._padded_columns(offs, grouped_kernel.group_of_rows(offs, sum(SIZES)), sum(SIZES))
+    assert torch.equal(padded(q, column, 224), grouped_kernel._padded_transpose(q, column, 224))
