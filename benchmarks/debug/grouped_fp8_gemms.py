@@ -24,6 +24,9 @@ from fsdp8.fp8.recipes import Float8CurrentScaling  # noqa: E402
 from fsdp8.models.moe import grouped_mm  # noqa: E402
 
 
+PROFILE = False
+
+
 def check_each_gemm() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(40, 32, generator=g, dtype=torch.bfloat16)
@@ -97,17 +100,30 @@ def compare(tokens: int, experts: int, n: int, k: int) -> None:
             print(f"| {name} | {ms:.2f} | {flops / ms / 1e9:.0f} |")
         except Exception as err:  # noqa: BLE001
             print(f"| {name} | failed: {type(err).__name__}: {str(err)[:120]} | |")
+    if PROFILE:
+        for name, fn in rows[:2]:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+            print(f"\n{name}, 3 calls:")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=32768, help="rows on one rank after dispatch (tokens x top-k)")
     p.add_argument("--experts", type=int, default=32, help="experts on one rank")
+    p.add_argument("--profile", action="store_true", help="torch.profiler tables of bf16 and FP8 in one kernel")
     a = p.parse_args()
+    global PROFILE
+    PROFILE = a.profile
     print("torch", torch.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())
     check_each_gemm()
     compare(a.tokens, a.experts, 1536, 2048)  # gate_up of model Q's experts
-    compare(a.tokens, a.experts, 2048, 768)  # down
+    if not a.profile:
+        compare(a.tokens, a.experts, 2048, 768)  # down
 
 
 if __name__ == "__main__":
