@@ -111,16 +111,72 @@ def compare(tokens: int, experts: int, n: int, k: int) -> None:
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
+def kernels_alone(tokens: int, experts: int, n: int, k: int) -> None:
+    """Each GEMM on operands quantized beforehand: the kernels' own speed, FP8 against bf16."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sizes = torch.full((experts,), tokens // experts, device="cuda", dtype=torch.long)
+    sizes[-1] += tokens - sizes.sum()
+    offs = sizes.cumsum(0).to(torch.int32)
+    x = torch.randn(tokens, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = (torch.randn(experts, n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    dy = torch.randn(tokens, n, device="cuda", generator=g, dtype=torch.bfloat16)
+    qx, inv_x, group = grouped_kernel.quantize_groups(x, E4M3, offs)
+    qdy, inv_dy, _ = grouped_kernel.quantize_groups(dy, E4M3, offs)
+    qw, inv_w = grouped_kernel.quantize_experts(w, E4M3)
+    qw_t = qw.transpose(1, 2).contiguous()
+    sa_x, sa_dy = inv_x[group].contiguous(), inv_dy[group].contiguous()
+    sb_n, sb_k = inv_w[:, None].expand(experts, n).contiguous(), inv_w[:, None].expand(experts, k).contiguous()
+    a_dw, b_dw = qdy.t().contiguous(), qx.t().contiguous().t()  # equal groups of a multiple of 16 rows
+    sa_dw, sb_dw = inv_dy.repeat_interleave(n), inv_x.repeat_interleave(k)
+    x_t, dy_t, w_t = x.t().contiguous(), dy.t().contiguous(), w.transpose(1, 2).contiguous()
+    gemm_flops = 2 * tokens * n * k
+    rows = []
+    for fast in (True, False):
+        rows += [(f"FP8 forward x W^T (2d-3d), fast_accum={fast}",
+                  lambda f=fast: torch._scaled_grouped_mm(qx, qw.transpose(1, 2), sa_x, sb_n, offs=offs,
+                                                          out_dtype=torch.bfloat16, use_fast_accum=f)),
+                 (f"FP8 input grad dy W (2d-3d), fast_accum={fast}",
+                  lambda f=fast: torch._scaled_grouped_mm(qdy, qw_t.transpose(1, 2), sa_dy, sb_k, offs=offs,
+                                                          out_dtype=torch.bfloat16, use_fast_accum=f)),
+                 (f"FP8 weight grad dy^T x (2d-2d), fast_accum={fast}",
+                  lambda f=fast: torch._scaled_grouped_mm(a_dw, b_dw, sa_dw, sb_dw, offs=offs,
+                                                          out_dtype=torch.bfloat16, use_fast_accum=f))]
+    rows += [("bf16 forward (2d-3d)", lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs)),
+             ("bf16 input grad (2d-3d)", lambda: torch._grouped_mm(dy, w_t.transpose(1, 2), offs=offs)),
+             ("bf16 weight grad (2d-2d)", lambda: torch._grouped_mm(dy_t, x_t.t(), offs=offs))]
+    print(f"\n| one GEMM, {tokens} rows, {experts} experts, [{n}, {k}] | ms | TFLOP/s |\n|---|---:|---:|")
+    for name, fn in rows:
+        try:
+            ms = timed(fn, reps=20)
+            print(f"| {name} | {ms:.3f} | {gemm_flops / ms / 1e9:.0f} |")
+        except Exception as err:  # noqa: BLE001
+            print(f"| {name} | failed: {type(err).__name__}: {str(err)[:120]} | |")
+    steps = [("quantize_groups (x)", lambda: grouped_kernel.quantize_groups(x, E4M3, offs)),
+             ("quantize_experts (w)", lambda: grouped_kernel.quantize_experts(w, E4M3)),
+             ("padded transpose (qx)", lambda: grouped_kernel._scatter_columns(qx, group, tokens + 16 * experts)),
+             ("eager x.abs().amax(1)", lambda: x.abs().amax(1)),
+             ("eager vector_norm(x, inf, 1)", lambda: torch.linalg.vector_norm(x, float("inf"), dim=1)),
+             ("eager qx.t().contiguous()", lambda: qx.t().contiguous())]
+    print("\n| step | ms |\n|---|---:|")
+    for name, fn in steps:
+        print(f"| {name} | {timed(fn, reps=20):.3f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=32768, help="rows on one rank after dispatch (tokens x top-k)")
     p.add_argument("--experts", type=int, default=32, help="experts on one rank")
+    p.add_argument("--kernels", action="store_true", help="each GEMM alone, FP8 and bf16, and the row passes")
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of bf16 and FP8 in one kernel")
     a = p.parse_args()
     global PROFILE
     PROFILE = a.profile
     print("torch", torch.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())
     check_each_gemm()
+    if a.kernels:
+        kernels_alone(a.tokens, a.experts, 1536, 2048)
+        kernels_alone(a.tokens, a.experts, 2048, 768)
+        return
     compare(a.tokens, a.experts, 1536, 2048)  # gate_up of model Q's experts
     if not a.profile:
         compare(a.tokens, a.experts, 2048, 768)  # down
