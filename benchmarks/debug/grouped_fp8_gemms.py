@@ -151,9 +151,11 @@ def kernels_alone(tokens: int, experts: int, n: int, k: int) -> None:
             print(f"| {name} | {ms:.3f} | {gemm_flops / ms / 1e9:.0f} |")
         except Exception as err:  # noqa: BLE001
             print(f"| {name} | failed: {type(err).__name__}: {str(err)[:120]} | |")
+    column = grouped_kernel._padded_columns(offs, group, tokens)
+    width = -(-(tokens + 15 * experts) // 16) * 16
     steps = [("quantize_groups (x)", lambda: grouped_kernel.quantize_groups(x, E4M3, offs)),
              ("quantize_experts (w)", lambda: grouped_kernel.quantize_experts(w, E4M3)),
-             ("padded transpose (qx)", lambda: grouped_kernel._scatter_columns(qx, group, tokens + 16 * experts)),
+             ("padded transpose (qx)", lambda: grouped_kernel._scatter_columns(qx, column, width)),
              ("eager x.abs().amax(1)", lambda: x.abs().amax(1)),
              ("eager vector_norm(x, inf, 1)", lambda: torch.linalg.vector_norm(x, float("inf"), dim=1)),
              ("eager qx.t().contiguous()", lambda: qx.t().contiguous())]
