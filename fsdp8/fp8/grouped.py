@@ -101,8 +101,8 @@ def grouped_rows(t: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granulari
                  bounds: Bounds) -> List[Quantized]:
     """Each group's rows of ``t`` [T, K] (contiguous) quantized along K as that group alone would be."""
     if granularity is Granularity.TENSOR:
-        data, inv, _ = quantize_groups(t, fp8_dtype, offs)
-        return split_by_group(data, inv, bounds)
+        q = quantize_groups(t, fp8_dtype, offs)
+        return split_by_group(q.data, q.inv, bounds)
     q = quantize(t, fp8_dtype, granularity)  # blocks along one row: local to it, hence to its group
     return [Quantized(q.data[a:b], q.scale_inv[a:b], granularity) for a, b in bounds]
 
@@ -178,10 +178,13 @@ class Fp8GroupedMm(torch.autograd.Function):
         ctx.gathered = weight if gathered else None  # its transposes are made once per gather
         ctx.one_kernel = one_kernel(x, weight, recipe)
         if ctx.one_kernel:
-            qx, inv_x, group = quantize_groups(x, recipe.fwd_dtype, offs)
+            # The weight gradient's operand (the bytes in the padded token buffer) made in the same
+            # pass, where the backward will run in the kernel too.
+            qx = quantize_groups(x, recipe.fwd_dtype, offs,
+                                 padded=ctx.needs_input_grad[1] and recipe.bwd_dtype == E4M3)
             w, inv_w = (weight._data, weight._scale_inv) if gathered else quantize_experts(weight.to(dtype), recipe.fwd_dtype)
-            ctx.kernel_operands = (qx, inv_x, group, w, inv_w)
-            return grouped_kernel.forward_gemm(qx, inv_x, group, w, inv_w, offs)
+            ctx.kernel_operands = (qx, w, inv_w)
+            return grouped_kernel.forward_gemm(qx.data, qx.inv, qx.group, w, inv_w, offs)
         groups = bounds.get()
         qx = grouped_rows(x, recipe.fwd_dtype, recipe.x_granularity, offs, groups)
         qw = weight.matrices() if gathered else grouped_weights(weight.detach().to(dtype).contiguous(),
@@ -204,14 +207,14 @@ class Fp8GroupedMm(torch.autograd.Function):
 
 
 def _backward_in_one_kernel(ctx, dy: torch.Tensor):
-    qx, inv_x, group, w, inv_w = ctx.kernel_operands
-    qdy, inv_dy, _ = quantize_groups(dy, ctx.recipe.bwd_dtype, ctx.offs)
+    qx, w, inv_w = ctx.kernel_operands
+    qdy = quantize_groups(dy, ctx.recipe.bwd_dtype, ctx.offs, padded=ctx.needs_input_grad[1])
     dx = dw = None
     if ctx.needs_input_grad[0]:
         w_t = ctx.gathered.transposed_bytes() if ctx.gathered is not None else w.transpose(1, 2).contiguous()
-        dx = grouped_kernel.input_grad_gemm(qdy, inv_dy, group, w_t, inv_w, ctx.offs)
+        dx = grouped_kernel.input_grad_gemm(qdy.data, qdy.inv, qdy.group, w_t, inv_w, ctx.offs)
     if ctx.needs_input_grad[1]:
-        dw = grouped_kernel.weight_grad_gemm(qdy, inv_dy, qx, inv_x, group, ctx.offs)
+        dw = grouped_kernel.weight_grad_gemm(qdy.padded_t, qdy.inv, qx.padded_t, qx.inv, ctx.offs)
     return dx, dw
 
 
@@ -221,8 +224,8 @@ def _backward_by_group(ctx, dy: torch.Tensor):
     recipe, dtype, offs = ctx.recipe, ctx.dtype, ctx.offs
     bounds = ctx.bounds.get()
     if ctx.one_kernel:  # hybrid gradients: e5m2, which the grouped kernel does not take
-        qx, inv_x, _, w, inv_w = ctx.kernel_operands
-        ctx.qx_t = transposed_groups(split_by_group(qx, inv_x, bounds), None, recipe.fwd_dtype, Granularity.TENSOR, bounds)
+        qx, w, inv_w = ctx.kernel_operands
+        ctx.qx_t = transposed_groups(split_by_group(qx.data, qx.inv, bounds), None, recipe.fwd_dtype, Granularity.TENSOR, bounds)
         ctx.qw = split_by_group(w, inv_w, [(g, g + 1) for g in range(w.shape[0])], squeeze=True)
     qdy = grouped_rows(dy, recipe.bwd_dtype, recipe.g_granularity, offs, bounds)
     dx = dw = None

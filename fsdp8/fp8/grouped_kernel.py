@@ -18,7 +18,10 @@ no group sizes read on the host. The three GEMMs of a step:
   each group is copied into a zero-padded buffer of ``round_up(T + 15 G, 16)`` token columns, a size
   known without reading the groups' sizes; zero columns add nothing. The last group takes the
   buffer's tail (zeros) as well. Per tensor, a group's transposed operand is its bytes transposed
-  (the same scale reads them either way).
+  (the same scale reads them either way), so the quantization writes them there in the same pass
+  (fsdp8/fp8/triton_grouped.py on the GPU; torch ops elsewhere).
+
+All three use the kernel's fast accumulation (``BACKWARD_FAST_ACCUM`` says why).
 
 The kernel takes ``float8_e4m3fn`` operands only and writes bf16: the forward runs in it for bf16
 models; the backward too when the gradients are e4m3 (``fp8_format="e4m3"``). Under "hybrid"
@@ -29,38 +32,34 @@ where it disagrees or fails the group-by-group path runs (see ``kernel_runs``).
 
 from __future__ import annotations
 
-import functools
 import threading
 import warnings
-from typing import Dict, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
+from . import triton_grouped
 from .formats import E4M3, amax_to_scale, scale_to_inv
 from .kernels import saturate_cast
 
 ALIGN = 16  # tokens per group start in the weight-gradient buffer: 16 FP8 bytes
+# torch 2.11's grouped FP8 kernel on an H200 (32768 x 2048 x 1536, 32 groups): 1050 TFLOP/s with
+# fast accumulation, 351 without (bf16's grouped GEMM: 694), so every GEMM of the experts uses it,
+# the backward's too (dense FP8 linears accumulate the backward precisely; the experts' GEMMs on
+# this kernel would otherwise be slower than bf16). benchmarks/debug/grouped_fp8_gemms.py --kernels.
+BACKWARD_FAST_ACCUM = True
 _WORKS: Dict[str, bool] = {}
 _LOCK = threading.Lock()
 
 
 # -- quantization by group, on the device ----------------------------------------------------------
-def fused_on_cuda(fn):
-    """``fn`` compiled when called on CUDA tensors outside a compiled graph: Inductor fuses its
-    passes over the rows (amaxes, scales, the cast; a padded transpose) into a few kernels, for any
-    row count (``dynamic``), where eager torch reads and writes the rows once per op. As it is
-    elsewhere: on CPU (the tests) and inside a caller's own graph."""
-    compiled = []
+class GroupedBytes(NamedTuple):
+    """Rows quantized with one scale per group."""
 
-    @functools.wraps(fn)
-    def call(*args):
-        if not args[0].is_cuda or torch.compiler.is_compiling():
-            return fn(*args)
-        if not compiled:
-            compiled.append(torch.compile(fn, dynamic=True))
-        return compiled[0](*args)
-
-    return call
+    data: torch.Tensor  # [T, K], row-major
+    inv: torch.Tensor  # [G] fp32: each group's inverse scale
+    group: torch.Tensor  # [T]: each row's group
+    padded_t: Optional[torch.Tensor] = None  # [K, width]: the bytes in the weight gradient's token buffer
 
 
 def group_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
@@ -70,26 +69,37 @@ def group_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
 
 def group_amax(t: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
     """The largest magnitude of each group's rows of ``t`` [T, K] (fp32 [groups]; 0 for an empty
-    group, NaN propagates), without a host synchronisation."""
-    rows = t.detach().abs().amax(dim=1).float()
+    group, NaN propagates), without a host synchronisation. The rows' maxima in one read
+    (``vector_norm`` of order inf makes no |t| copy), then a max over each group's rows."""
+    rows = torch.linalg.vector_norm(t.detach(), float("inf"), dim=1).float()
     return torch.zeros(groups, dtype=torch.float32, device=t.device).scatter_reduce_(0, group, rows, "amax")
 
 
-@fused_on_cuda
-def quantize_groups(t: torch.Tensor, fp8_dtype: torch.dtype, offs: torch.Tensor
-                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows of ``t`` [T, K] quantized with one scale per group: (bytes [T, K], each group's
-    inverse scale [G] fp32, each row's group [T])."""
-    group = group_of_rows(offs, t.shape[0])
-    scale = amax_to_scale(group_amax(t, group, offs.shape[0]), fp8_dtype)
-    return saturate_cast(t, scale[group][:, None], fp8_dtype), scale_to_inv(scale), group
+def quantize_groups(t: torch.Tensor, fp8_dtype: torch.dtype, offs: torch.Tensor, padded: bool = False) -> GroupedBytes:
+    """Rows of ``t`` [T, K] quantized with one scale per group; ``padded``: their bytes also in the
+    weight gradient's 16-aligned token buffer (transposed; see the Note)."""
+    tokens, groups = t.shape[0], offs.shape[0]
+    group = group_of_rows(offs, tokens)
+    scale = amax_to_scale(group_amax(t, group, groups), fp8_dtype)
+    column, width = (padded_columns(offs, group, tokens), buffer_width(tokens, groups)) if padded else (None, 0)
+    if triton_grouped.runs_on(t):
+        data, padded_t = triton_grouped.group_cast(t.detach(), scale, group, fp8_dtype, column, width)
+    else:
+        data = saturate_cast(t.detach(), scale[group][:, None], fp8_dtype)
+        padded_t = _scatter_columns(data, column, width) if padded else None
+    return GroupedBytes(data, scale_to_inv(scale), group, padded_t)
 
 
-@fused_on_cuda
 def quantize_experts(w: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """Each matrix of ``w`` [E, N, K] quantized with its own scale: (bytes, inverse scales [E])."""
-    scale = amax_to_scale(w.detach().abs().amax(dim=(1, 2)).float(), fp8_dtype)
-    return saturate_cast(w.detach(), scale[:, None, None], fp8_dtype), scale_to_inv(scale)
+    experts, n, k = w.shape
+    w = w.detach()
+    scale = amax_to_scale(torch.linalg.vector_norm(w.reshape(experts, -1), float("inf"), dim=1).float(), fp8_dtype)
+    if triton_grouped.runs_on(w):  # each expert's rows a group of rows
+        rows_group = torch.arange(experts, device=w.device).repeat_interleave(n)
+        data, _ = triton_grouped.group_cast(w.reshape(experts * n, k), scale, rows_group, fp8_dtype)
+        return data.view(experts, n, k), scale_to_inv(scale)
+    return saturate_cast(w, scale[:, None, None], fp8_dtype), scale_to_inv(scale)
 
 
 # -- the kernel ------------------------------------------------------------------------------------
@@ -155,21 +165,26 @@ def input_grad_gemm(qdy: torch.Tensor, inv_dy: torch.Tensor, group: torch.Tensor
     expert's bytes transposed, contiguous): [T, K] bf16."""
     groups, k = w_t.shape[0], w_t.shape[1]
     return scaled_grouped_mm(qdy, w_t.transpose(1, 2), inv_dy[group], inv_w[:, None].expand(groups, k).contiguous(),
-                             offs)
+                             offs, fast_accum=BACKWARD_FAST_ACCUM)
 
 
-def weight_grad_gemm(qdy: torch.Tensor, inv_dy: torch.Tensor, qx: torch.Tensor, inv_x: torch.Tensor,
-                     group: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Group g's ``qdy`` rows [rows, N] transposed times its ``qx`` rows [rows, K]: [G, N, K] bf16,
-    through the 16-aligned token buffer of the Note."""
-    groups, (tokens, n), k = offs.shape[0], qdy.shape, qx.shape[1]
-    column = _padded_columns(offs, group, tokens)
-    width = -(-(tokens + (ALIGN - 1) * groups) // ALIGN) * ALIGN
-    a = _scatter_columns(qdy, column, width)  # [N, width], row-major
-    b = _scatter_columns(qx, column, width).t()  # [width, K], column-major
+def weight_grad_gemm(qdy_t: torch.Tensor, inv_dy: torch.Tensor, qx_t: torch.Tensor, inv_x: torch.Tensor,
+                     offs: torch.Tensor) -> torch.Tensor:
+    """Group g's output-gradient rows transposed times its input rows: [G, N, K] bf16, from both
+    operands' bytes in the 16-aligned token buffer of the Note (``qdy_t`` [N, width], ``qx_t``
+    [K, width], ``GroupedBytes.padded_t``)."""
+    n, width = qdy_t.shape
+    k = qx_t.shape[0]
     ends = _padded_ends(offs)
     ends = torch.cat([ends[:-1], ends.new_full((1,), width)])  # the tail (zeros) to the last group
-    return scaled_grouped_mm(a, b, inv_dy.repeat_interleave(n), inv_x.repeat_interleave(k), ends)
+    return scaled_grouped_mm(qdy_t, qx_t.t(), inv_dy.repeat_interleave(n), inv_x.repeat_interleave(k), ends,
+                             fast_accum=BACKWARD_FAST_ACCUM)
+
+
+def buffer_width(tokens: int, groups: int) -> int:
+    """Token columns of the weight gradient's buffer: room for every group padded to 16, a
+    multiple of 16 (the kernel's rule for its dims), known without the groups' sizes."""
+    return -(-(tokens + (ALIGN - 1) * groups) // ALIGN) * ALIGN
 
 
 def _padded_ends(offs: torch.Tensor) -> torch.Tensor:
@@ -177,7 +192,7 @@ def _padded_ends(offs: torch.Tensor) -> torch.Tensor:
     return torch.cumsum((counts + ALIGN - 1) // ALIGN * ALIGN, 0).to(torch.int32)
 
 
-def _padded_columns(offs: torch.Tensor, group: torch.Tensor, tokens: int) -> torch.Tensor:
+def padded_columns(offs: torch.Tensor, group: torch.Tensor, tokens: int) -> torch.Tensor:
     """Each row's column in the padded buffer: its group's padded start plus its place in the group."""
     ends = _padded_ends(offs)
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
@@ -189,14 +204,9 @@ def _padded_columns(offs: torch.Tensor, group: torch.Tensor, tokens: int) -> tor
 
 def _scatter_columns(q: torch.Tensor, column: torch.Tensor, width: int) -> torch.Tensor:
     """``q`` [T, C] FP8 transposed into the zero buffer [C, width] at ``column`` (by bytes: an
-    FP8 zero is the zero byte)."""
-    return _padded_transpose(q.view(torch.uint8), column, width).view(q.dtype)
-
-
-@fused_on_cuda
-def _padded_transpose(q: torch.Tensor, column: torch.Tensor, width: int) -> torch.Tensor:
-    # Whole rows into the padded rows (contiguous copies), then one transpose.
-    return q.new_zeros(width, q.shape[1]).index_copy_(0, column, q).t().contiguous()
+    FP8 zero is the zero byte). Whole rows into the padded rows, then one transpose."""
+    rows = q.view(torch.uint8).new_zeros(width, q.shape[1]).index_copy_(0, column, q.view(torch.uint8))
+    return rows.t().contiguous().view(q.dtype)
 
 
 # -- where the kernel runs -------------------------------------------------------------------------
@@ -240,9 +250,9 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def three_gemms(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor):
     """(out, dx, dW) of the Note for these high-precision operands, all quantized to e4m3 with
     per-tensor scales per group and per expert."""
-    qx, inv_x, group = quantize_groups(x, E4M3, offs)
-    qdy, inv_dy, _ = quantize_groups(dy, E4M3, offs)
+    qx = quantize_groups(x, E4M3, offs, padded=True)
+    qdy = quantize_groups(dy, E4M3, offs, padded=True)
     qw, inv_w = quantize_experts(w, E4M3)
-    return (forward_gemm(qx, inv_x, group, qw, inv_w, offs),
-            input_grad_gemm(qdy, inv_dy, group, qw.transpose(1, 2).contiguous(), inv_w, offs),
-            weight_grad_gemm(qdy, inv_dy, qx, inv_x, group, offs))
+    return (forward_gemm(qx.data, qx.inv, qx.group, qw, inv_w, offs),
+            input_grad_gemm(qdy.data, qdy.inv, qdy.group, qw.transpose(1, 2).contiguous(), inv_w, offs),
+            weight_grad_gemm(qdy.padded_t, qdy.inv, qx.padded_t, qx.inv, offs))

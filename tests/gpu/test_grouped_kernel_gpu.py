@@ -37,3 +37,29 @@ def test_grouped_kernel_runs_and_matches_group_by_group(fp8_format, monkeypatch)
     for a, b in zip(*results):
         assert ((a - b).norm() / b.norm()).item() < 1e-2
     assert (results[0][2][[0, 4]] == 0).all()  # empty groups: no weight gradient
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_triton_group_cast_is_the_torch_reference_bit_for_bit(fp8):
+    from fsdp8.fp8 import triton_grouped
+    from fsdp8.fp8.formats import amax_to_scale
+    from fsdp8.fp8.kernels import saturate_cast
+
+    assert triton_grouped.runs_on(torch.zeros(1, device="cuda", dtype=torch.bfloat16))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    sizes = [0, 130, 1, 0, 77, 300]
+    offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    x = (torch.randn(sum(sizes), 200, device="cuda", generator=g) * torch.logspace(-3, 3, 200, device="cuda")).bfloat16()
+    x[5, 7], x[140, 3] = float("nan"), float("inf")  # a NaN and an infinity keep their groups' scales as torch makes them
+    group = grouped_kernel.group_of_rows(offs, sum(sizes))
+    scale = amax_to_scale(grouped_kernel.group_amax(x, group, len(sizes)), fp8)
+    column = grouped_kernel.padded_columns(offs, group, sum(sizes))
+    width = grouped_kernel.buffer_width(sum(sizes), len(sizes))
+    q, qt = triton_grouped.group_cast(x, scale, group, fp8, column, width)
+    want = saturate_cast(x, scale[group][:, None], fp8)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(qt.view(torch.uint8), grouped_kernel._scatter_columns(want, column, width).view(torch.uint8))
+    w = torch.randn(5, 48, 96, device="cuda", generator=g).bfloat16()
+    data, inv = grouped_kernel.quantize_experts(w, fp8)  # the kernel, each expert's rows one group
+    want_scale = amax_to_scale(w.float().abs().amax(dim=(1, 2)), fp8)
+    assert torch.equal(data.view(torch.uint8), saturate_cast(w, want_scale[:, None, None], fp8).view(torch.uint8))
