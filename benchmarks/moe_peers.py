@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
 import traceback
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_report import environment, fmt, markdown_table, write_json  # noqa: E402
 from peer_stacks import Built, Context, _compile_layers, _short, build_fsdp2, plain_optimizer  # noqa: E402
-from peers import GIB, Result, _all_reduce, init_process_group, release, run_steps  # noqa: E402
+from peers import Result, add_run_arguments, init_process_group, record_steps, release  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -247,18 +246,7 @@ def measure(spec: MoeSpec, stack: str, ctx: Context, result: Result) -> None:
     result.flops_per_token = 6 * spec.active_params + 12 * spec.layers * spec.hidden * spec.seq
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    losses, step_ms, wall_ms, result.host = run_steps(built, batches, ctx)
-    mean_losses = [x / ctx.world for x in _all_reduce([x.item() for x in losses], dist.ReduceOp.SUM, ctx)]
-    result.losses = [round(x, 5) for x in mean_losses]
-    result.loss_first, result.loss_last = mean_losses[0], mean_losses[-1]
-    median, wall = _all_reduce([statistics.median(step_ms), wall_ms], dist.ReduceOp.MAX, ctx)
-    result.step_ms_median, result.step_ms_mean_wall = median, wall
-    result.step_ms_all = [round(x, 3) for x in step_ms]
-    result.tokens_per_s_per_gpu = spec.micro_batch * spec.seq / (median / 1e3)
-    if ctx.device.type == "cuda":
-        result.mfu = result.tokens_per_s_per_gpu * result.flops_per_token / (ctx.args.peak_tflops * 1e12)
-        peaks = [torch.cuda.max_memory_allocated(ctx.device), torch.cuda.max_memory_reserved(ctx.device)]
-        result.peak_alloc_gib, result.peak_reserved_gib = (x / GIB for x in _all_reduce(peaks, dist.ReduceOp.MAX, ctx))
+    record_steps(built, batches, ctx, result, tokens_per_gpu=spec.micro_batch * spec.seq)
     report = getattr(built.model, "memory_report", None)
     if callable(report):
         result.memory_report = str(report())
@@ -271,13 +259,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stacks", default="fsdp8-ep,fsdp8-ep-fp8,fsdp2,torchtitan-ep",
                    help="comma list of " + ", ".join(STACK_NAMES))
     p.add_argument("--ep", type=int, default=0, help="expert-parallel degree of the -ep stacks (default: the world)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H200 SXM: 989)")
-    p.add_argument("--timeout-s", type=int, default=300)
+    add_run_arguments(p)
     p.add_argument("--out", default="runs/moe.json")
     args = p.parse_args(argv)
     args.stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]

@@ -120,10 +120,8 @@ class Result:
 # ----------------------------------------------------------------------------- setup
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", "--model", dest="models", default="A", help="comma list of A, B, tiny")
-    p.add_argument("--stacks", default=",".join(STACKS), help="comma list of " + ", ".join(ALL_STACKS))
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of a timed run that every peer benchmark takes (peers.py, moe_peers.py)."""
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
@@ -132,6 +130,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H200 SXM: 989)")
     p.add_argument("--timeout-s", type=int, default=300,
                    help="collective timeout, so a broken stack cannot hang the run")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", "--model", dest="models", default="A", help="comma list of A, B, tiny")
+    p.add_argument("--stacks", default=",".join(STACKS), help="comma list of " + ", ".join(ALL_STACKS))
+    add_run_arguments(p)
     p.add_argument("--hsdp-replicate", type=int, default=2,
                    help="replica groups R of the HSDP stacks (mesh R x world/R)")
     p.add_argument("--tp", type=int, default=2,
@@ -310,6 +315,23 @@ def _all_reduce(values: list[float], op, ctx: Context) -> list[float]:
     return t.tolist()
 
 
+def record_steps(built: Built, batches: list[torch.Tensor], ctx: Context, result: Result, tokens_per_gpu: float) -> None:
+    """Train and time ``batches`` (run_steps) and fill ``result``: the ranks' mean losses, the
+    slowest rank's median step, tokens/s per GPU (``tokens_per_gpu`` a step), MFU and peaks."""
+    losses, step_ms, wall_ms, result.host = run_steps(built, batches, ctx)
+    mean_losses = [x / ctx.world for x in _all_reduce([x.item() for x in losses], dist.ReduceOp.SUM, ctx)]
+    result.losses = [round(x, 5) for x in mean_losses]
+    result.loss_first, result.loss_last = mean_losses[0], mean_losses[-1]
+    median, wall = _all_reduce([statistics.median(step_ms), wall_ms], dist.ReduceOp.MAX, ctx)
+    result.step_ms_median, result.step_ms_mean_wall = median, wall
+    result.step_ms_all = [round(x, 3) for x in step_ms]
+    result.tokens_per_s_per_gpu = tokens_per_gpu / (median / 1e3)
+    if ctx.device.type == "cuda":
+        result.mfu = result.tokens_per_s_per_gpu * result.flops_per_token / (ctx.args.peak_tflops * 1e12)
+        peaks = [torch.cuda.max_memory_allocated(ctx.device), torch.cuda.max_memory_reserved(ctx.device)]
+        result.peak_alloc_gib, result.peak_reserved_gib = (x / GIB for x in _all_reduce(peaks, dist.ReduceOp.MAX, ctx))
+
+
 def measure(spec: ModelSpec, stack: str, ctx: Context, result: Result) -> None:
     """Build, train and time one stack on one model; fill `result`."""
     tp = tp_degree(stack, ctx)
@@ -323,19 +345,8 @@ def measure(spec: ModelSpec, stack: str, ctx: Context, result: Result) -> None:
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)  # peak of training, not of the full-model init
 
-    losses, step_ms, wall_ms, result.host = run_steps(built, batches, ctx)
-
-    mean_losses = [x / ctx.world for x in _all_reduce([x.item() for x in losses], dist.ReduceOp.SUM, ctx)]
-    result.losses = [round(x, 5) for x in mean_losses]
-    result.loss_first, result.loss_last = mean_losses[0], mean_losses[-1]
-    median, wall = _all_reduce([statistics.median(step_ms), wall_ms], dist.ReduceOp.MAX, ctx)
-    result.step_ms_median, result.step_ms_mean_wall = median, wall
-    result.step_ms_all = [round(x, 3) for x in step_ms]
-    result.tokens_per_s_per_gpu = group_rows(spec, ctx, tp) * spec.seq / tp / (median / 1e3)  # a TP group shares its batch
-    if ctx.device.type == "cuda":
-        result.mfu = result.tokens_per_s_per_gpu * result.flops_per_token / (ctx.args.peak_tflops * 1e12)
-        peaks = [torch.cuda.max_memory_allocated(ctx.device), torch.cuda.max_memory_reserved(ctx.device)]
-        result.peak_alloc_gib, result.peak_reserved_gib = (x / GIB for x in _all_reduce(peaks, dist.ReduceOp.MAX, ctx))
+    # A TP group shares its batch.
+    record_steps(built, batches, ctx, result, tokens_per_gpu=group_rows(spec, ctx, tp) * spec.seq / tp)
     # Extra steps, not in the timings (peer_probes.py).
     def step():
         return train_step(built, batches[-1], ctx)

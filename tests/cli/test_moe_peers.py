@@ -2,29 +2,16 @@
 expert parallelism (ep 2) and torch FSDP2 without it train the same Qwen3-MoE steps from the same
 initial weights; torchtitan's stack says why it cannot run here."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.cli.benchmark_runs import torchrun_benchmark
 
 
 def test_moe_stacks_of_the_peer_benchmark_agree(tmp_path):
     pytest.importorskip("transformers")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    out = tmp_path / "moe.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(REPO / "benchmarks" / "moe_peers.py"), "--model", "tiny", "--device", "cpu",
-                           "--warmup", "1", "--steps", "2", "--stacks", "fsdp8-ep,fsdp8-ep-fp8-e4m3,fsdp2,torchtitan-ep",
-                           "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = {r["stack"]: r for r in json.loads(out.read_text())["results"]}
+    results = torchrun_benchmark("moe_peers.py", ["--model", "tiny", "--device", "cpu", "--warmup", "1", "--steps", "2",
+                                                  "--stacks", "fsdp8-ep,fsdp8-ep-fp8-e4m3,fsdp2,torchtitan-ep",
+                                                  "--out", tmp_path / "moe.json"], tmp_path)
     ep, fp8, fsdp2 = results["fsdp8-ep"], results["fsdp8-ep-fp8-e4m3"], results["fsdp2"]
     assert [r["status"] for r in (ep, fp8, fsdp2)] == ["ok"] * 3, [r["error"] for r in (ep, fp8, fsdp2)]
     assert ep["mesh"] == fp8["mesh"] == "2 (ep 2)" and fsdp2["mesh"] == "2 (ep 1)"

@@ -6,28 +6,19 @@ five decimals; a gradient either engine got wrong (a replicated norm's, say) wou
 by the second step."""
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.cli.benchmark_runs import REPO, torchrun_benchmark
 
 
 def test_tp_stacks_of_the_peer_benchmark_agree(tmp_path):
     pytest.importorskip("transformers")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    out = tmp_path / "peers.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(REPO / "benchmarks" / "peers.py"), "--models", "tiny", "--device", "cpu", "--warmup", "1",
-                           "--steps", "3", "--stacks", "fsdp8-tp,fsdp2-tp,torchao-tp-fp8", "--out", str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = {r["stack"]: r for r in json.loads(out.read_text())["results"]}
+    results = torchrun_benchmark("peers.py", ["--models", "tiny", "--device", "cpu", "--warmup", "1", "--steps", "3",
+                                              "--stacks", "fsdp8-tp,fsdp2-tp,torchao-tp-fp8",
+                                              "--out", tmp_path / "peers.json"], tmp_path)
     fsdp8_tp, fsdp2_tp = results["fsdp8-tp"], results["fsdp2-tp"]
     assert (fsdp8_tp["status"], fsdp2_tp["status"]) == ("ok", "ok"), (fsdp8_tp["error"], fsdp2_tp["error"])
     assert fsdp8_tp["mesh"] == fsdp2_tp["mesh"] == "1 dp x 2 tp"
@@ -45,17 +36,10 @@ def test_compiled_fp8_tp_stack_of_the_peer_benchmark(tmp_path):
     # --host-profile writes every rank's profile: the slowest host, not rank 0's, sets a
     # collective-bound step.
     pytest.importorskip("transformers")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    out, host = tmp_path / "peers.json", tmp_path / "host"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(REPO / "benchmarks" / "peers.py"), "--models", "tiny", "--device", "cpu", "--warmup", "1",
-                           "--steps", "3", "--stacks", "fsdp8-tp-fp8-compile", "--out", str(out),
-                           "--host-profile", str(host)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    [result] = json.loads(out.read_text())["results"]
+    host = tmp_path / "host"
+    [result] = torchrun_benchmark("peers.py", ["--models", "tiny", "--device", "cpu", "--warmup", "1", "--steps", "3",
+                                               "--stacks", "fsdp8-tp-fp8-compile", "--out", tmp_path / "peers.json",
+                                               "--host-profile", host], tmp_path, timeout=600).values()
     assert result["status"] == "ok" and result["mesh"] == "1 dp x 2 tp", result["error"]
     assert result["losses"][-1] < result["losses"][0]
     profiles = sorted(p.name for p in host.iterdir())
