@@ -183,8 +183,11 @@ class Fp8GroupedMm(torch.autograd.Function):
             qx = quantize_groups(x, recipe.fwd_dtype, offs,
                                  padded=ctx.needs_input_grad[1] and recipe.bwd_dtype == E4M3)
             w, inv_w = (weight._data, weight._scale_inv) if gathered else quantize_experts(weight.to(dtype), recipe.fwd_dtype)
-            ctx.kernel_operands = (qx, w, inv_w)
-            return grouped_kernel.forward_gemm(qx.data, qx.inv, qx.group, w, inv_w, offs)
+            out = grouped_kernel.forward_gemm(qx.data, qx.inv, qx.group, w, inv_w, offs)
+            # A backward in the kernel reads the input only through the padded buffer: the
+            # row-major bytes are not kept for it.
+            ctx.kernel_operands = (qx if qx.padded_t is None else qx._replace(data=None), w, inv_w)
+            return out
         groups = bounds.get()
         qx = grouped_rows(x, recipe.fwd_dtype, recipe.x_granularity, offs, groups)
         qw = weight.matrices() if gathered else grouped_weights(weight.detach().to(dtype).contiguous(),
