@@ -41,6 +41,7 @@ opaque call inside a compiled block).
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
@@ -177,6 +178,8 @@ class Fp8GroupedMm(torch.autograd.Function):
         ctx.offs, ctx.bounds, ctx.recipe, ctx.dtype, ctx.weight_dtype, ctx.k = offs, bounds, recipe, dtype, weight.dtype, x.shape[1]
         ctx.gathered = weight if gathered else None  # its transposes are made once per gather
         ctx.one_kernel = one_kernel(x, weight, recipe)
+        if ctx.one_kernel and recipe.bwd_dtype != E4M3:
+            _warn_hybrid_backward(recipe)
         if ctx.one_kernel:
             # The weight gradient's operand (the bytes in the padded token buffer) made in the same
             # pass, where the backward will run in the kernel too.
@@ -240,6 +243,20 @@ def _backward_by_group(ctx, dy: torch.Tensor):
         qdy_t = transposed_groups(qdy, dy, recipe.bwd_dtype, recipe.g_granularity, bounds)
         dw = per_group_products(qdy_t, ctx.qx_t, (dy.shape[1], ctx.k), dtype, recipe, dy.device)
     return dx, dw
+
+
+_WARNED_HYBRID = []
+
+
+def _warn_hybrid_backward(recipe: Recipe) -> None:
+    """Once per process: e5m2 gradients keep the experts' backward GEMMs group by group."""
+    if not _WARNED_HYBRID:
+        _WARNED_HYBRID.append(True)
+        warnings.warn(f"fsdp8: FP8 experts under {type(recipe).__name__}(fp8_format={recipe.fp8_format!r}) run their "
+                      "forward in one grouped FP8 kernel but their backward expert by expert (the kernel takes e4m3 "
+                      "operands only; these gradients are e5m2), several times slower; "
+                      f"{type(recipe).__name__}(fp8_format='e4m3') runs the backward in the kernel too", RuntimeWarning,
+                      stacklevel=3)
 
 
 def _check_gathered(weight: Float8Tensor, recipe: Recipe) -> None:

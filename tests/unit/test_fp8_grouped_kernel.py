@@ -2,6 +2,8 @@
 CPU through the kernel's emulation: the layouts, scales and padded weight-gradient buffer it is fed
 give what the group-by-group path gives, without reading the group sizes on the host."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -58,6 +60,23 @@ def test_one_kernel_gives_the_group_by_group_results(recipe, weight, monkeypatch
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -8, atol=0)
     assert (got[0] != 0).any() and (got[-1] != 0).any()  # not vacuously equal
+
+
+def test_hybrid_gradients_say_once_that_the_backward_goes_expert_by_expert(monkeypatch):
+    from fsdp8.fp8 import grouped
+
+    monkeypatch.setattr(grouped, "_WARNED_HYBRID", [])
+    x, w, dy = operands()
+    with pytest.warns(RuntimeWarning, match="fp8_format='e4m3'"):
+        run(x, w, dy, Float8CurrentScaling(), True, monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per process; e4m3 and the group-by-group path say nothing
+        run(x, w, dy, Float8CurrentScaling(), True, monkeypatch)
+        run(x, w, dy, Float8CurrentScaling(fp8_format="e4m3"), True, monkeypatch)
+    monkeypatch.setattr(grouped, "_WARNED_HYBRID", [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(x, w, dy, Float8CurrentScaling(), False, monkeypatch)
 
 
 def test_one_kernel_reads_no_group_sizes_on_the_host(monkeypatch):
