@@ -49,7 +49,9 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_report import environment, fmt, markdown_table, write_json  # noqa: E402
 from peer_stacks import Built, Context, _compile_layers, _short, build_fsdp2, plain_optimizer  # noqa: E402
-from peers import Result, add_run_arguments, init_process_group, record_steps, release  # noqa: E402
+from peers import (  # noqa: E402
+    Result, add_probe_arguments, add_run_arguments, init_process_group, probe_and_report, record_steps, release,
+)
 
 
 @dataclass(frozen=True)
@@ -247,10 +249,7 @@ def measure(spec: MoeSpec, stack: str, ctx: Context, result: Result) -> None:
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     record_steps(built, batches, ctx, result, tokens_per_gpu=spec.micro_batch * spec.seq)
-    report = getattr(built.model, "memory_report", None)
-    if callable(report):
-        result.memory_report = str(report())
-    result.note = "; ".join(built.notes)
+    probe_and_report(built, batches[-1], f"{spec.name}-{stack}", f"{stack}, model {spec.name}", ctx, result)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -260,6 +259,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list of " + ", ".join(STACK_NAMES))
     p.add_argument("--ep", type=int, default=0, help="expert-parallel degree of the -ep stacks (default: the world)")
     add_run_arguments(p)
+    add_probe_arguments(p)
     p.add_argument("--out", default="runs/moe.json")
     args = p.parse_args(argv)
     args.stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]

@@ -132,6 +132,23 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="collective timeout, so a broken stack cannot hang the run")
 
 
+def add_probe_arguments(p: argparse.ArgumentParser) -> None:
+    """The probes run after the timed steps (probe_and_report), every peer benchmark's."""
+    p.add_argument("--profile", default="",
+                   help="directory: after timing, profile one more step of each stack and write where its "
+                        "GPU time went (fsdp8/app/bench/step_profile.py; rank 0's trace kept as .json.gz)")
+    p.add_argument("--profile-top", type=int, default=20, help="kernels listed by --profile, costliest first")
+    p.add_argument("--host-profile", default="",
+                   help="directory: after timing, run 3 more steps under cProfile and write where the host's time "
+                        "went (Python functions by own time; the step is host-bound when the GPU idles)")
+    p.add_argument("--host-syncs", default="",
+                   help="directory: after timing, run one more step under torch.cuda.set_sync_debug_mode('warn') and "
+                        "write, for every rank, each call that made its host wait for the GPU and where it came from")
+    p.add_argument("--memory-peak", default="",
+                   help="directory: after timing, record one more step's allocations and write what is alive at "
+                        "its peak, by where it was allocated (fsdp8/app/bench/memory_peak.py)")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", "--model", dest="models", default="A", help="comma list of A, B, tiny")
@@ -146,10 +163,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="feed each tensor-parallel group tp times the model's micro-batch, so that each GPU of a TP "
                         "stack has the tokens of a GPU of the dp stacks (a like-for-like TP cost); default: a TP "
                         "group trains one micro-batch")
-    p.add_argument("--profile", default="",
-                   help="directory: after timing, profile one more step of each stack and write where its "
-                        "GPU time went (fsdp8/app/bench/step_profile.py; rank 0's trace kept as .json.gz)")
-    p.add_argument("--profile-top", type=int, default=20, help="kernels listed by --profile, costliest first")
+    add_probe_arguments(p)
     p.add_argument("--compile-mode", default=None,
                    help="torch.compile's mode for every compiled stack's layers (e.g. reduce-overhead: CUDA graphs, "
                         "each step marked with cudagraph_mark_step_begin)")
@@ -157,15 +171,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="for every stack, replace transformers' per-forward packed-sequence check (a device-to-host "
                         "sync at the start of each forward: py-spy found the host waiting there most of a step) by "
                         "its answer for these unpacked batches (fsdp8.models.hf_adapter.skip_packed_sequence_check)")
-    p.add_argument("--host-profile", default="",
-                   help="directory: after timing, run 3 more steps under cProfile and write where the host's time "
-                        "went (Python functions by own time; the step is host-bound when the GPU idles)")
-    p.add_argument("--host-syncs", default="",
-                   help="directory: after timing, run one more step under torch.cuda.set_sync_debug_mode('warn') and "
-                        "write, for every rank, each call that made its host wait for the GPU and where it came from")
-    p.add_argument("--memory-peak", default="",
-                   help="directory: after timing, record one more step's allocations and write what is alive at "
-                        "its peak, by where it was allocated (fsdp8/app/bench/memory_peak.py)")
     p.add_argument("--inductor", default="",
                    help="comma list of torch._inductor.config settings for every compiled stack, e.g. "
                         "triton.tile_reductions=1 (values 0/1 are booleans, others ints or strings)")
@@ -347,11 +352,15 @@ def measure(spec: ModelSpec, stack: str, ctx: Context, result: Result) -> None:
 
     # A TP group shares its batch.
     record_steps(built, batches, ctx, result, tokens_per_gpu=group_rows(spec, ctx, tp) * spec.seq / tp)
-    # Extra steps, not in the timings (peer_probes.py).
-    def step():
-        return train_step(built, batches[-1], ctx)
+    probe_and_report(built, batches[-1], f"{spec.name}-{stack}", f"{stack}, model {spec.name}", ctx, result)
 
-    stem, label = f"{spec.name}-{stack}", f"{stack}, model {spec.name}"
+
+def probe_and_report(built: Built, batch: torch.Tensor, stem: str, label: str, ctx: Context, result: Result) -> None:
+    """After the timed steps: the probes the arguments ask for (peer_probes.py; extra steps, not in
+    the timings), then the model's memory report and the stack's notes into ``result``."""
+    def step():
+        return train_step(built, batch, ctx)
+
     if ctx.args.profile and ctx.device.type == "cuda":
         peer_probes.profile_one_step(step, ctx.args.profile, stem, label, ctx)
     if ctx.args.host_profile:
