@@ -37,7 +37,6 @@ import argparse
 import gc
 import json
 import sys
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict
@@ -48,9 +47,9 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_report import environment, fmt, markdown_table, write_json  # noqa: E402
-from peer_stacks import Built, Context, _compile_layers, _short, build_fsdp2, plain_optimizer  # noqa: E402
+from peer_stacks import Built, Context, _compile_layers, build_fsdp2, plain_optimizer  # noqa: E402
 from peers import (  # noqa: E402
-    Result, add_probe_arguments, add_run_arguments, init_process_group, probe_and_report, record_steps, release,
+    Result, add_probe_arguments, add_run_arguments, guarded_run, init_process_group, probe_and_report, record_steps,
 )
 
 
@@ -282,20 +281,8 @@ def main(argv=None) -> None:
     results = []
     for stack in args.stacks:
         result = Result(model=spec.name, stack=stack, status="ok", mesh=f"{ctx.world} (ep {expert_parallel(stack, ctx)})")
-        torch._dynamo.reset()
-        reason = unavailable(stack, ctx)
-        try:
-            if reason is not None:
-                result.status, result.note = "skipped", reason
-            else:
-                measure(spec, stack, ctx, result)
-        except Exception as err:  # report and go on with the next stack
-            result.status, result.note, result.error = "failed", _short(err), traceback.format_exc()
-            if ctx.rank == 0:
-                print(f"[moe] {stack} failed:\n{result.error}", file=sys.stderr, flush=True)
-        release(ctx)
-        dist.barrier()
-        results.append(result)
+        results.append(guarded_run(result, unavailable(stack, ctx), lambda: measure(spec, stack, ctx, result), ctx,
+                                   f"[moe] {stack}"))
         if ctx.rank == 0:
             print(f"[moe] {stack}: {result.status} {fmt(result.tokens_per_s_per_gpu, ',.0f')} tok/s/GPU, peak "
                   f"{fmt(result.peak_alloc_gib, '.2f')} GiB {result.note}; host {json.dumps(result.host)}", flush=True)

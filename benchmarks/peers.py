@@ -50,6 +50,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -388,7 +389,15 @@ def release(ctx: Context) -> int:
 
 def run_stack(spec: ModelSpec, stack: str, ctx: Context) -> Result:
     result = Result(model=spec.name, stack=stack, status="ok", mesh=mesh_label(stack, ctx))
-    reason = unavailable_reason(stack, ctx)
+    return guarded_run(result, unavailable_reason(stack, ctx), lambda: measure(spec, stack, ctx, result), ctx,
+                       f"[peers] {stack} on model {spec.name}")
+
+
+def guarded_run(result: Result, reason: str | None, measure_stack: Callable[[], None], ctx: Context,
+                what: str) -> Result:
+    """``measure_stack()`` filling ``result``, unless ``reason`` says why the stack cannot run here
+    (then "skipped"); a failure is reported and recorded ("failed"), and the next stack runs. The
+    stack's memory is released and every rank waits for the others after it."""
     if reason is not None:
         result.status, result.note = "skipped", reason
         return result
@@ -397,11 +406,11 @@ def run_stack(spec: ModelSpec, stack: str, ctx: Context) -> Result:
     # recompiled dynamic-shape graph.
     torch._dynamo.reset()
     try:
-        measure(spec, stack, ctx, result)
+        measure_stack()
     except Exception as err:  # report and go on with the next stack
         result.status, result.note, result.error = "failed", _short(err), traceback.format_exc()
         if ctx.rank == 0:
-            print(f"[peers] {stack} on model {spec.name} failed:\n{result.error}", file=sys.stderr, flush=True)
+            print(f"{what} failed:\n{result.error}", file=sys.stderr, flush=True)
     left = release(ctx)
     if left > LEAK_WARN_BYTES:
         result.note = "; ".join(filter(None, [result.note, f"{left / GIB:.2f} GiB still allocated after teardown"]))
