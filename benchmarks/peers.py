@@ -50,9 +50,9 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist

@@ -156,20 +156,21 @@ def per_group_products(qa_t: List[Optional[Quantized]], qb_t: List[Optional[Quan
     return torch.stack([zero if a is None else fp8_mm(a, b, dtype, recipe) for a, b in zip(qa_t, qb_t)])
 
 
-def one_kernel(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe) -> bool:
+def one_kernel(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, recipe: Recipe) -> bool:
     """Whether this call's GEMMs run as one grouped kernel each ([Note: FP8 experts in one grouped
-    kernel]): per-tensor scales, a bf16 model, dims the kernel takes, a device where it works."""
-    return (recipe.x_granularity is Granularity.TENSOR and recipe.w_granularity is Granularity.TENSOR
-            and x.dtype == torch.bfloat16 and x.shape[1] % 16 == 0 and weight.shape[1] % 16 == 0
-            and grouped_kernel.kernel_runs(x.device))
+    kernel]): per-tensor scales, a bf16 model, dims and offsets the kernel takes, a device where it works."""
+    per_tensor = all(g is Granularity.TENSOR for g in (recipe.x_granularity, recipe.w_granularity, recipe.g_granularity))
+    return (per_tensor and x.dtype == torch.bfloat16 and offs.dtype == torch.int32 and x.shape[1] % 16 == 0
+            and weight.shape[1] % 16 == 0 and grouped_kernel.kernel_runs(x.device))
 
 
 class Fp8GroupedMm(torch.autograd.Function):
     """out = rows of group g of x times weight[g].T, its three GEMMs in FP8 (see [Note: FP8 experts]).
-    Saved for backward: FP8 bytes only (the input, each expert's weight)."""
+    Saved for backward: the operands' FP8 bytes and scales (and, in the kernel's forward, each
+    row's group), never their high-precision values."""
 
     @staticmethod
-    def forward(ctx, x, weight, offs, recipe: Recipe, bounds: GroupBounds):
+    def forward(ctx, x, weight, offs, recipe: Recipe, bounds: GroupBounds, grad_enabled: bool):
         dtype = x.dtype
         x = x.detach().contiguous()
         gathered = isinstance(weight, Float8Tensor)  # the engine's bytes (see the Note)
@@ -177,19 +178,20 @@ class Fp8GroupedMm(torch.autograd.Function):
             _check_gathered(weight, recipe)
         ctx.offs, ctx.bounds, ctx.recipe, ctx.dtype, ctx.weight_dtype, ctx.k = offs, bounds, recipe, dtype, weight.dtype, x.shape[1]
         ctx.gathered = weight if gathered else None  # its transposes are made once per gather
-        ctx.one_kernel = one_kernel(x, weight, recipe)
-        if ctx.one_kernel and recipe.bwd_dtype != E4M3:
+        ctx.one_kernel = one_kernel(x, weight, offs, recipe)
+        if ctx.one_kernel and grad_enabled and recipe.bwd_dtype != E4M3:
             _warn_hybrid_backward(recipe)
         if ctx.one_kernel:
+            weight_grad = grad_enabled and ctx.needs_input_grad[1]
             # The weight gradient's operand (the bytes in the padded token buffer) made in the same
             # pass, where the backward will run in the kernel too.
-            qx = quantize_groups(x, recipe.fwd_dtype, offs,
-                                 padded=ctx.needs_input_grad[1] and recipe.bwd_dtype == E4M3)
+            qx = quantize_groups(x, recipe.fwd_dtype, offs, padded=weight_grad and recipe.bwd_dtype == E4M3)
             w, inv_w = (weight._data, weight._scale_inv) if gathered else quantize_experts(weight.to(dtype), recipe.fwd_dtype)
             out = grouped_kernel.forward_gemm(qx.data, qx.inv, qx.group, w, inv_w, offs)
-            # A backward in the kernel reads the input only through the padded buffer: the
-            # row-major bytes are not kept for it.
-            ctx.kernel_operands = (qx if qx.padded_t is None else qx._replace(data=None), w, inv_w)
+            # Kept for backward: the input only where the weight's gradient reads it, and then as
+            # that GEMM reads it (in the kernel: the padded buffer alone).
+            kept = None if not weight_grad else qx if qx.padded_t is None else qx._replace(data=None, group=None)
+            ctx.kernel_operands = (kept, w, inv_w)
             return out
         groups = bounds.get()
         qx = grouped_rows(x, recipe.fwd_dtype, recipe.x_granularity, offs, groups)
@@ -209,7 +211,7 @@ class Fp8GroupedMm(torch.autograd.Function):
         else:
             dx, dw = _backward_by_group(ctx, dy)
         ctx.qx_t = ctx.qw = ctx.gathered = ctx.kernel_operands = None
-        return dx, None if dw is None else dw.to(ctx.weight_dtype), None, None, None
+        return dx, None if dw is None else dw.to(ctx.weight_dtype), None, None, None, None
 
 
 def _backward_in_one_kernel(ctx, dy: torch.Tensor):
@@ -231,7 +233,9 @@ def _backward_by_group(ctx, dy: torch.Tensor):
     bounds = ctx.bounds.get()
     if ctx.one_kernel:  # hybrid gradients: e5m2, which the grouped kernel does not take
         qx, w, inv_w = ctx.kernel_operands
-        ctx.qx_t = transposed_groups(split_by_group(qx.data, qx.inv, bounds), None, recipe.fwd_dtype, Granularity.TENSOR, bounds)
+        if qx is not None:
+            ctx.qx_t = transposed_groups(split_by_group(qx.data, qx.inv, bounds), None, recipe.fwd_dtype,
+                                         Granularity.TENSOR, bounds)
         ctx.qw = split_by_group(w, inv_w, [(g, g + 1) for g in range(w.shape[0])], squeeze=True)
     qdy = grouped_rows(dy, recipe.bwd_dtype, recipe.g_granularity, offs, bounds)
     dx = dw = None
@@ -287,4 +291,4 @@ def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, re
                          f"{tuple(weight.shape)} and {tuple(offs.shape)}")
     if not isinstance(bounds, GroupBounds):
         bounds = GroupBounds(offs, bounds)
-    return Fp8GroupedMm.apply(x, weight, offs, recipe, bounds)
+    return Fp8GroupedMm.apply(x, weight, offs, recipe, bounds, torch.is_grad_enabled())

@@ -82,7 +82,7 @@ def quantize_groups(t: torch.Tensor, fp8_dtype: torch.dtype, offs: torch.Tensor,
     group = group_of_rows(offs, tokens)
     scale = amax_to_scale(group_amax(t, group, groups), fp8_dtype)
     column, width = (padded_columns(offs, group, tokens), buffer_width(tokens, groups)) if padded else (None, 0)
-    if triton_grouped.runs_on(t):
+    if triton_grouped.runs_on(t, width):
         data, padded_t = triton_grouped.group_cast(t.detach(), scale, group, fp8_dtype, column, width)
     else:
         data = saturate_cast(t.detach(), scale[group][:, None], fp8_dtype)
@@ -93,7 +93,7 @@ def quantize_groups(t: torch.Tensor, fp8_dtype: torch.dtype, offs: torch.Tensor,
 def quantize_experts(w: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """Each matrix of ``w`` [E, N, K] quantized with its own scale: (bytes, inverse scales [E])."""
     experts, n, k = w.shape
-    w = w.detach()
+    w = w.detach().contiguous()  # the kernel reads the bytes as stored
     scale = amax_to_scale(torch.linalg.vector_norm(w.reshape(experts, -1), float("inf"), dim=1).float(), fp8_dtype)
     if triton_grouped.runs_on(w):  # each expert's rows a group of rows
         rows_group = torch.arange(experts, device=w.device).repeat_interleave(n)
@@ -133,17 +133,26 @@ def _check_operands(a, b, scale_a, scale_b, offs) -> None:
 
 
 def _emulated(a, b, scale_a, scale_b, offs) -> torch.Tensor:
-    """The kernel's result from exactly dequantized operands and fp32 GEMMs, group by group."""
+    """The kernel's result from exactly dequantized operands and fp32 GEMMs, group by group. It
+    also checks the rules the kernel asserts on the device (a failure there ends the process's
+    CUDA context): the groups end within the rows, and in the 2d-2d form every group but the last
+    starts its tokens on a multiple of 16."""
     ends = offs.tolist()
     starts = [0] + ends[:-1]
+    rows = a.shape[0] if b.dim() == 3 else a.shape[1]
+    if any(e < s for s, e in zip(starts, ends)) or (ends and ends[-1] > rows):
+        raise ValueError(f"grouped FP8 kernel offsets {ends} must rise and end within the {rows} rows")
+    if b.dim() == 2 and any(e % ALIGN for e in ends[:-1]):
+        raise ValueError(f"grouped FP8 kernel 2d-2d offsets {ends}: every group but the last must end on a multiple "
+                         f"of {ALIGN} tokens (pad the groups, as weight_grad_gemm does)")
     af = a.float()
     if b.dim() == 3:
-        out = torch.empty(a.shape[0], b.shape[2], dtype=torch.float32)
+        out = torch.empty(a.shape[0], b.shape[2], dtype=torch.float32, device=a.device)
         for g, (s, e) in enumerate(zip(starts, ends)):
             out[s:e] = (af[s:e] * scale_a[s:e, None]) @ (b[g].float() * scale_b[g][None, :])
         return out.to(torch.bfloat16)
     n, k = a.shape[0], b.shape[1]
-    out = torch.empty(len(ends), n, k, dtype=torch.float32)
+    out = torch.empty(len(ends), n, k, dtype=torch.float32, device=a.device)
     bf = b.float()
     for g, (s, e) in enumerate(zip(starts, ends)):
         out[g] = (af[:, s:e] * scale_a[g * n:(g + 1) * n, None]) @ (bf[s:e] * scale_b[g * k:(g + 1) * k][None, :])
@@ -233,7 +242,7 @@ def _probe(device: torch.device) -> bool:
         got = three_gemms(*(t.to(device) for t in operands))  # the kernel
         want = three_gemms(*operands)  # the emulation
         return max(_relative_error(a, b) for a, b in zip(got, want)) < 1e-2
-    except (RuntimeError, NotImplementedError, TypeError, ValueError) as err:
+    except Exception as err:  # noqa: BLE001 -- whatever breaks (a Triton compile too), the group path runs
         warnings.warn(f"fsdp8: torch._scaled_grouped_mm does not run here ({type(err).__name__}: {err}); FP8 "
                       f"experts multiply group by group", RuntimeWarning, stacklevel=2)
         return False

@@ -1,7 +1,7 @@
 """The Triton kernel of the grouped FP8 experts (fsdp8/fp8/grouped_kernel.py): rows cast to FP8 with
 their group's scale, written row-major and, where asked, transposed into the weight gradient's
 16-aligned token buffer, in one pass over the rows. Bit for bit the torch reference
-(``saturate_cast`` with each row's scale, then ``_padded_transpose``); tests/gpu checks it.
+(``saturate_cast`` with each row's scale, then grouped_kernel's ``_scatter_columns``); tests/gpu checks it.
 
 Measured on an H200 (torch 2.11, 32768 x 2048 bf16 rows, 32 groups): the reference's cast took
 0.37 ms and its padded transpose 0.86 ms (strided copies at ~160 GB/s); tiles of 64 x 64 read
@@ -43,9 +43,14 @@ if triton is not None:
             tl.store(qt_ptr + rk[:, None] * W + col[None, :], tl.trans(q), mask=(rk[:, None] < K) & in_m[None, :])
 
 
-def runs_on(x: torch.Tensor) -> bool:
-    """Whether the kernel takes ``x``: bf16 rows on a GPU with Triton."""
-    return x.is_cuda and x.dtype == torch.bfloat16 and available()
+INDEX_LIMIT = 2 ** 31  # the kernel's offsets are 32-bit
+
+
+def runs_on(x: torch.Tensor, width: int = 0) -> bool:
+    """Whether the kernel takes ``x`` [M, K] (and a transposed buffer [K, ``width``]): bf16 rows on a
+    GPU with Triton, every offset within 32 bits."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() < INDEX_LIMIT
+            and x.shape[-1] * width < INDEX_LIMIT and available())
 
 
 def group_cast(x: torch.Tensor, scale: torch.Tensor, group: torch.Tensor, fp8_dtype: torch.dtype,

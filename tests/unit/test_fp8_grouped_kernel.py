@@ -146,3 +146,43 @@ def test_the_emulated_kernel_refuses_what_the_kernel_refuses():
 
 def test_the_kernel_is_not_used_off_cuda():
     assert not grouped_kernel.kernel_runs(torch.device("cpu"))
+
+
+def test_the_emulated_kernel_refuses_unaligned_token_groups_and_offsets_past_the_rows():
+    a = torch.zeros(16, 48).to(E4M3)  # [N, tokens], row-major
+    b = torch.zeros(32, 48).to(E4M3).t()  # [tokens, K], column-major
+    scale_a, scale_b = torch.ones(2 * 16), torch.ones(2 * 32)
+    assert grouped_kernel.scaled_grouped_mm(a, b, scale_a, scale_b, torch.tensor([16, 48], dtype=torch.int32)).shape == (2, 16, 32)
+    with pytest.raises(ValueError, match="multiple of 16"):  # what weight_grad_gemm's padding exists for
+        grouped_kernel.scaled_grouped_mm(a, b, scale_a, scale_b, torch.tensor([7, 48], dtype=torch.int32))
+    with pytest.raises(ValueError, match="end within"):
+        grouped_kernel.scaled_grouped_mm(a, b, scale_a, scale_b, torch.tensor([16, 64], dtype=torch.int32))
+
+
+def test_without_grad_no_buffer_is_made_and_nothing_is_said(monkeypatch):
+    from fsdp8.fp8 import grouped
+
+    made = []
+    original = grouped.quantize_groups
+    monkeypatch.setattr(grouped, "quantize_groups", lambda *a, **kw: made.append(kw.get("padded")) or original(*a, **kw))
+    monkeypatch.setattr(grouped, "_WARNED_HYBRID", [])
+    monkeypatch.setattr(grouped_kernel, "kernel_runs", lambda device: True)
+    x, w, _ = operands()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = fp8_grouped_mm(x, w.requires_grad_(), offsets(SIZES), Float8CurrentScaling())
+    assert made == [False] and out.shape == (sum(SIZES), N)
+
+
+def test_the_kernel_path_takes_a_transposed_weight_view_and_leaves_int64_offsets_to_the_group_path(monkeypatch):
+    x, w, dy = operands()
+    recipe = Float8CurrentScaling(fp8_format="e4m3")
+    want = run(x, w, dy, recipe, False, monkeypatch)
+    strided = w.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, not contiguous
+    got = run(x, strided, dy, recipe, True, monkeypatch)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -8, atol=0)
+    monkeypatch.setattr(grouped_kernel, "kernel_runs", lambda device: True)
+    from fsdp8.fp8.grouped import one_kernel
+
+    assert one_kernel(x, w, offsets(SIZES), recipe) and not one_kernel(x, w, offsets(SIZES).long(), recipe)
