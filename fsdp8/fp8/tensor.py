@@ -98,9 +98,14 @@ class Float8Tensor(torch.Tensor):
         return self._derived["matrices"]
 
     def transposed_matrices(self) -> List[Quantized]:
-        """Each matrix's transpose, for the input-gradient GEMMs, made once per gather."""
+        """Each matrix's transpose, for the input-gradient GEMMs, made once per gather (per tensor:
+        views of ``transposed_bytes``, one copy for all; blocks: each matrix's own)."""
         if "matrices_t" not in self._derived:
-            self._derived["matrices_t"] = [transpose_of(q) for q in self.matrices()]
+            if self._granularity is Granularity.TENSOR:
+                self._derived["matrices_t"] = [Quantized(t, q.scale_inv, q.granularity)
+                                               for t, q in zip(self.transposed_bytes(), self.matrices())]
+            else:
+                self._derived["matrices_t"] = [transpose_of(q) for q in self.matrices()]
         return self._derived["matrices_t"]
 
     def transposed_bytes(self) -> torch.Tensor:
