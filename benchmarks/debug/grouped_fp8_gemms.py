@@ -35,15 +35,15 @@ def check_each_gemm() -> None:
     offs = torch.tensor([7, 7, 40], dtype=torch.int32)
     want = grouped_kernel.three_gemms(x, w, dy, offs)
     cuda = [t.cuda() for t in (x, w, dy, offs)]
-    qx = grouped_kernel.quantize_groups(cuda[0], E4M3, cuda[3], padded=True)
-    qdy = grouped_kernel.quantize_groups(cuda[2], E4M3, cuda[3], padded=True)
+    groups = grouped_kernel.Groups(cuda[3])
+    qx = grouped_kernel.quantize_groups(cuda[0], E4M3, groups, padded=True)
+    qdy = grouped_kernel.quantize_groups(cuda[2], E4M3, groups, padded=True)
     qw, inv_w = grouped_kernel.quantize_experts(cuda[1], E4M3)
     calls = {
-        "forward (2d-3d)": lambda: grouped_kernel.forward_gemm(qx.data, qx.inv, qx.group, qw, inv_w, cuda[3]),
-        "input grad (2d-3d)": lambda: grouped_kernel.input_grad_gemm(qdy.data, qdy.inv, qdy.group,
-                                                                     qw.transpose(1, 2).contiguous(), inv_w, cuda[3]),
-        "weight grad (2d-2d)": lambda: grouped_kernel.weight_grad_gemm(qdy.padded_t, qdy.inv, qx.padded_t, qx.inv,
-                                                                       cuda[3]),
+        "forward (2d-3d)": lambda: grouped_kernel.forward_gemm(qx, qw, inv_w, groups),
+        "input grad (2d-3d)": lambda: grouped_kernel.input_grad_gemm(qdy, qw.transpose(1, 2).contiguous(), inv_w,
+                                                                     groups),
+        "weight grad (2d-2d)": lambda: grouped_kernel.weight_grad_gemm(qdy, qx, groups, x.shape[0]),
     }
     for (name, call), ref in zip(calls.items(), want):
         try:
@@ -121,8 +121,10 @@ def kernels_alone(tokens: int, experts: int, n: int, k: int) -> None:
     x = torch.randn(tokens, k, device="cuda", generator=g, dtype=torch.bfloat16)
     w = (torch.randn(experts, n, k, device="cuda", generator=g) * 0.02).bfloat16()
     dy = torch.randn(tokens, n, device="cuda", generator=g, dtype=torch.bfloat16)
-    qx_b, qdy_b = grouped_kernel.quantize_groups(x, E4M3, offs), grouped_kernel.quantize_groups(dy, E4M3, offs)
-    qx, inv_x, group, qdy, inv_dy = qx_b.data, qx_b.inv, qx_b.group, qdy_b.data, qdy_b.inv
+    groups = grouped_kernel.Groups(offs)
+    qx_b, qdy_b = grouped_kernel.quantize_groups(x, E4M3, groups), grouped_kernel.quantize_groups(dy, E4M3, groups)
+    group = groups.row_group(tokens)
+    qx, inv_x, qdy, inv_dy = qx_b.data, qx_b.inv, qdy_b.data, qdy_b.inv
     qw, inv_w = grouped_kernel.quantize_experts(w, E4M3)
     qw_t = qw.transpose(1, 2).contiguous()
     sa_x, sa_dy = inv_x[group].contiguous(), inv_dy[group].contiguous()
@@ -152,10 +154,9 @@ def kernels_alone(tokens: int, experts: int, n: int, k: int) -> None:
             print(f"| {name} | {ms:.3f} | {gemm_flops / ms / 1e9:.0f} |")
         except Exception as err:  # noqa: BLE001
             print(f"| {name} | failed: {type(err).__name__}: {str(err)[:120]} | |")
-    column = grouped_kernel.padded_columns(offs, group, tokens)
-    width = grouped_kernel.buffer_width(tokens, experts)
-    steps = [("quantize_groups (x)", lambda: grouped_kernel.quantize_groups(x, E4M3, offs)),
-             ("quantize_groups (x), padded too", lambda: grouped_kernel.quantize_groups(x, E4M3, offs, padded=True)),
+    column, _, width = groups.padded(tokens)
+    steps = [("quantize_groups (x)", lambda: grouped_kernel.quantize_groups(x, E4M3, groups)),
+             ("quantize_groups (x), padded too", lambda: grouped_kernel.quantize_groups(x, E4M3, groups, padded=True)),
              ("quantize_experts (w)", lambda: grouped_kernel.quantize_experts(w, E4M3)),
              ("padded transpose in torch (qx)", lambda: grouped_kernel._scatter_columns(qx, column, width)),
              ("eager x.abs().amax(1)", lambda: x.abs().amax(1)),

@@ -24,7 +24,7 @@ Per-tensor scaling of a bf16 model on a GPU whose grouped FP8 kernel works runs 
 GEMM runs group by group through gemm.fp8_mm: torch._scaled_mm where the device has a native FP8 GEMM
 for the recipe, else the exact emulation (dequantize, then an fp32 matmul, fp64 when the model
 computes in fp64). The group sizes are read on the host for that: one synchronisation per layer
-(``GroupBounds``, shared by the experts' GEMMs), where the high-precision grouped_mm on CUDA has none.
+(``Groups``, shared by the experts' GEMMs), where the high-precision grouped_mm on CUDA has none.
 
 Under the sharding engine the weight arrives quantized: the engine gathers an FP8 experts
 module's weights as 8-bit bytes, each expert quantized on the rank that holds it (per-tensor and
@@ -42,7 +42,7 @@ opaque call inside a compiled block).
 from __future__ import annotations
 
 import warnings
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from . import grouped_kernel
 from .formats import E4M3, Granularity, aligned
 from .gemm import fp8_mm
-from .grouped_kernel import quantize_experts, quantize_groups
+from .grouped_kernel import Bounds, Groups, quantize_experts, quantize_groups
 from .kernels import Quantized, quantize, quantize_transposed
 from .recipes import Recipe
 from .tensor import Float8Tensor, transpose_of
@@ -59,8 +59,6 @@ _MARK = "fsdp8_fp8_experts"
 # The 3-D weights an FP8 experts forward passes to fp8_grouped_mm (fsdp8.models.moe.experts_forward,
 # fsdp8.parallel.ep): those the engine may gather as FP8 bytes.
 FP8_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
-
-Bounds = List[Tuple[int, int]]
 
 
 # -- which experts run in FP8 ----------------------------------------------------------------------
@@ -77,35 +75,14 @@ def runs_fp8_experts(module: torch.nn.Module) -> bool:
     return bool(getattr(module.forward, _MARK, False))
 
 
-# -- groups ----------------------------------------------------------------------------------------
-def bounds_of(ends: List[int]) -> Bounds:
-    """(first row, end row) of each group whose end rows (cumulative) are ``ends``."""
-    return list(zip([0] + ends[:-1], ends))
-
-
-class GroupBounds:
-    """The groups' (first, end) rows, read from ``offs`` on the host at most once: the one
-    synchronisation that the experts' GEMMs going group by group share (none if the caller knew
-    them, or if no GEMM goes group by group)."""
-
-    def __init__(self, offs: torch.Tensor, known: Optional[Bounds] = None):
-        self.offs, self._bounds = offs, known
-
-    def get(self) -> Bounds:
-        if self._bounds is None:
-            self._bounds = bounds_of(self.offs.tolist())
-        return self._bounds
-
-
 # -- the operands, one Quantized per group ---------------------------------------------------------
-def grouped_rows(t: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity, offs: torch.Tensor,
-                 bounds: Bounds) -> List[Quantized]:
+def grouped_rows(t: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity, groups: Groups) -> List[Quantized]:
     """Each group's rows of ``t`` [T, K] (contiguous) quantized along K as that group alone would be."""
     if granularity is Granularity.TENSOR:
-        q = quantize_groups(t, fp8_dtype, offs)
-        return split_by_group(q.data, q.inv, bounds)
+        q = quantize_groups(t, fp8_dtype, groups)
+        return split_by_group(q.data, q.inv, groups.bounds())
     q = quantize(t, fp8_dtype, granularity)  # blocks along one row: local to it, hence to its group
-    return [Quantized(q.data[a:b], q.scale_inv[a:b], granularity) for a, b in bounds]
+    return [Quantized(q.data[a:b], q.scale_inv[a:b], granularity) for a, b in groups.bounds()]
 
 
 def split_by_group(data: torch.Tensor, inv: torch.Tensor, bounds: Bounds, squeeze: bool = False) -> List[Quantized]:
@@ -170,35 +147,34 @@ class Fp8GroupedMm(torch.autograd.Function):
     row's group), never their high-precision values."""
 
     @staticmethod
-    def forward(ctx, x, weight, offs, recipe: Recipe, bounds: GroupBounds, grad_enabled: bool):
+    def forward(ctx, x, weight, recipe: Recipe, groups: Groups, grad_enabled: bool):
         dtype = x.dtype
         x = x.detach().contiguous()
         gathered = isinstance(weight, Float8Tensor)  # the engine's bytes (see the Note)
         if gathered:
             _check_gathered(weight, recipe)
-        ctx.offs, ctx.bounds, ctx.recipe, ctx.dtype, ctx.weight_dtype, ctx.k = offs, bounds, recipe, dtype, weight.dtype, x.shape[1]
+        ctx.groups, ctx.recipe, ctx.dtype, ctx.weight_dtype, ctx.k = groups, recipe, dtype, weight.dtype, x.shape[1]
         ctx.gathered = weight if gathered else None  # its transposes are made once per gather
-        ctx.one_kernel = one_kernel(x, weight, offs, recipe)
+        ctx.one_kernel = one_kernel(x, weight, groups.offs, recipe)
         if ctx.one_kernel and grad_enabled and recipe.bwd_dtype != E4M3:
             _warn_hybrid_backward(recipe)
         if ctx.one_kernel:
             weight_grad = grad_enabled and ctx.needs_input_grad[1]
             # The weight gradient's operand (the bytes in the padded token buffer) made in the same
             # pass, where the backward will run in the kernel too.
-            qx = quantize_groups(x, recipe.fwd_dtype, offs, padded=weight_grad and recipe.bwd_dtype == E4M3)
+            qx = quantize_groups(x, recipe.fwd_dtype, groups, padded=weight_grad and recipe.bwd_dtype == E4M3)
             w, inv_w = (weight._data, weight._scale_inv) if gathered else quantize_experts(weight.to(dtype), recipe.fwd_dtype)
-            out = grouped_kernel.forward_gemm(qx.data, qx.inv, qx.group, w, inv_w, offs)
+            out = grouped_kernel.forward_gemm(qx, w, inv_w, groups)
             # Kept for backward: the input only where the weight's gradient reads it, and then as
             # that GEMM reads it (in the kernel: the padded buffer alone).
-            kept = None if not weight_grad else qx if qx.padded_t is None else qx._replace(data=None, group=None)
+            kept = None if not weight_grad else qx if qx.padded_t is None else qx._replace(data=None)
             ctx.kernel_operands = (kept, w, inv_w)
             return out
-        groups = bounds.get()
-        qx = grouped_rows(x, recipe.fwd_dtype, recipe.x_granularity, offs, groups)
+        qx = grouped_rows(x, recipe.fwd_dtype, recipe.x_granularity, groups)
         qw = weight.matrices() if gathered else grouped_weights(weight.detach().to(dtype).contiguous(),
                                                                 recipe.fwd_dtype, recipe.w_granularity)
         out = rows_times_groups(qx, qw, weight.shape[1], dtype, recipe, x.device, fast_accum=True)
-        ctx.qx_t = transposed_groups(qx, x, recipe.fwd_dtype, recipe.x_granularity, groups)
+        ctx.qx_t = transposed_groups(qx, x, recipe.fwd_dtype, recipe.x_granularity, groups.bounds())
         ctx.qw = qw
         return out
 
@@ -211,33 +187,33 @@ class Fp8GroupedMm(torch.autograd.Function):
         else:
             dx, dw = _backward_by_group(ctx, dy)
         ctx.qx_t = ctx.qw = ctx.gathered = ctx.kernel_operands = None
-        return dx, None if dw is None else dw.to(ctx.weight_dtype), None, None, None, None
+        return dx, None if dw is None else dw.to(ctx.weight_dtype), None, None, None
 
 
 def _backward_in_one_kernel(ctx, dy: torch.Tensor):
     qx, w, inv_w = ctx.kernel_operands
-    qdy = quantize_groups(dy, ctx.recipe.bwd_dtype, ctx.offs, padded=ctx.needs_input_grad[1])
+    qdy = quantize_groups(dy, ctx.recipe.bwd_dtype, ctx.groups, padded=ctx.needs_input_grad[1])
     dx = dw = None
     if ctx.needs_input_grad[0]:
         w_t = ctx.gathered.transposed_bytes() if ctx.gathered is not None else w.transpose(1, 2).contiguous()
-        dx = grouped_kernel.input_grad_gemm(qdy.data, qdy.inv, qdy.group, w_t, inv_w, ctx.offs)
+        dx = grouped_kernel.input_grad_gemm(qdy, w_t, inv_w, ctx.groups)
     if ctx.needs_input_grad[1]:
-        dw = grouped_kernel.weight_grad_gemm(qdy.padded_t, qdy.inv, qx.padded_t, qx.inv, ctx.offs)
+        dw = grouped_kernel.weight_grad_gemm(qdy, qx, ctx.groups, dy.shape[0])
     return dx, dw
 
 
 def _backward_by_group(ctx, dy: torch.Tensor):
     """dx and dW group by group (after a forward either way: the one-kernel forward's bytes are
     the per-group operands' bytes, cut by the groups' bounds)."""
-    recipe, dtype, offs = ctx.recipe, ctx.dtype, ctx.offs
-    bounds = ctx.bounds.get()
+    recipe, dtype = ctx.recipe, ctx.dtype
+    bounds = ctx.groups.bounds()
     if ctx.one_kernel:  # hybrid gradients: e5m2, which the grouped kernel does not take
         qx, w, inv_w = ctx.kernel_operands
         if qx is not None:
             ctx.qx_t = transposed_groups(split_by_group(qx.data, qx.inv, bounds), None, recipe.fwd_dtype,
                                          Granularity.TENSOR, bounds)
         ctx.qw = split_by_group(w, inv_w, [(g, g + 1) for g in range(w.shape[0])], squeeze=True)
-    qdy = grouped_rows(dy, recipe.bwd_dtype, recipe.g_granularity, offs, bounds)
+    qdy = grouped_rows(dy, recipe.bwd_dtype, recipe.g_granularity, ctx.groups)
     dx = dw = None
     if ctx.needs_input_grad[0]:
         gathered = ctx.gathered
@@ -272,14 +248,15 @@ def _check_gathered(weight: Float8Tensor, recipe: Recipe) -> None:
 
 @torch.compiler.disable  # group sizes may be read on the host: an opaque call in compiled blocks
 def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, recipe: Recipe,
-                   bounds: Union[Bounds, GroupBounds, None] = None) -> torch.Tensor:
+                   groups: Union[Bounds, Groups, None] = None) -> torch.Tensor:
     """``grouped_mm`` in FP8 under ``recipe``: the rows of group g of ``x`` [T, K] times
     ``weight[g]``.T for ``weight`` [G, N, K] (high precision, or the engine's 3-D Float8Tensor of
     the recipe's bytes and scales), [T, N] in ``x``'s dtype; ``offs`` int32 [G], the
     groups' cumulative row ends (a group may be empty). Each expert is quantized as a dense FP8
-    linear on its own rows, with its own scales (see [Note: FP8 experts]). ``bounds``: the groups'
-    bounds when the caller has them, or a ``GroupBounds`` the experts' two GEMMs share (at most one
-    host read between them); None reads them here if a GEMM goes group by group."""
+    linear on its own rows, with its own scales (see [Note: FP8 experts]). ``groups``: the groups'
+    bounds when the caller has them on the host, or a ``Groups`` of ``offs`` that the experts' GEMMs
+    share (what is derived from ``offs``, the host read included, made once for them all); None:
+    this call's own."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be an fsdp8 FP8 recipe (e.g. Float8CurrentScaling()), got "
                         f"{type(recipe).__name__}")
@@ -289,6 +266,8 @@ def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, re
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2] or offs.shape != weight.shape[:1]:
         raise ValueError(f"fp8_grouped_mm takes x [T, K], weight [G, N, K] and offs [G], got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)} and {tuple(offs.shape)}")
-    if not isinstance(bounds, GroupBounds):
-        bounds = GroupBounds(offs, bounds)
-    return Fp8GroupedMm.apply(x, weight, offs, recipe, bounds, torch.is_grad_enabled())
+    if not isinstance(groups, Groups):
+        groups = Groups(offs, groups)
+    elif groups.offs is not offs:
+        raise ValueError("fp8_grouped_mm got a Groups of other offsets than offs; make it with Groups(offs)")
+    return Fp8GroupedMm.apply(x, weight, recipe, groups, torch.is_grad_enabled())

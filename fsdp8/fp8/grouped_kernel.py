@@ -26,15 +26,15 @@ All three use the kernel's fast accumulation (``BACKWARD_FAST_ACCUM`` says why).
 The kernel takes ``float8_e4m3fn`` operands only and writes bf16: the forward runs in it for bf16
 models; the backward too when the gradients are e4m3 (``fp8_format="e4m3"``). Under "hybrid"
 (e5m2 gradients) the backward GEMMs go group by group through ``torch._scaled_mm``. The kernel is
-probed once per device against the group-by-group path on a problem with uneven and empty groups;
-where it disagrees or fails the group-by-group path runs (see ``kernel_runs``).
+probed once per device against its CPU emulation on a problem with uneven and empty groups; where
+it disagrees or fails the group-by-group path runs (see ``kernel_runs``).
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -52,19 +52,74 @@ _WORKS: Dict[str, bool] = {}
 _LOCK = threading.Lock()
 
 
-# -- quantization by group, on the device ----------------------------------------------------------
-class GroupedBytes(NamedTuple):
-    """Rows quantized with one scale per group."""
+# -- the groups ------------------------------------------------------------------------------------
+Bounds = List[Tuple[int, int]]
 
-    data: torch.Tensor  # [T, K], row-major
-    inv: torch.Tensor  # [G] fp32: each group's inverse scale
-    group: torch.Tensor  # [T]: each row's group
-    padded_t: Optional[torch.Tensor] = None  # [K, width]: the bytes in the weight gradient's token buffer
+
+def bounds_of(ends: List[int]) -> Bounds:
+    """(first row, end row) of each group whose end rows (cumulative) are ``ends``."""
+    return list(zip([0] + ends[:-1], ends))
 
 
 def group_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
     """The group of each of ``rows`` rows, on the device (empty groups own no row)."""
     return torch.searchsorted(offs, torch.arange(rows, dtype=offs.dtype, device=offs.device), right=True)
+
+
+class Groups:
+    """What the experts' GEMMs derive from the groups' cumulative row ends ``offs`` (int32 [G]),
+    each at most once and shared by a layer's GEMMs and their backward (``expert_mlp`` makes one
+    for both projections, whose rows are grouped alike):
+
+    - ``bounds()``: the groups' (first, end) rows on the host: the one synchronisation, made only
+      where a GEMM goes group by group (none where the caller knew them: ``known``);
+    - ``row_group(rows)``: each row's group, on the device;
+    - ``padded(rows)``: the weight gradient's 16-aligned token buffer of the Note: each row's
+      column, the groups' padded ends (the last taking the buffer's zero tail) and the width."""
+
+    def __init__(self, offs: torch.Tensor, known: Optional[Bounds] = None):
+        self.offs, self._bounds = offs, known
+        self._derived: Dict[tuple, object] = {}
+
+    def bounds(self) -> Bounds:
+        if self._bounds is None:
+            self._bounds = bounds_of(self.offs.tolist())
+        return self._bounds
+
+    def row_group(self, rows: int) -> torch.Tensor:
+        key = ("group", rows)
+        if key not in self._derived:
+            self._derived[key] = group_of_rows(self.offs, rows)
+        return self._derived[key]
+
+    def padded(self, rows: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
+        key = ("padded", rows)
+        if key not in self._derived:
+            counts = torch.diff(self.offs, prepend=self.offs.new_zeros(1))
+            padded_counts = (counts + ALIGN - 1) // ALIGN * ALIGN
+            ends = torch.cumsum(padded_counts, 0).to(torch.int32)
+            group = self.row_group(rows)
+            # A row's column: its group's padded start plus its place in the group.
+            column = ((ends - padded_counts).long() - (self.offs - counts).long())[group] + torch.arange(
+                rows, device=self.offs.device)
+            width = buffer_width(rows, self.offs.shape[0])
+            self._derived[key] = (column, torch.cat([ends[:-1], ends.new_full((1,), width)]), width)
+        return self._derived[key]
+
+
+def buffer_width(tokens: int, groups: int) -> int:
+    """Token columns of the weight gradient's buffer: room for every group padded to 16, a
+    multiple of 16 (the kernel's rule for its dims), known without the groups' sizes."""
+    return -(-(tokens + (ALIGN - 1) * groups) // ALIGN) * ALIGN
+
+
+# -- quantization by group, on the device ----------------------------------------------------------
+class GroupedBytes(NamedTuple):
+    """Rows quantized with one scale per group."""
+
+    data: Optional[torch.Tensor]  # [T, K], row-major
+    inv: torch.Tensor  # [G] fp32: each group's inverse scale
+    padded_t: Optional[torch.Tensor] = None  # [K, width]: the bytes in the weight gradient's token buffer
 
 
 def group_amax(t: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
@@ -75,19 +130,19 @@ def group_amax(t: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tenso
     return torch.zeros(groups, dtype=torch.float32, device=t.device).scatter_reduce_(0, group, rows, "amax")
 
 
-def quantize_groups(t: torch.Tensor, fp8_dtype: torch.dtype, offs: torch.Tensor, padded: bool = False) -> GroupedBytes:
+def quantize_groups(t: torch.Tensor, fp8_dtype: torch.dtype, groups: Groups, padded: bool = False) -> GroupedBytes:
     """Rows of ``t`` [T, K] quantized with one scale per group; ``padded``: their bytes also in the
     weight gradient's 16-aligned token buffer (transposed; see the Note)."""
-    tokens, groups = t.shape[0], offs.shape[0]
-    group = group_of_rows(offs, tokens)
-    scale = amax_to_scale(group_amax(t, group, groups), fp8_dtype)
-    column, width = (padded_columns(offs, group, tokens), buffer_width(tokens, groups)) if padded else (None, 0)
+    tokens = t.shape[0]
+    group = groups.row_group(tokens)
+    scale = amax_to_scale(group_amax(t, group, groups.offs.shape[0]), fp8_dtype)
+    column, _, width = groups.padded(tokens) if padded else (None, None, 0)
     if triton_grouped.runs_on(t, width):
         data, padded_t = triton_grouped.group_cast(t.detach(), scale, group, fp8_dtype, column, width)
     else:
         data = saturate_cast(t.detach(), scale[group][:, None], fp8_dtype)
         padded_t = _scatter_columns(data, column, width) if padded else None
-    return GroupedBytes(data, scale_to_inv(scale), group, padded_t)
+    return GroupedBytes(data, scale_to_inv(scale), padded_t)
 
 
 def quantize_experts(w: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -160,55 +215,29 @@ def _emulated(a, b, scale_a, scale_b, offs) -> torch.Tensor:
 
 
 # -- the three GEMMs -------------------------------------------------------------------------------
-def forward_gemm(qx: torch.Tensor, inv_x: torch.Tensor, group: torch.Tensor, w: torch.Tensor, inv_w: torch.Tensor,
-                 offs: torch.Tensor) -> torch.Tensor:
+def forward_gemm(qx: GroupedBytes, w: torch.Tensor, inv_w: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Rows of group g of ``qx`` [T, K] times ``w[g]``.T (``w`` [G, N, K] bytes): [T, N] bf16."""
-    groups, n = w.shape[0], w.shape[1]
-    return scaled_grouped_mm(qx, w.transpose(1, 2), inv_x[group], inv_w[:, None].expand(groups, n).contiguous(),
-                             offs, fast_accum=True)
+    count, n = w.shape[0], w.shape[1]
+    return scaled_grouped_mm(qx.data, w.transpose(1, 2), qx.inv[groups.row_group(qx.data.shape[0])],
+                             inv_w[:, None].expand(count, n).contiguous(), groups.offs, fast_accum=True)
 
 
-def input_grad_gemm(qdy: torch.Tensor, inv_dy: torch.Tensor, group: torch.Tensor, w_t: torch.Tensor,
-                    inv_w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def input_grad_gemm(qdy: GroupedBytes, w_t: torch.Tensor, inv_w: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Rows of group g of ``qdy`` [T, N] times ``w[g]`` [N, K], from ``w_t`` [G, K, N] (each
     expert's bytes transposed, contiguous): [T, K] bf16."""
-    groups, k = w_t.shape[0], w_t.shape[1]
-    return scaled_grouped_mm(qdy, w_t.transpose(1, 2), inv_dy[group], inv_w[:, None].expand(groups, k).contiguous(),
-                             offs, fast_accum=BACKWARD_FAST_ACCUM)
+    count, k = w_t.shape[0], w_t.shape[1]
+    return scaled_grouped_mm(qdy.data, w_t.transpose(1, 2), qdy.inv[groups.row_group(qdy.data.shape[0])],
+                             inv_w[:, None].expand(count, k).contiguous(), groups.offs, fast_accum=BACKWARD_FAST_ACCUM)
 
 
-def weight_grad_gemm(qdy_t: torch.Tensor, inv_dy: torch.Tensor, qx_t: torch.Tensor, inv_x: torch.Tensor,
-                     offs: torch.Tensor) -> torch.Tensor:
+def weight_grad_gemm(qdy: GroupedBytes, qx: GroupedBytes, groups: Groups, rows: int) -> torch.Tensor:
     """Group g's output-gradient rows transposed times its input rows: [G, N, K] bf16, from both
-    operands' bytes in the 16-aligned token buffer of the Note (``qdy_t`` [N, width], ``qx_t``
-    [K, width], ``GroupedBytes.padded_t``)."""
-    n, width = qdy_t.shape
-    k = qx_t.shape[0]
-    ends = _padded_ends(offs)
-    ends = torch.cat([ends[:-1], ends.new_full((1,), width)])  # the tail (zeros) to the last group
-    return scaled_grouped_mm(qdy_t, qx_t.t(), inv_dy.repeat_interleave(n), inv_x.repeat_interleave(k), ends,
-                             fast_accum=BACKWARD_FAST_ACCUM)
-
-
-def buffer_width(tokens: int, groups: int) -> int:
-    """Token columns of the weight gradient's buffer: room for every group padded to 16, a
-    multiple of 16 (the kernel's rule for its dims), known without the groups' sizes."""
-    return -(-(tokens + (ALIGN - 1) * groups) // ALIGN) * ALIGN
-
-
-def _padded_ends(offs: torch.Tensor) -> torch.Tensor:
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    return torch.cumsum((counts + ALIGN - 1) // ALIGN * ALIGN, 0).to(torch.int32)
-
-
-def padded_columns(offs: torch.Tensor, group: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Each row's column in the padded buffer: its group's padded start plus its place in the group."""
-    ends = _padded_ends(offs)
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    padded_starts = (ends - (counts + ALIGN - 1) // ALIGN * ALIGN).long()
-    starts = (offs - counts).long()
-    rows = torch.arange(tokens, device=offs.device)
-    return padded_starts[group] + rows - starts[group]
+    operands' bytes in the 16-aligned token buffer of the Note (``padded_t``: [N, width] and
+    [K, width], for ``rows`` rows)."""
+    n, k = qdy.padded_t.shape[0], qx.padded_t.shape[0]
+    ends = groups.padded(rows)[1]
+    return scaled_grouped_mm(qdy.padded_t, qx.padded_t.t(), qdy.inv.repeat_interleave(n), qx.inv.repeat_interleave(k),
+                             ends, fast_accum=BACKWARD_FAST_ACCUM)
 
 
 def _scatter_columns(q: torch.Tensor, column: torch.Tensor, width: int) -> torch.Tensor:
@@ -220,8 +249,8 @@ def _scatter_columns(q: torch.Tensor, column: torch.Tensor, width: int) -> torch
 
 # -- where the kernel runs -------------------------------------------------------------------------
 def kernel_runs(device: torch.device) -> bool:
-    """Whether ``torch._scaled_grouped_mm`` runs on ``device`` and agrees with the group-by-group
-    GEMMs (probed once per device on uneven and empty groups, all three GEMMs). False off CUDA:
+    """Whether ``torch._scaled_grouped_mm`` runs on ``device`` and agrees with its emulation
+    (probed once per device on uneven and empty groups, all three GEMMs). False off CUDA:
     there the group-by-group path is faster than the emulation, which exists for the tests."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
         return False
@@ -259,9 +288,9 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def three_gemms(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor):
     """(out, dx, dW) of the Note for these high-precision operands, all quantized to e4m3 with
     per-tensor scales per group and per expert."""
-    qx = quantize_groups(x, E4M3, offs, padded=True)
-    qdy = quantize_groups(dy, E4M3, offs, padded=True)
+    groups = Groups(offs)
+    qx = quantize_groups(x, E4M3, groups, padded=True)
+    qdy = quantize_groups(dy, E4M3, groups, padded=True)
     qw, inv_w = quantize_experts(w, E4M3)
-    return (forward_gemm(qx.data, qx.inv, qx.group, qw, inv_w, offs),
-            input_grad_gemm(qdy.data, qdy.inv, qdy.group, qw.transpose(1, 2).contiguous(), inv_w, offs),
-            weight_grad_gemm(qdy.padded_t, qdy.inv, qx.padded_t, qx.inv, offs))
+    return (forward_gemm(qx, qw, inv_w, groups), input_grad_gemm(qdy, qw.transpose(1, 2).contiguous(), inv_w, groups),
+            weight_grad_gemm(qdy, qx, groups, x.shape[0]))

@@ -31,7 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..distributed import comm
-from ..fp8.grouped import Bounds, GroupBounds, fp8_experts_forward, fp8_grouped_mm
+from ..fp8.grouped import fp8_experts_forward, fp8_grouped_mm
+from ..fp8.grouped_kernel import Bounds, Groups
 from ..fp8.recipes import Recipe
 
 # -- grouped GEMM ----------------------------------------------------------------------------------
@@ -152,9 +153,9 @@ def expert_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch
     if recipe is None:
         gate, up = grouped_mm(x_sorted, gate_up_proj, offs).chunk(2, dim=-1)
         return grouped_mm(act_fn(gate) * up, down_proj, offs)
-    bounds = GroupBounds(offs, bounds)  # at most one host read for both FP8 GEMMs (and their backward)
-    gate, up = fp8_grouped_mm(x_sorted, gate_up_proj, offs, recipe, bounds).chunk(2, dim=-1)
-    return fp8_grouped_mm(act_fn(gate) * up, down_proj, offs, recipe, bounds)
+    groups = Groups(offs, bounds)  # derived from offs once for both FP8 GEMMs (and their backward)
+    gate, up = fp8_grouped_mm(x_sorted, gate_up_proj, offs, recipe, groups).chunk(2, dim=-1)
+    return fp8_grouped_mm(act_fn(gate) * up, down_proj, offs, recipe, groups)
 
 
 @fp8_experts_forward

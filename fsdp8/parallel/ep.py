@@ -63,7 +63,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 from ..distributed import comm
-from ..fp8.grouped import bounds_of, fp8_experts_forward, runs_fp8_experts
+from ..fp8.grouped import fp8_experts_forward, runs_fp8_experts
+from ..fp8.grouped_kernel import bounds_of
 from ..models.adapter import adapter_for
 from ..models.moe import combine_by_token, expert_mlp, experts_forward, permute_by_expert
 from ..models.tp_plan import beside_router_and_experts

@@ -51,10 +51,10 @@ def test_triton_group_cast_is_the_torch_reference_bit_for_bit(fp8):
     offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
     x = (torch.randn(sum(sizes), 200, device="cuda", generator=g) * torch.logspace(-3, 3, 200, device="cuda")).bfloat16()
     x[5, 7], x[140, 3] = float("nan"), float("inf")  # a NaN and an infinity keep their groups' scales as torch makes them
-    group = grouped_kernel.group_of_rows(offs, sum(sizes))
+    groups = grouped_kernel.Groups(offs)
+    group = groups.row_group(sum(sizes))
     scale = amax_to_scale(grouped_kernel.group_amax(x, group, len(sizes)), fp8)
-    column = grouped_kernel.padded_columns(offs, group, sum(sizes))
-    width = grouped_kernel.buffer_width(sum(sizes), len(sizes))
+    column, _, width = groups.padded(sum(sizes))
     q, qt = triton_grouped.group_cast(x, scale, group, fp8, column, width)
     want = saturate_cast(x, scale[group][:, None], fp8)
     assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))

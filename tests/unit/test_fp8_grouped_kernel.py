@@ -9,7 +9,8 @@ import torch
 
 from fsdp8.fp8 import grouped_kernel
 from fsdp8.fp8.formats import E4M3, E5M2, Granularity
-from fsdp8.fp8.grouped import GroupBounds, fp8_grouped_mm, grouped_weights
+from fsdp8.fp8.grouped import fp8_grouped_mm, grouped_weights
+from fsdp8.fp8.grouped_kernel import Groups
 from fsdp8.fp8.recipes import Float8CurrentScaling
 from fsdp8.fp8.tensor import Float8Tensor
 
@@ -37,11 +38,11 @@ def gathered(w: torch.Tensor, recipe) -> Float8Tensor:
                         Granularity.TENSOR, w.dtype)
 
 
-def run(x, w, dy, recipe, one_kernel: bool, monkeypatch, bounds=None):
+def run(x, w, dy, recipe, one_kernel: bool, monkeypatch, groups=None):
     monkeypatch.setattr(grouped_kernel, "kernel_runs", lambda device: one_kernel)
     x = x.clone().requires_grad_()
     w = w if isinstance(w, Float8Tensor) else w.clone().requires_grad_()
-    out = fp8_grouped_mm(x, w, offsets(SIZES), recipe, bounds)
+    out = fp8_grouped_mm(x, w, groups.offs if groups is not None else offsets(SIZES), recipe, groups)
     if isinstance(w, Float8Tensor):
         return out, torch.autograd.grad(out, x, dy)[0]
     return (out, *torch.autograd.grad(out, (x, w), dy))
@@ -83,11 +84,11 @@ def test_one_kernel_reads_no_group_sizes_on_the_host(monkeypatch):
     x, w, dy = operands()
     reads = []
 
-    class Counted(GroupBounds):
-        def get(self):
+    class Counted(Groups):
+        def bounds(self):
             if self._bounds is None:  # a read of the device's offsets on the host
                 reads.append(1)
-            return super().get()
+            return super().bounds()
 
     run(x, w, dy, Float8CurrentScaling(fp8_format="e4m3"), True, monkeypatch, Counted(offsets(SIZES)))
     assert reads == []
@@ -101,9 +102,11 @@ def test_three_gemms_are_the_dequantized_products():
     x, w, dy = operands(1)
     offs = offsets(SIZES)
     out, dx, dw = grouped_kernel.three_gemms(x, w, dy, offs)
-    qx, qdy = grouped_kernel.quantize_groups(x, E4M3, offs), grouped_kernel.quantize_groups(dy, E4M3, offs)
+    groups = Groups(offs)
+    qx, qdy = grouped_kernel.quantize_groups(x, E4M3, groups), grouped_kernel.quantize_groups(dy, E4M3, groups)
     qw, inv_w = grouped_kernel.quantize_experts(w, E4M3)
-    xd, dyd = qx.data.float() * qx.inv[qx.group][:, None], qdy.data.float() * qdy.inv[qdy.group][:, None]
+    group = groups.row_group(x.shape[0])
+    xd, dyd = qx.data.float() * qx.inv[group][:, None], qdy.data.float() * qdy.inv[group][:, None]
     wd = qw.float() * inv_w[:, None, None]
     bounds = list(zip([0] + offs.tolist()[:-1], offs.tolist()))
     want_out = torch.cat([xd[a:b] @ wd[g].t() for g, (a, b) in enumerate(bounds)])
@@ -116,16 +119,16 @@ def test_three_gemms_are_the_dequantized_products():
 
 def test_weight_gradient_buffer_starts_every_group_on_16_tokens():
     sizes = [0, 17, 1, 0, 16, 3]
-    offs = offsets(sizes)
-    group = grouped_kernel.group_of_rows(offs, sum(sizes))
-    columns = grouped_kernel.padded_columns(offs, group, sum(sizes)).tolist()
+    groups = Groups(offsets(sizes))
+    column, ends, width = groups.padded(sum(sizes))
     # Group starts 0, 0, 32, 48, 48, 64: rows keep their order within their group.
-    assert columns == list(range(0, 17)) + [32] + list(range(48, 64)) + [64, 65, 66]
-    assert grouped_kernel._padded_ends(offs).tolist() == [0, 32, 48, 48, 64, 80]
-    assert grouped_kernel.buffer_width(sum(sizes), len(sizes)) == 128  # 37 + 6 * 15, up to 16
+    assert column.tolist() == list(range(0, 17)) + [32] + list(range(48, 64)) + [64, 65, 66]
+    assert width == 128  # 37 + 6 * 15, up to 16
+    assert ends.tolist() == [0, 32, 48, 48, 64, width]  # the last group takes the zero tail
     q = torch.randn(sum(sizes), 16).to(E4M3)
-    padded = grouped_kernel.quantize_groups(q.float(), E4M3, offs, padded=True).padded_t
+    padded = grouped_kernel.quantize_groups(q.float(), E4M3, groups, padded=True).padded_t
     assert padded.shape == (16, 128) and (padded.view(torch.uint8)[:, 17:32] == 0).all()
+    assert groups.padded(sum(sizes))[0] is column  # derived once, then shared
 
 
 def test_the_emulated_kernel_refuses_what_the_kernel_refuses():
@@ -186,3 +189,24 @@ def test_the_kernel_path_takes_a_transposed_weight_view_and_leaves_int64_offsets
     from fsdp8.fp8.grouped import one_kernel
 
     assert one_kernel(x, w, offsets(SIZES), recipe) and not one_kernel(x, w, offsets(SIZES).long(), recipe)
+
+
+def test_a_layers_two_projections_derive_their_groups_once(monkeypatch):
+    """expert_mlp's two FP8 GEMMs and their backward share one Groups: each row's group and the
+    padded token buffer's columns are found once per layer, not once per quantization (four)."""
+    import torch.nn.functional as F
+
+    from fsdp8.models.moe import expert_mlp
+
+    monkeypatch.setattr(grouped_kernel, "kernel_runs", lambda device: True)
+    found = []
+    original = grouped_kernel.group_of_rows
+    monkeypatch.setattr(grouped_kernel, "group_of_rows", lambda *a: found.append(1) or original(*a))
+    g = torch.Generator().manual_seed(3)
+    counts = torch.tensor(SIZES)
+    x = torch.randn(sum(SIZES), 32, generator=g).bfloat16().requires_grad_()
+    gate_up = torch.randn(len(SIZES), 64, 32, generator=g).bfloat16().requires_grad_()
+    down = torch.randn(len(SIZES), 32, 32, generator=g).bfloat16().requires_grad_()
+    out = expert_mlp(x, counts, gate_up, down, F.silu, Float8CurrentScaling(fp8_format="e4m3"))
+    out.float().square().sum().backward()
+    assert found == [1] and gate_up.grad.abs().sum() > 0 and down.grad.abs().sum() > 0
