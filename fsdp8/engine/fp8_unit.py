@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..fp8.formats import SCALE_ALIGN, Granularity, e8m0_to_scale_inv, scale_inv_to_e8m0
+from ..fp8.formats import SCALE_ALIGN, Granularity, e8m0_to_scale_inv, mx_scale_count, scale_inv_to_e8m0
 from ..fp8.kernels import quantize
 from ..fp8.weight_kernels import (
     block_amax_grids, partial_block_amax, quantize_block_pieces, quantize_pieces, weight_amaxes,
@@ -62,8 +62,7 @@ class Float8Unit(ShardedUnit):
         entries += [(s, "fp8", s.layout.row_numel) for s in self.slots if id(s) in self.fp8_ids]
         if self.recipe.w_granularity is Granularity.MX_1x32:
             # Per row of the layout (an expert of a 3-D weight: its N rows): a byte per 32 columns.
-            entries += [(s, "e8m0", math.prod(s.layout.shape[1:-1]) * math.ceil(s.layout.shape[-1] / 32))
-                        for s in self.slots if id(s) in self.fp8_ids]
+            entries += [(s, "e8m0", mx_scale_count(s.layout.shape[1:])) for s in self.slots if id(s) in self.fp8_ids]
         layout = plan_unit([(s.layout.rows, row_bytes) for s, _, row_bytes in entries], len(entries),
                            self.layout.num_chunks, chunk_align=16)
         self._entries = [(s, kind, p) for (s, kind, _), p in zip(entries, layout.params)]

@@ -9,6 +9,7 @@ kernels reproduce it bit for bit.
 from __future__ import annotations
 
 import enum
+import math
 
 import torch
 
@@ -48,6 +49,12 @@ class Granularity(enum.Enum):
             Granularity.BLOCK_128x128: (128, 128),
             Granularity.MX_1x32: (1, 32),
         }[self]
+
+
+def mx_scale_count(shape) -> int:
+    """The 1x32 (MX) scales of a tensor of ``shape``: one per 32 elements (or fewer, at the end)
+    of each row of the last dim, whatever the leading dims (an experts weight's E x N rows)."""
+    return math.prod(shape[:-1]) * math.ceil(shape[-1] / Granularity.MX_1x32.block[1])
 
 
 def check_fp8_dtype(dtype: torch.dtype) -> None:

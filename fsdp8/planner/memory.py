@@ -32,6 +32,7 @@ from ..config import OuterStrategy, Strategy
 from ..engine.layout import UnitLayout, plan_unit
 from ..engine.sharded import MemoryReport
 from ..engine.topology import ChunkPlan
+from ..fp8.formats import mx_scale_count
 from .activations import Activations
 from .model import ModelSpec, Param, converts_to_fp8, ep_shape, gathers_fp8_experts, local_shape
 from .setup import Setup
@@ -86,7 +87,7 @@ def _scale_bytes(shapes: List[Tuple[int, ...]], recipe: str) -> int:
         if recipe == "block":
             return math.prod(experts) * math.ceil(rows / 128) * math.ceil(cols / 128)
         if recipe == "mxfp8":
-            return math.prod(experts) * rows * math.ceil(cols / 32)
+            return mx_scale_count(shape)
         return math.prod(experts)
 
     floats = sum(4 * math.ceil(count(s) / 4) for s in shapes)
@@ -108,7 +109,7 @@ def _unit(name: str, count: int, params: List[Param], setup: Setup, tp_rank: int
         rows = [(s[0], math.prod(s[1:]) * e) for s, f in zip(shapes, fp8) if not f]
         rows += [(s[0], math.prod(s[1:])) for s, f in zip(shapes, fp8) if f]
         if setup.fp8 == "mxfp8":  # per layout row (an expert: its N rows), a byte per 32 columns
-            rows += [(s[0], math.prod(s[1:-1]) * math.ceil(s[-1] / 32)) for s, f in zip(shapes, fp8) if f]
+            rows += [(s[0], mx_scale_count(s[1:])) for s, f in zip(shapes, fp8) if f]
         wire, wire_bytes = plan_unit(rows, len(rows), chunks, chunk_align=16), 1
     else:
         wire, wire_bytes = layout, e
