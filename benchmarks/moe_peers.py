@@ -49,8 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_report import environment, fmt, markdown_table, write_json  # noqa: E402
 from peer_stacks import Built, Context, _compile_layers, build_fsdp2, plain_optimizer  # noqa: E402
 from peers import (  # noqa: E402
-    Result, add_probe_arguments, add_run_arguments, guarded_run, init_process_group, probe_and_report, record_steps,
+    Result, add_probe_arguments, add_run_arguments, guarded_run, init_process_group, make_batches, probe_and_report,
+    record_steps,
 )
+
+import fsdp8  # noqa: E402  (the checkout, which peers.py put on the path)
 
 
 @dataclass(frozen=True)
@@ -151,8 +154,6 @@ def _import_torchtitan():
 
 
 def build_fsdp8(spec: MoeSpec, ctx: Context, ep: int, recipe=None) -> Built:
-    import fsdp8
-
     model = build_hf_moe(spec, ctx.device, ctx.args.seed)
     config = fsdp8.ParallelConfig(ep=ep, fp8=recipe, compile=ctx.device.type == "cuda",
                                   precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
@@ -194,23 +195,18 @@ def build_torchtitan(spec: MoeSpec, ctx: Context, ep: int) -> Built:
     return plain_optimizer(TorchtitanLM(decoder.train()), ctx)
 
 
-def stacks(spec: MoeSpec, ctx: Context) -> Dict[str, Callable[[], Built]]:
-    import fsdp8
-
-    ep = ctx.args.ep
-    return {
-        "fsdp8-ep": lambda: build_fsdp8(spec, ctx, ep),
-        "fsdp8-ep-fp8": lambda: build_fsdp8(spec, ctx, ep, fsdp8.Float8CurrentScaling()),
-        "fsdp8-ep-fp8-e4m3": lambda: build_fsdp8(spec, ctx, ep, fsdp8.Float8CurrentScaling(fp8_format="e4m3")),
-        "fsdp8-ep-fp8-block": lambda: build_fsdp8(spec, ctx, ep, fsdp8.Float8BlockScaling()),
-        "fsdp8": lambda: build_fsdp8(spec, ctx, 1),
-        "fsdp8-fp8-e4m3": lambda: build_fsdp8(spec, ctx, 1, fsdp8.Float8CurrentScaling(fp8_format="e4m3")),
-        "fsdp2": lambda: build_fsdp2_moe(spec, ctx),
-        "torchtitan-ep": lambda: build_torchtitan(spec, ctx, ep),
-    }
-
-
-STACK_NAMES = ("fsdp8-ep", "fsdp8-ep-fp8", "fsdp8-ep-fp8-e4m3", "fsdp8-ep-fp8-block", "fsdp8", "fsdp8-fp8-e4m3", "fsdp2", "torchtitan-ep")
+# Each stack: (spec, ctx) -> Built; the -ep stacks split the experts over --ep ranks.
+BUILDERS: Dict[str, Callable[[MoeSpec, Context], Built]] = {
+    "fsdp8-ep": lambda spec, ctx: build_fsdp8(spec, ctx, ctx.args.ep),
+    "fsdp8-ep-fp8": lambda spec, ctx: build_fsdp8(spec, ctx, ctx.args.ep, fsdp8.Float8CurrentScaling()),
+    "fsdp8-ep-fp8-e4m3": lambda spec, ctx: build_fsdp8(spec, ctx, ctx.args.ep,
+                                                      fsdp8.Float8CurrentScaling(fp8_format="e4m3")),
+    "fsdp8-ep-fp8-block": lambda spec, ctx: build_fsdp8(spec, ctx, ctx.args.ep, fsdp8.Float8BlockScaling()),
+    "fsdp8": lambda spec, ctx: build_fsdp8(spec, ctx, 1),
+    "fsdp8-fp8-e4m3": lambda spec, ctx: build_fsdp8(spec, ctx, 1, fsdp8.Float8CurrentScaling(fp8_format="e4m3")),
+    "fsdp2": build_fsdp2_moe,
+    "torchtitan-ep": lambda spec, ctx: build_torchtitan(spec, ctx, ctx.args.ep),
+}
 
 
 def unavailable(stack: str, ctx: Context):
@@ -232,16 +228,9 @@ def expert_parallel(stack: str, ctx: Context) -> int:
 # ----------------------------------------------------------------------------- measuring
 
 
-def make_batches(spec: MoeSpec, n: int, ctx: Context) -> list:
-    """Random token ids, a fixed stream per rank, identical for every stack."""
-    gen = torch.Generator().manual_seed(ctx.args.seed * 1_000_003 + ctx.rank)
-    return [torch.randint(0, spec.vocab, (spec.micro_batch, spec.seq), generator=gen).to(ctx.device)
-            for _ in range(n)]
-
-
 def measure(spec: MoeSpec, stack: str, ctx: Context, result: Result) -> None:
-    batches = make_batches(spec, ctx.args.warmup + ctx.args.steps, ctx)
-    built = stacks(spec, ctx)[stack]()
+    batches = make_batches(spec, ctx.args.warmup + ctx.args.steps, ctx)  # a rank's own stream, as peers.py's
+    built = BUILDERS[stack](spec, ctx)
     gc.collect()
     result.n_params = spec.params(spec.experts)
     result.flops_per_token = 6 * spec.active_params + 12 * spec.layers * spec.hidden * spec.seq
@@ -255,16 +244,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="Q", choices=sorted(MODELS))
     p.add_argument("--stacks", default="fsdp8-ep,fsdp8-ep-fp8,fsdp2,torchtitan-ep",
-                   help="comma list of " + ", ".join(STACK_NAMES))
+                   help="comma list of " + ", ".join(BUILDERS))
     p.add_argument("--ep", type=int, default=0, help="expert-parallel degree of the -ep stacks (default: the world)")
     add_run_arguments(p)
     add_probe_arguments(p)
     p.add_argument("--out", default="runs/moe.json")
     args = p.parse_args(argv)
     args.stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
-    unknown = [s for s in args.stacks if s not in STACK_NAMES]
+    unknown = [s for s in args.stacks if s not in BUILDERS]
     if unknown or not args.stacks:
-        p.error(f"unknown or no stacks {unknown}; choose from {', '.join(STACK_NAMES)}")
+        p.error(f"unknown or no stacks {unknown}; choose from {', '.join(BUILDERS)}")
     # What peers.py's helpers read from the arguments.
     args.compile_mode, args.loopback_world, args.hsdp_replicate, args.tp = None, 0, 1, 1
     return args
