@@ -238,6 +238,21 @@ def read_results(s: Session, name: str) -> list[dict]:
         return []
 
 
+def run_and_report(s: Session, name: str, cmd: list, seconds: int, what: str, env: dict | None = None,
+                   cwd: Path | None = None) -> list[dict]:
+    """Run a benchmark that writes ``name``.json under --out; its rows printed and returned (a
+    failed run: one row saying why, ``what`` naming the model and stacks)."""
+    if not s.dry:  # a stale file would pass for this run's results
+        (s.out / f"{name}.json").unlink(missing_ok=True)
+    rc = s.run(cmd, log=f"{name}.log", seconds=seconds, env=env, cwd=cwd)
+    results = read_results(s, f"{name}.json")
+    for r in results:
+        print(peers_row(r), flush=True)
+    if not results and not s.dry:
+        print(f"| {what} | | failed (exit {rc}): {s.last_error(f'{name}.log')} |", flush=True)
+    return results
+
+
 def peers_run(s: Session, name: str, nproc: int, models: str, stacks: str, a: argparse.Namespace, rest: list,
               seconds: int, gpus: str = "", tree: Path = REPO, env: dict | None = None) -> list[dict]:
     """One torchrun of `tree`'s peers.py; its rows printed and returned (a failed run: one row saying why)."""
@@ -248,16 +263,9 @@ def peers_run(s: Session, name: str, nproc: int, models: str, stacks: str, a: ar
            *(["--loopback-world", a.loopback] if getattr(a, "loopback", 0) else []),
            *(["--profile", s.out / f"{name}-prof"] if getattr(a, "profile", False) else []), *rest]
     env = dict(env or {}, **({"CUDA_VISIBLE_DEVICES": gpus} if gpus else {}))
-    if not s.dry:  # a stale file would pass for this run's results
-        (s.out / f"{name}.json").unlink(missing_ok=True)
     if tree != REPO:
         env["PYTHONPATH"] = ":".join(p for p in s.env["PYTHONPATH"].split(":") if p != str(REPO))
-    rc = s.run(cmd, log=f"{name}.log", seconds=seconds, env=env, cwd=tree if tree != REPO else None)
-    results = read_results(s, f"{name}.json")
-    for r in results:
-        print(peers_row(r), flush=True)
-    if not results and not s.dry:
-        print(f"| {models} | {stacks} | | failed (exit {rc}): {s.last_error(f'{name}.log')} |", flush=True)
+    results = run_and_report(s, name, cmd, seconds, f"{models} | {stacks}", env=env, cwd=tree if tree != REPO else None)
     if getattr(a, "profile", False) and not getattr(a, "keep_traces", True):
         for trace in glob.glob(str(s.out / f"{name}-prof" / "*.json.gz")):
             os.remove(trace)
@@ -287,17 +295,10 @@ def job_moe(s: Session, a: argparse.Namespace, rest: list) -> int:
     print(PEERS_HEAD)
     for stack in csv(a.stacks):
         name = f"moe-{a.model}-{stack}"
-        if not s.dry:
-            (s.out / f"{name}.json").unlink(missing_ok=True)
         cmd = [*TORCHRUN, "--nproc_per_node", a.nproc, "--master_port", 29500 + (s.runs + 1) % 200,
                REPO / "benchmarks" / "moe_peers.py", "--model", a.model, "--stacks", stack, "--warmup", a.warmup,
                "--steps", a.steps, "--out", s.out / f"{name}.json", *rest]
-        rc = s.run(cmd, log=f"{name}.log", seconds=s.deadline(a.run_limit, keep=5))
-        results = read_results(s, f"{name}.json")
-        for r in results:
-            print(peers_row(r), flush=True)
-        if not results and not s.dry:
-            print(f"| {a.model} | {stack} | | failed (exit {rc}): {s.last_error(f'{name}.log')} |", flush=True)
+        run_and_report(s, name, cmd, s.deadline(a.run_limit, keep=5), f"{a.model} | {stack}")
     return 0
 
 
