@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from fsdp8.fp8 import grouped_kernel  # noqa: E402
+from fsdp8.fp8 import grouped_kernel, triton_grouped  # noqa: E402
 from fsdp8.fp8.formats import E4M3  # noqa: E402
 from fsdp8.fp8.grouped import fp8_grouped_mm  # noqa: E402
 from fsdp8.fp8.recipes import Float8CurrentScaling  # noqa: E402
@@ -161,10 +161,22 @@ def kernels_alone(tokens: int, experts: int, n: int, k: int) -> None:
              ("padded transpose in torch (qx)", lambda: grouped_kernel._scatter_columns(qx, column, width)),
              ("eager x.abs().amax(1)", lambda: x.abs().amax(1)),
              ("eager vector_norm(x, inf, 1)", lambda: torch.linalg.vector_norm(x, float("inf"), dim=1)),
-             ("eager qx.t().contiguous()", lambda: qx.t().contiguous())]
-    print("\n| step | ms |\n|---|---:|")
+             ("eager qx.t().contiguous()", lambda: qx.t().contiguous()),
+             ("torch qw.transpose(1, 2).contiguous()", lambda: qw.transpose(1, 2).contiguous()),
+             ("Triton transpose_bytes(qw)", lambda: triton_grouped.transpose_bytes(qw))]
+    # Bytes each must move at least: x read (bf16) and written as FP8 once, twice where padded.
+    row_bytes, w_bytes = tokens * k * 3, experts * n * k
+    floor = {"quantize_groups (x)": row_bytes + tokens * k * 2, "quantize_groups (x), padded too": row_bytes + tokens * k * 3,
+             "torch qw.transpose(1, 2).contiguous()": 2 * w_bytes, "Triton transpose_bytes(qw)": 2 * w_bytes}
+    print("\n| step | ms | GB/s |\n|---|---:|---:|")
     for name, fn in steps:
-        print(f"| {name} | {timed(fn, reps=20):.3f} |")
+        ms = timed(fn, reps=20)
+        print(f"| {name} | {ms:.3f} | {floor[name] / ms / 1e6:.0f} |" if name in floor else f"| {name} | {ms:.3f} | |")
+    for bc, bk in ((64, 64), (128, 64), (64, 128), (128, 128), (32, 128)):
+        triton_grouped.BC, triton_grouped.BK = bc, bk
+        ms = timed(lambda: grouped_kernel.quantize_groups(x, E4M3, groups, padded=True), reps=20)
+        print(f"| padded cast, tile {bc} x {bk} | {ms:.3f} | {floor['quantize_groups (x), padded too'] / ms / 1e6:.0f} |")
+    triton_grouped.BC, triton_grouped.BK = 64, 64
 
 
 def main() -> None:

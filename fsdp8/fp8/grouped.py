@@ -54,6 +54,7 @@ from .grouped_kernel import Bounds, Groups, quantize_experts, quantize_groups
 from .kernels import Quantized, quantize, quantize_transposed
 from .recipes import Recipe
 from .tensor import Float8Tensor, transpose_of
+from .triton_grouped import transpose_bytes
 
 _MARK = "fsdp8_fp8_experts"
 # The 3-D weights an FP8 experts forward passes to fp8_grouped_mm (fsdp8.models.moe.experts_forward,
@@ -195,7 +196,7 @@ def _backward_in_one_kernel(ctx, dy: torch.Tensor):
     qdy = quantize_groups(dy, ctx.recipe.bwd_dtype, ctx.groups, padded=ctx.needs_input_grad[1])
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        w_t = ctx.gathered.transposed_bytes() if ctx.gathered is not None else w.transpose(1, 2).contiguous()
+        w_t = ctx.gathered.transposed_bytes() if ctx.gathered is not None else transpose_bytes(w)
         dx = grouped_kernel.input_grad_gemm(qdy, w_t, inv_w, ctx.groups)
     if ctx.needs_input_grad[1]:
         dw = grouped_kernel.weight_grad_gemm(qdy, qx, ctx.groups, dy.shape[0])

@@ -106,6 +106,16 @@ class Groups:
             self._derived[key] = (column, torch.cat([ends[:-1], ends.new_full((1,), width)]), width)
         return self._derived[key]
 
+    def sources(self, rows: int) -> torch.Tensor:
+        """The inverse of ``padded``'s columns: each column's row (int32 [width], -1 for padding),
+        what the Triton cast reads to write the buffer column by column."""
+        key = ("sources", rows)
+        if key not in self._derived:
+            column, _, width = self.padded(rows)
+            self._derived[key] = torch.full((width,), -1, dtype=torch.int32, device=self.offs.device).scatter_(
+                0, column, torch.arange(rows, dtype=torch.int32, device=self.offs.device))
+        return self._derived[key]
+
 
 def buffer_width(tokens: int, groups: int) -> int:
     """Token columns of the weight gradient's buffer: room for every group padded to 16, a
@@ -138,7 +148,8 @@ def quantize_groups(t: torch.Tensor, fp8_dtype: torch.dtype, groups: Groups, pad
     scale = amax_to_scale(group_amax(t, group, groups.offs.shape[0]), fp8_dtype)
     column, _, width = groups.padded(tokens) if padded else (None, None, 0)
     if triton_grouped.runs_on(t, width):
-        data, padded_t = triton_grouped.group_cast(t.detach(), scale, group, fp8_dtype, column, width)
+        data, padded_t = triton_grouped.group_cast(t.detach(), scale, group, fp8_dtype,
+                                                   groups.sources(tokens) if padded else None, width)
     else:
         data = saturate_cast(t.detach(), scale[group][:, None], fp8_dtype)
         padded_t = _scatter_columns(data, column, width) if padded else None

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_map
 
 from .formats import Granularity, aligned
 from .kernels import Quantized, quantize
+from .triton_grouped import transpose_bytes
 
 _ALIAS_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 _SAME_SHAPE_VIEWS = {torch.ops.aten.as_strided.default, torch.ops.aten.view.default}
@@ -112,7 +113,7 @@ class Float8Tensor(torch.Tensor):
         """A 3-D per-tensor weight's matrices transposed, [E, K, N] contiguous: the input-gradient
         operand of the grouped FP8 kernel (fsdp8/fp8/grouped_kernel.py), made once per gather."""
         if "bytes_t" not in self._derived:
-            self._derived["bytes_t"] = self._data.transpose(1, 2).contiguous()
+            self._derived["bytes_t"] = transpose_bytes(self._data)
         return self._derived["bytes_t"]
 
     def clear_transpose(self) -> None:

@@ -26,11 +26,11 @@ if triton is not None:
     from .triton_kernels import _clamp_cast
 
     @triton.jit
-    def _group_cast_kernel(x_ptr, scale_ptr, group_ptr, col_ptr, q_ptr, qt_ptr, M, K, W,
-                           FMAX: tl.constexpr, OUT: tl.constexpr, TRANSPOSED: tl.constexpr,
-                           SATURATE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    def _group_cast_kernel(x_ptr, scale_ptr, group_ptr, q_ptr, M, K,
+                           FMAX: tl.constexpr, OUT: tl.constexpr, SATURATE: tl.constexpr,
+                           BM: tl.constexpr, BK: tl.constexpr):
         """Tile (BM rows, BK columns) of x [M, K] (bf16, contiguous): each row times its group's
-        scale, cast; stored to q [M, K] and, TRANSPOSED, to qt [K, W] at each row's column."""
+        scale, cast, stored to q [M, K]."""
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rk = tl.program_id(1) * BK + tl.arange(0, BK)
         in_m = rm < M
@@ -38,12 +38,41 @@ if triton is not None:
         x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
         group = tl.load(group_ptr + rm, mask=in_m, other=0)
         scale = tl.load(scale_ptr + group, mask=in_m, other=1.0)
-        q = _clamp_cast(x * scale[:, None], FMAX, OUT, SATURATE)
-        tl.store(q_ptr + rm[:, None] * K + rk[None, :], q, mask=mask)
-        if TRANSPOSED:
-            # 8-bit values transposed after a cast from bf16 (not fp32: see _cast_transpose_kernel).
-            col = tl.load(col_ptr + rm, mask=in_m, other=0)
-            tl.store(qt_ptr + rk[:, None] * W + col[None, :], tl.trans(q), mask=(rk[:, None] < K) & in_m[None, :])
+        tl.store(q_ptr + rm[:, None] * K + rk[None, :], _clamp_cast(x * scale[:, None], FMAX, OUT, SATURATE), mask=mask)
+
+    @triton.jit
+    def _group_cast_padded_kernel(x_ptr, scale_ptr, group_ptr, source_ptr, q_ptr, qt_ptr, K, W,
+                                  FMAX: tl.constexpr, OUT: tl.constexpr, SATURATE: tl.constexpr,
+                                  BC: tl.constexpr, BK: tl.constexpr):
+        """Tile (BC token columns, BK features) of the transposed buffer qt [K, W]: each column's
+        source row of x [M, K] (``source``, -1 for a padding column) cast with its group's scale,
+        stored to q [M, K] at its row and to qt [K, W] at its column (zeros in padding columns).
+        Tiled by the buffer's columns, so the transposed stores are contiguous runs of bytes; the
+        row gather falls on the loads, which stay contiguous along K."""
+        rc = tl.program_id(0) * BC + tl.arange(0, BC)
+        rk = tl.program_id(1) * BK + tl.arange(0, BK)
+        in_c = rc < W
+        in_k = rk < K
+        row = tl.load(source_ptr + rc, mask=in_c, other=-1)
+        real = row >= 0
+        row = tl.where(real, row, 0)
+        mask = real[:, None] & in_k[None, :]
+        x = tl.load(x_ptr + row[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        group = tl.load(group_ptr + row, mask=real, other=0)
+        scale = tl.load(scale_ptr + group, mask=real, other=1.0)
+        q = _clamp_cast(x * scale[:, None], FMAX, OUT, SATURATE)  # padding columns: 0.0, the zero byte
+        tl.store(q_ptr + row[:, None] * K + rk[None, :], q, mask=mask)
+        tl.store(qt_ptr + rk[:, None] * W + rc[None, :], tl.trans(q), mask=in_k[:, None] & in_c[None, :])
+
+    @triton.jit
+    def _transpose_bytes_kernel(x_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr):
+        """Matrix program_id(2) of x [E, N, K] (bytes) transposed into out [E, K, N], a BN x BK tile."""
+        rn = tl.program_id(0) * BN + tl.arange(0, BN)
+        rk = tl.program_id(1) * BK + tl.arange(0, BK)
+        base = tl.program_id(2).to(tl.int64) * N * K
+        tile = tl.load(x_ptr + base + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K))
+        tl.store(out_ptr + base + rk[:, None] * N + rn[None, :], tl.trans(tile),
+                 mask=(rk[:, None] < K) & (rn[None, :] < N))
 
 
 INDEX_LIMIT = 2 ** 31  # the kernel's offsets are 32-bit
@@ -57,17 +86,38 @@ def runs_on(x: torch.Tensor, width: int = 0) -> bool:
 
 
 def group_cast(x: torch.Tensor, scale: torch.Tensor, group: torch.Tensor, fp8_dtype: torch.dtype,
-               column: Optional[torch.Tensor] = None, width: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(rows of ``x`` [M, K] cast with ``scale[group]``, and with ``column`` the same bytes
-    transposed into a zero buffer [K, ``width``] at each row's column, else None)."""
+               source: Optional[torch.Tensor] = None, width: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(rows of ``x`` [M, K] cast with ``scale[group]``, and with ``source`` (each column's row of
+    ``x``, -1 for padding: grouped_kernel.Groups.padded) the same bytes transposed into a buffer
+    [K, ``width``], zeros in the padding columns, else None)."""
     x = x.contiguous()
     m, k = x.shape
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
-    qt = None if column is None else torch.zeros((k, width), dtype=torch.uint8, device=x.device).view(fp8_dtype)
-    bm = bk = 64
-    grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
-    _group_cast_kernel[grid](x, scale.float().contiguous(), group.contiguous(),
-                             group if column is None else column.contiguous(), q, q if qt is None else qt,
-                             m, k, width, FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype),
-                             TRANSPOSED=column is not None, SATURATE=saturating_cast(x.device), BM=bm, BK=bk)
+    common = dict(FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype), SATURATE=saturating_cast(x.device))
+    scale = scale.float().contiguous()
+    if source is None:
+        _group_cast_kernel[(triton.cdiv(m, 64), triton.cdiv(k, 64))](x, scale, group.contiguous(), q, m, k,
+                                                                      BM=64, BK=64, **common)
+        return q, None
+    qt = torch.empty((k, width), dtype=fp8_dtype, device=x.device)  # every column is written
+    _group_cast_padded_kernel[(triton.cdiv(width, BC), triton.cdiv(k, BK))](
+        x, scale, group.contiguous(), source.contiguous(), q, qt, k, width, BC=BC, BK=BK, **common)
     return q, qt
+
+
+BC, BK = 64, 64  # the padded cast's tile (token columns, features)
+
+
+def transpose_bytes(data: torch.Tensor) -> torch.Tensor:
+    """``data`` [E, N, K] (1-byte elements) with each matrix transposed, [E, K, N] contiguous: a tiled
+    copy (torch's strided copy of bytes runs at a fraction of the bandwidth); torch's elsewhere."""
+    if not (data.is_cuda and data.element_size() == 1 and data.dim() == 3 and available()
+            and data.shape[1] * data.shape[2] < INDEX_LIMIT):
+        return data.transpose(1, 2).contiguous()
+    data = data.contiguous()
+    e, n, k = data.shape
+    out = torch.empty((e, k, n), dtype=data.dtype, device=data.device)
+    if out.numel():
+        _transpose_bytes_kernel[(triton.cdiv(n, 64), triton.cdiv(k, 64), e)](data.view(torch.uint8),
+                                                                           out.view(torch.uint8), n, k, BN=64, BK=64)
+    return out

@@ -55,11 +55,25 @@ def test_triton_group_cast_is_the_torch_reference_bit_for_bit(fp8):
     group = groups.row_group(sum(sizes))
     scale = amax_to_scale(grouped_kernel.group_amax(x, group, len(sizes)), fp8)
     column, _, width = groups.padded(sum(sizes))
-    q, qt = triton_grouped.group_cast(x, scale, group, fp8, column, width)
+    q, qt = triton_grouped.group_cast(x, scale, group, fp8, groups.sources(sum(sizes)), width)
     want = saturate_cast(x, scale[group][:, None], fp8)
     assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(qt.view(torch.uint8), grouped_kernel._scatter_columns(want, column, width).view(torch.uint8))
+    q_alone, none = triton_grouped.group_cast(x, scale, group, fp8)
+    assert none is None and torch.equal(q_alone.view(torch.uint8), want.view(torch.uint8))
     w = torch.randn(5, 48, 96, device="cuda", generator=g).bfloat16()
     data, inv = grouped_kernel.quantize_experts(w, fp8)  # the kernel, each expert's rows one group
     want_scale = amax_to_scale(w.float().abs().amax(dim=(1, 2)), fp8)
     assert torch.equal(data.view(torch.uint8), saturate_cast(w, want_scale[:, None, None], fp8).view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", [(3, 48, 96), (2, 130, 70), (1, 1536, 2048)])
+def test_triton_transpose_bytes_is_torch_transpose(shape):
+    """Tiles that straddle the edges (130 x 70 on 64 x 64 tiles) and a model-sized matrix."""
+    from fsdp8.fp8 import triton_grouped
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    data = torch.randint(0, 256, shape, device="cuda", generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    got = triton_grouped.transpose_bytes(data)
+    assert got.is_contiguous() and got.shape == (shape[0], shape[2], shape[1])
+    assert torch.equal(got.view(torch.uint8), data.view(torch.uint8).transpose(1, 2))

@@ -129,6 +129,10 @@ def test_weight_gradient_buffer_starts_every_group_on_16_tokens():
     padded = grouped_kernel.quantize_groups(q.float(), E4M3, groups, padded=True).padded_t
     assert padded.shape == (16, 128) and (padded.view(torch.uint8)[:, 17:32] == 0).all()
     assert groups.padded(sum(sizes))[0] is column  # derived once, then shared
+    source = groups.sources(sum(sizes))  # the columns' rows, as the Triton cast reads them
+    assert source.dtype == torch.int32 and source.shape == (width,)
+    assert source[column].tolist() == list(range(sum(sizes)))
+    assert (source >= 0).sum().item() == sum(sizes) and (source[17:32] == -1).all()
 
 
 def test_the_emulated_kernel_refuses_what_the_kernel_refuses():
