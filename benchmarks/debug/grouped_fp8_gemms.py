@@ -25,6 +25,7 @@ from fsdp8.models.moe import grouped_mm  # noqa: E402
 
 
 PROFILE = False
+HOST = False
 
 
 def check_each_gemm() -> None:
@@ -101,6 +102,9 @@ def compare(tokens: int, experts: int, n: int, k: int) -> None:
             print(f"| {name} | {ms:.2f} | {flops / ms / 1e9:.0f} |")
         except Exception as err:  # noqa: BLE001
             print(f"| {name} | failed: {type(err).__name__}: {str(err)[:120]} | |")
+    if HOST:
+        host_time(rows[0][0], rows[0][1])
+        host_time(rows[1][0], rows[1][1])
     if PROFILE:
         for name, fn in rows[1:2]:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -110,6 +114,39 @@ def compare(tokens: int, experts: int, n: int, k: int) -> None:
                 torch.cuda.synchronize()
             print(f"\n{name}, 3 calls:")
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=70))
+
+
+def host_time(name: str, fn) -> None:
+    """The host's time to issue one call (no synchronisation inside the timed loop), each call that
+    makes the host wait for the GPU (sync debug mode), and where the host time goes (cProfile)."""
+    import cProfile
+    import pstats
+    import time
+    import warnings
+
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        fn()
+    issued = (time.perf_counter() - start) / 10 * 1e3
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message)[:100] for w in seen if "prototype" not in str(w.message)]
+    print(f"\n{name}: host issues a call in {issued:.3f} ms; host waits for the GPU {len(syncs)} times: {syncs[:3]}")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(5):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
 
 
 def kernels_alone(tokens: int, experts: int, n: int, k: int) -> None:
@@ -185,9 +222,10 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=32, help="experts on one rank")
     p.add_argument("--kernels", action="store_true", help="each GEMM alone, FP8 and bf16, and the row passes")
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of bf16 and FP8 in one kernel")
+    p.add_argument("--host", action="store_true", help="host time per call, host waits and cProfile, bf16 and FP8")
     a = p.parse_args()
-    global PROFILE
-    PROFILE = a.profile
+    global PROFILE, HOST
+    PROFILE, HOST = a.profile, a.host
     print("torch", torch.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())
     check_each_gemm()
     if a.kernels:

@@ -53,6 +53,7 @@ from .gemm import fp8_mm
 from .grouped_kernel import Bounds, Groups, quantize_experts, quantize_groups
 from .kernels import Quantized, quantize, quantize_transposed
 from .recipes import Recipe
+from .grouped_traced import traced_fp8_grouped_mm
 from .tensor import Float8Tensor, transpose_of
 from .triton_grouped import transpose_bytes
 
@@ -74,6 +75,15 @@ def fp8_experts_forward(forward: Callable) -> Callable:
 def runs_fp8_experts(module: torch.nn.Module) -> bool:
     """Whether ``module``'s forward is marked by ``fp8_experts_forward``."""
     return bool(getattr(module.forward, _MARK, False))
+
+
+def probe_before_compiling(model: torch.nn.Module, device: torch.device) -> None:
+    """Where ``model`` has FP8 experts on a GPU, run the grouped kernel's probe now, before its units
+    are compiled: a compiled unit then traces the experts (grouped_traced.py) from its first call,
+    where a probe met inside a trace would split the graph there."""
+    if device.type == "cuda" and any(getattr(m, "fp8_recipe", None) is not None and runs_fp8_experts(m)
+                                     for m in model.modules()):
+        grouped_kernel.kernel_runs(device)
 
 
 # -- the operands, one Quantized per group ---------------------------------------------------------
@@ -151,9 +161,7 @@ class Fp8GroupedMm(torch.autograd.Function):
     def forward(ctx, x, weight, recipe: Recipe, groups: Groups, grad_enabled: bool):
         dtype = x.dtype
         x = x.detach().contiguous()
-        gathered = isinstance(weight, Float8Tensor)  # the engine's bytes (see the Note)
-        if gathered:
-            _check_gathered(weight, recipe)
+        gathered = isinstance(weight, Float8Tensor)  # the engine's bytes (see the Note), checked by the caller
         ctx.groups, ctx.recipe, ctx.dtype, ctx.weight_dtype, ctx.k = groups, recipe, dtype, weight.dtype, x.shape[1]
         ctx.gathered = weight if gathered else None  # its transposes are made once per gather
         ctx.one_kernel = one_kernel(x, weight, groups.offs, recipe)
@@ -168,7 +176,7 @@ class Fp8GroupedMm(torch.autograd.Function):
             out = grouped_kernel.forward_gemm(qx, w, inv_w, groups)
             # Kept for backward: the input only where the weight's gradient reads it, and then as
             # that GEMM reads it (in the kernel: the padded buffer alone).
-            kept = None if not weight_grad else qx if qx.padded_t is None else qx._replace(data=None)
+            kept = None if not weight_grad else qx if qx.padded_t is None else qx._replace(data=None, row_inv=None)
             ctx.kernel_operands = (kept, w, inv_w)
             return out
         qx = grouped_rows(x, recipe.fwd_dtype, recipe.x_granularity, groups)
@@ -247,7 +255,6 @@ def _check_gathered(weight: Float8Tensor, recipe: Recipe) -> None:
                          f"{recipe.w_granularity.value} scales; shard the model with the experts' recipe")
 
 
-@torch.compiler.disable  # group sizes may be read on the host: an opaque call in compiled blocks
 def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, recipe: Recipe,
                    groups: Union[Bounds, Groups, None] = None) -> torch.Tensor:
     """``grouped_mm`` in FP8 under ``recipe``: the rows of group g of ``x`` [T, K] times
@@ -257,7 +264,8 @@ def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, re
     linear on its own rows, with its own scales (see [Note: FP8 experts]). ``groups``: the groups'
     bounds when the caller has them on the host, or a ``Groups`` of ``offs`` that the experts' GEMMs
     share (what is derived from ``offs``, the host read included, made once for them all); None:
-    this call's own."""
+    this call's own. In a compiled graph the one-kernel path with e4m3 gradients is traced
+    (grouped_traced.py, [Note: FP8 experts, compiled]); any other is an opaque call."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be an fsdp8 FP8 recipe (e.g. Float8CurrentScaling()), got "
                         f"{type(recipe).__name__}")
@@ -267,8 +275,17 @@ def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, re
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2] or offs.shape != weight.shape[:1]:
         raise ValueError(f"fp8_grouped_mm takes x [T, K], weight [G, N, K] and offs [G], got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)} and {tuple(offs.shape)}")
+    if isinstance(groups, Groups) and groups.offs is not offs:
+        raise ValueError("fp8_grouped_mm got a Groups of other offsets than offs; make it with Groups(offs)")
+    if isinstance(weight, Float8Tensor):
+        _check_gathered(weight, recipe)
+    if torch.compiler.is_compiling() and recipe.bwd_dtype == E4M3 and one_kernel(x, weight, offs, recipe):
+        return traced_fp8_grouped_mm(x, weight, offs)
+    return _opaque_grouped_mm(x, weight, offs, recipe, groups)
+
+
+@torch.compiler.disable  # group sizes may be read on the host: an opaque call in compiled blocks
+def _opaque_grouped_mm(x, weight, offs, recipe: Recipe, groups) -> torch.Tensor:
     if not isinstance(groups, Groups):
         groups = Groups(offs, groups)
-    elif groups.offs is not offs:
-        raise ValueError("fp8_grouped_mm got a Groups of other offsets than offs; make it with Groups(offs)")
     return Fp8GroupedMm.apply(x, weight, recipe, groups, torch.is_grad_enabled())

@@ -109,11 +109,23 @@ class Groups:
     def sources(self, rows: int) -> torch.Tensor:
         """The inverse of ``padded``'s columns: each column's row (int32 [width], -1 for padding),
         what the Triton cast reads to write the buffer column by column."""
-        key = ("sources", rows)
+        return self._columns(rows)[0]
+
+    def padded_ends(self, rows: int) -> torch.Tensor:
+        """``padded``'s group ends, what the weight gradient's GEMM takes as its offsets."""
+        return self._columns(rows)[1]
+
+    def _columns(self, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        key = ("columns", rows)
         if key not in self._derived:
-            column, _, width = self.padded(rows)
-            self._derived[key] = torch.full((width,), -1, dtype=torch.int32, device=self.offs.device).scatter_(
-                0, column, torch.arange(rows, dtype=torch.int32, device=self.offs.device))
+            width = buffer_width(rows, self.offs.shape[0])
+            if self.offs.is_cuda and triton_grouped.available():  # one launch for a dozen small ops
+                self._derived[key] = triton_grouped.padded_columns(self.offs, width)
+            else:
+                column, ends, _ = self.padded(rows)
+                source = torch.full((width,), -1, dtype=torch.int32, device=self.offs.device)
+                self._derived[key] = (source.scatter_(0, column, torch.arange(rows, dtype=torch.int32,
+                                                                               device=self.offs.device)), ends)
         return self._derived[key]
 
 
@@ -130,6 +142,7 @@ class GroupedBytes(NamedTuple):
     data: Optional[torch.Tensor]  # [T, K], row-major
     inv: torch.Tensor  # [G] fp32: each group's inverse scale
     padded_t: Optional[torch.Tensor] = None  # [K, width]: the bytes in the weight gradient's token buffer
+    row_inv: Optional[torch.Tensor] = None  # [T] fp32: each row's group's inverse scale (the GEMMs' row scales)
 
 
 def group_amax(t: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
@@ -144,16 +157,20 @@ def quantize_groups(t: torch.Tensor, fp8_dtype: torch.dtype, groups: Groups, pad
     """Rows of ``t`` [T, K] quantized with one scale per group; ``padded``: their bytes also in the
     weight gradient's 16-aligned token buffer (transposed; see the Note)."""
     tokens = t.shape[0]
+    width = buffer_width(tokens, groups.offs.shape[0]) if padded else 0
+    if triton_grouped.runs_on(t, width):
+        # Three launches: the rows' maxima, every scale (per group and per row), the cast.
+        rowmax = torch.linalg.vector_norm(t.detach(), float("inf"), dim=1)
+        _, inv, row_scale, row_inv = triton_grouped.group_scales(rowmax, groups.offs, fp8_dtype)
+        data, padded_t = triton_grouped.group_cast(t.detach(), row_scale, fp8_dtype,
+                                                   groups.sources(tokens) if padded else None, width)
+        return GroupedBytes(data, inv, padded_t, row_inv)
     group = groups.row_group(tokens)
     scale = amax_to_scale(group_amax(t, group, groups.offs.shape[0]), fp8_dtype)
-    column, _, width = groups.padded(tokens) if padded else (None, None, 0)
-    if triton_grouped.runs_on(t, width):
-        data, padded_t = triton_grouped.group_cast(t.detach(), scale, group, fp8_dtype,
-                                                   groups.sources(tokens) if padded else None, width)
-    else:
-        data = saturate_cast(t.detach(), scale[group][:, None], fp8_dtype)
-        padded_t = _scatter_columns(data, column, width) if padded else None
-    return GroupedBytes(data, scale_to_inv(scale), padded_t)
+    data = saturate_cast(t.detach(), scale[group][:, None], fp8_dtype)
+    padded_t = _scatter_columns(data, *groups.padded(tokens)[::2]) if padded else None
+    inv = scale_to_inv(scale)
+    return GroupedBytes(data, inv, padded_t, inv[group])
 
 
 def quantize_experts(w: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -162,8 +179,7 @@ def quantize_experts(w: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[torch.Ten
     w = w.detach().contiguous()  # the kernel reads the bytes as stored
     scale = amax_to_scale(torch.linalg.vector_norm(w.reshape(experts, -1), float("inf"), dim=1).float(), fp8_dtype)
     if triton_grouped.runs_on(w):  # each expert's rows a group of rows
-        rows_group = torch.arange(experts, device=w.device).repeat_interleave(n)
-        data, _ = triton_grouped.group_cast(w.reshape(experts * n, k), scale, rows_group, fp8_dtype)
+        data, _ = triton_grouped.group_cast(w.reshape(experts * n, k), scale.repeat_interleave(n), fp8_dtype)
         return data.view(experts, n, k), scale_to_inv(scale)
     return saturate_cast(w, scale[:, None, None], fp8_dtype), scale_to_inv(scale)
 
@@ -229,7 +245,7 @@ def _emulated(a, b, scale_a, scale_b, offs) -> torch.Tensor:
 def forward_gemm(qx: GroupedBytes, w: torch.Tensor, inv_w: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Rows of group g of ``qx`` [T, K] times ``w[g]``.T (``w`` [G, N, K] bytes): [T, N] bf16."""
     count, n = w.shape[0], w.shape[1]
-    return scaled_grouped_mm(qx.data, w.transpose(1, 2), qx.inv[groups.row_group(qx.data.shape[0])],
+    return scaled_grouped_mm(qx.data, w.transpose(1, 2), qx.row_inv,
                              inv_w[:, None].expand(count, n).contiguous(), groups.offs, fast_accum=True)
 
 
@@ -237,7 +253,7 @@ def input_grad_gemm(qdy: GroupedBytes, w_t: torch.Tensor, inv_w: torch.Tensor, g
     """Rows of group g of ``qdy`` [T, N] times ``w[g]`` [N, K], from ``w_t`` [G, K, N] (each
     expert's bytes transposed, contiguous): [T, K] bf16."""
     count, k = w_t.shape[0], w_t.shape[1]
-    return scaled_grouped_mm(qdy.data, w_t.transpose(1, 2), qdy.inv[groups.row_group(qdy.data.shape[0])],
+    return scaled_grouped_mm(qdy.data, w_t.transpose(1, 2), qdy.row_inv,
                              inv_w[:, None].expand(count, k).contiguous(), groups.offs, fast_accum=BACKWARD_FAST_ACCUM)
 
 
@@ -246,7 +262,7 @@ def weight_grad_gemm(qdy: GroupedBytes, qx: GroupedBytes, groups: Groups, rows: 
     operands' bytes in the 16-aligned token buffer of the Note (``padded_t``: [N, width] and
     [K, width], for ``rows`` rows)."""
     n, k = qdy.padded_t.shape[0], qx.padded_t.shape[0]
-    ends = groups.padded(rows)[1]
+    ends = groups.padded_ends(rows)
     return scaled_grouped_mm(qdy.padded_t, qx.padded_t.t(), qdy.inv.repeat_interleave(n), qx.inv.repeat_interleave(k),
                              ends, fast_accum=BACKWARD_FAST_ACCUM)
 
@@ -265,6 +281,14 @@ def kernel_runs(device: torch.device) -> bool:
     there the group-by-group path is faster than the emulation, which exists for the tests."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
         return False
+    works = _WORKS.get(str(device))  # no lock once known: a compiled graph traces this read
+    if works is None:
+        # Out of the trace (torch.compiler.disable imports dynamo, seconds: only when tracing).
+        works = (torch.compiler.disable(_probe_once) if torch.compiler.is_compiling() else _probe_once)(device)
+    return works
+
+
+def _probe_once(device: torch.device) -> bool:
     key = str(device)
     with _LOCK:
         if key not in _WORKS:

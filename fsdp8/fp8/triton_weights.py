@@ -142,6 +142,31 @@ if triton is not None:
 
 _TABLES: "dict[tuple, torch.Tensor]" = {}
 _TABLES_MAX = 256
+_PLANS: "dict[tuple, tuple]" = {}
+
+
+def _plan(device: torch.device, pieces: tuple, make) -> tuple:
+    """``make(device, pieces)`` (the longest piece, the device table, whether every offset is
+    16-aligned), kept for the next call with the same pieces: the engine packs the same pieces
+    every step, and going over them in Python (an experts unit has a few per expert) cost
+    ~0.7 ms of host time a call (model Q, 2026-11-27)."""
+    key = (device, pieces, make)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _TABLES_MAX:
+            _PLANS.clear()
+        plan = _PLANS[key] = make(device, pieces)
+    return plan
+
+
+def _plan_pieces(device, pieces):
+    return (max(n for _, _, n, _ in pieces), _device_table(device, tuple(v for piece in pieces for v in piece)),
+            all(s % 16 == 0 and o % 16 == 0 for s, o, _, _ in pieces))
+
+
+def _plan_block_pieces(device, pieces):
+    return (None, _device_table(device, tuple(v for field in zip(*pieces) for v in field)),
+            all(s % 16 == 0 and o % 16 == 0 and c % 16 == 0 for s, o, _, c, _, _ in pieces))
 
 
 def _device_table(device: torch.device, values: tuple) -> torch.Tensor:
@@ -164,12 +189,10 @@ def _device_table(device: torch.device, values: tuple) -> torch.Tensor:
 def quantize_pieces(src, out, scales, pieces, fp8_dtype, via, block: int = 4096, num_warps: int = 4):
     """See weight_kernels.quantize_pieces: one launch for every piece. Block 4096 measured best on H200
     (benchmarks/debug/pack_kernels.py: 3.55 TB/s for a model-B layer, 2.8 for the per-weight kernel it replaced)."""
-    longest = max(n for _, _, n, _ in pieces)
+    longest, table, aligned = _plan(src.device, pieces, _plan_pieces)
     if longest == 0:
         return
-    table = _device_table(src.device, tuple(v for piece in pieces for v in piece))
     rounds = via is not None and via != src.dtype and via != torch.float32
-    aligned = all(s % 16 == 0 and o % 16 == 0 for s, o, _, _ in pieces)
     _pieces_kernel[(triton.cdiv(longest, block), len(pieces))](
         src, out, scales, table, FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype),
         VIA=_TL_FLOAT[via] if rounds else None, ALIGNED=aligned, BLOCK=block, num_warps=num_warps)
@@ -177,10 +200,9 @@ def quantize_pieces(src, out, scales, pieces, fp8_dtype, via, block: int = 4096,
 
 def quantize_block_pieces(src, out, scales, pieces, fp8_dtype, via, rows_per_tile: int = 32, num_warps: int = 4):
     """See weight_kernels.quantize_block_pieces: one launch for every piece (non-empty ones)."""
+    longest, table, aligned = _plan(src.device, pieces, _plan_block_pieces)
     tiles = max(triton.cdiv(rows, rows_per_tile) * triton.cdiv(cols, 128) for _, _, rows, cols, _, _ in pieces)
-    table = _device_table(src.device, tuple(v for field in zip(*pieces) for v in field))
     rounds = via is not None and via != src.dtype and via != torch.float32
-    aligned = all(s % 16 == 0 and o % 16 == 0 and c % 16 == 0 for s, o, _, c, _, _ in pieces)
     _block_pieces_kernel[(tiles, len(pieces))](
         src, out, scales, table, len(pieces), FMAX=FP8_MAX[fp8_dtype], OUT=_tl_dtype(fp8_dtype),
         VIA=_TL_FLOAT[via] if rounds else None, ALIGNED=aligned, TM=rows_per_tile, B=128, num_warps=num_warps)

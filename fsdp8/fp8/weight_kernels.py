@@ -9,6 +9,8 @@ rather than one or more a weight: launches, not bytes, were the engine's cost th
 
 from __future__ import annotations
 
+import functools
+
 import math
 from typing import Optional, Sequence, Tuple
 
@@ -61,6 +63,16 @@ def _rows_with_grid_reference(rows, row_start, scale_grid, granularity, fp8_dtyp
     return saturate_cast(x, scale_grid[row_block].repeat_interleave(128, dim=1)[:, : x.shape[1]], fp8_dtype)
 
 
+@functools.lru_cache(maxsize=256)  # the engine packs the same pieces into the same buffers every step
+def _check_pieces(pieces: Tuple[Tuple[int, int, int, int], ...], src_numel: int, out_numel: int, scales_numel: int) -> int:
+    """The longest piece's length, once every piece is found inside the buffers (ValueError if not)."""
+    for s_off, o_off, n, k in pieces:
+        if min(s_off, o_off, n, k) < 0 or s_off + n > src_numel or o_off + n > out_numel or k >= scales_numel:
+            raise ValueError(f"piece {(s_off, o_off, n, k)} reaches outside src ({src_numel}), "
+                             f"out ({out_numel}) or scales ({scales_numel})")
+    return max((n for _, _, n, _ in pieces), default=0)
+
+
 def quantize_pieces(src: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, pieces: Sequence[Tuple[int, int, int, int]],
                     fp8_dtype: torch.dtype, via: Optional[torch.dtype] = None) -> torch.Tensor:
     """Whole-tensor-scaled quantization of many pieces of one flat tensor into one flat FP8
@@ -75,18 +87,16 @@ def quantize_pieces(src: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, 
         raise ValueError("quantize_pieces works on flat (1-D) src, out and scales")
     if out.dtype != fp8_dtype:
         raise ValueError(f"out must be {fp8_dtype}, got {out.dtype}")
-    for s_off, o_off, n, k in pieces:
-        if min(s_off, o_off, n, k) < 0 or s_off + n > src.numel() or o_off + n > out.numel() or k >= scales.numel():
-            raise ValueError(f"piece {(s_off, o_off, n, k)} reaches outside src ({src.numel()}), "
-                             f"out ({out.numel()}) or scales ({scales.numel()})")
+    pieces = pieces if isinstance(pieces, tuple) else tuple(map(tuple, pieces))
+    longest = _check_pieces(pieces, src.numel(), out.numel(), scales.numel())
     if not pieces:
         return out
     if (use_triton(src) and src.is_contiguous() and out.is_contiguous() and scales.dtype == torch.float32
             and torch.float64 not in (src.dtype, via)  # the kernel has no fp64 path (fp64 tests)
-            and max(n for _, _, n, _ in pieces) < 2**31):  # the kernel indexes a piece in int32
+            and longest < 2**31):  # the kernel indexes a piece in int32
         from . import triton_weights
 
-        triton_weights.quantize_pieces(src, out, scales, tuple(pieces), fp8_dtype, via)
+        triton_weights.quantize_pieces(src, out, scales, pieces, fp8_dtype, via)
         return out
     for s_off, o_off, n, k in pieces:
         x = src[s_off : s_off + n]

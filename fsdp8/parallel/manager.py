@@ -37,6 +37,7 @@ from ..distributed.process_group import init_distributed, mesh_device
 from ..engine.model import fully_shard
 from ..engine.sharded import ShardedModel
 from ..engine.units_and_mesh import find_units
+from ..fp8.grouped import probe_before_compiling
 from ..models.adapter import ModelAdapter, adapter_for
 from .auto import auto_choice, describe_choice
 from .checkpointing import checkpoint_units
@@ -221,6 +222,8 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
         checkpoint_units(unit_modules, config.activation_checkpointing, adapter.checkpoint_filter(model))
     if config.compile is not False:  # True, or a dict of torch.compile options ({} too)
         options = compile_options(config)
+        if config.fp8 is not None:
+            probe_before_compiling(model, mesh_device(mesh))
         for module in unit_modules:
             module.forward = torch.compile(module.forward, **options)
     if skip_packed is not None:

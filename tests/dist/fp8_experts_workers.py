@@ -110,3 +110,30 @@ def wire_parity(recipe_name: str, layout: dict) -> dict:
             "old_gathered": old_run["gathered"][0], "new_gathered": new_run["gathered"][0], "held": held,
             "experts_numel": experts_numel, "e8m0": e8m0, "chunks": {u.name: u.layout.num_chunks for u in new._fsdp8.units},
             "converted": sorted(n for n, m in new.named_modules() if getattr(m, "fp8_recipe", None) is not None)}
+
+
+def compiled_parity(layout: dict) -> dict:
+    """The built-in moe-tiny Llama under FP8 current scaling with e4m3 gradients, its units compiled
+    (``aot_eager``: the graphs run the traced ops as they are, so any difference is the experts'),
+    the grouped kernel's path forced (its CPU emulation): once with the experts traced into the
+    units' graphs (grouped_traced.py), once as the opaque calls they were. Returns what differs
+    and each run's graph breaks."""
+    from torch._dynamo.utils import counters
+
+    from fsdp8.fp8 import grouped, grouped_kernel
+    from fsdp8.fp8.recipes import Float8CurrentScaling
+
+    grouped_kernel.kernel_runs = lambda device: True  # this worker process only
+    traced = grouped.traced_fp8_grouped_mm
+    runs, breaks = [], []
+    for trace in (True, False):
+        torch._dynamo.reset()
+        counters.clear()
+        grouped.traced_fp8_grouped_mm = traced if trace else (
+            lambda x, w, offs: grouped._opaque_grouped_mm(x, w, offs, Float8CurrentScaling(fp8_format="e4m3"), None))
+        config = fsdp8.ParallelConfig(**layout, fp8=Float8CurrentScaling(fp8_format="e4m3"), precision=PRECISION,
+                                      compile={"backend": "aot_eager"})
+        runs.append(_train(fsdp8.parallelize(build(), config)))
+        breaks.append(sum(counters["graph_break"].values()))
+    grouped.traced_fp8_grouped_mm = traced
+    return {"differences": _differences(*runs), "breaks": breaks}

@@ -40,3 +40,12 @@ def test_fp8_experts_gathered_in_8_bits_equal_the_high_precision_gather(recipe, 
                 gathers = out["new_gathered"][unit] // new  # forward and backward (ZeRO-3), forward (ZeRO-2)
                 assert gathers == (1 if layout.get("strategy") else 2), gathers
                 assert abs(saved - gathers * saving) < gathers * slack, (unit, saved, saving)
+
+
+def test_compiled_units_trace_fp8_experts_with_the_same_results():
+    """Traced into the compiled units (no graph break at the experts), the experts' FP8 GEMMs give
+    the opaque calls' losses, gradients and weights bit for bit. (Under ep the dispatch and the
+    experts run outside the graphs: fsdp8/parallel/ep.py.)"""
+    for out in run_on_ranks(2, workers.compiled_parity, {}):
+        assert out["differences"] == [], out["differences"][:10]
+        assert out["breaks"][0] == 0 < out["breaks"][1], out["breaks"]  # traced: none; opaque: at the experts

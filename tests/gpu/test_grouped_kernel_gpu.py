@@ -40,31 +40,34 @@ def test_grouped_kernel_runs_and_matches_group_by_group(fp8_format, monkeypatch)
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_triton_group_cast_is_the_torch_reference_bit_for_bit(fp8):
+def test_triton_group_quantization_is_the_torch_reference_bit_for_bit(fp8, monkeypatch):
+    """quantize_groups' three launches (row maxima, every scale, the cast into both layouts) and the
+    buffer's columns (one launch) against the torch ops of the CPU path, byte for byte."""
     from fsdp8.fp8 import triton_grouped
-    from fsdp8.fp8.formats import amax_to_scale
-    from fsdp8.fp8.kernels import saturate_cast
 
     assert triton_grouped.runs_on(torch.zeros(1, device="cuda", dtype=torch.bfloat16))
     g = torch.Generator(device="cuda").manual_seed(1)
-    sizes = [0, 130, 1, 0, 77, 300]
+    sizes = [0, 130, 1, 0, 77, 300, 2500, 0]  # empty groups, one longer than a scale block of rows
     offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
     x = (torch.randn(sum(sizes), 200, device="cuda", generator=g) * torch.logspace(-3, 3, 200, device="cuda")).bfloat16()
     x[5, 7], x[140, 3] = float("nan"), float("inf")  # a NaN and an infinity keep their groups' scales as torch makes them
-    groups = grouped_kernel.Groups(offs)
-    group = groups.row_group(sum(sizes))
-    scale = amax_to_scale(grouped_kernel.group_amax(x, group, len(sizes)), fp8)
-    column, _, width = groups.padded(sum(sizes))
-    q, qt = triton_grouped.group_cast(x, scale, group, fp8, groups.sources(sum(sizes)), width)
-    want = saturate_cast(x, scale[group][:, None], fp8)
-    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
-    assert torch.equal(qt.view(torch.uint8), grouped_kernel._scatter_columns(want, column, width).view(torch.uint8))
-    q_alone, none = triton_grouped.group_cast(x, scale, group, fp8)
-    assert none is None and torch.equal(q_alone.view(torch.uint8), want.view(torch.uint8))
+    x[131:208] = x[131:208].sign() * 1e-37  # group 4's amax so small that its scale overflows: 1
+    got = grouped_kernel.quantize_groups(x, fp8, grouped_kernel.Groups(offs), padded=True)
+    cpu_groups = grouped_kernel.Groups(offs.cpu())
+    want = grouped_kernel.quantize_groups(x.cpu(), fp8, cpu_groups, padded=True)
+    for name in ("data", "padded_t"):
+        assert torch.equal(getattr(got, name).cpu().view(torch.uint8), getattr(want, name).view(torch.uint8)), name
+    for name in ("inv", "row_inv"):
+        assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
+    gpu_groups = grouped_kernel.Groups(offs)
+    assert torch.equal(gpu_groups.sources(sum(sizes)).cpu(), cpu_groups.sources(sum(sizes)))
+    assert torch.equal(gpu_groups.padded_ends(sum(sizes)).cpu(), cpu_groups.padded_ends(sum(sizes)))
+    unpadded = grouped_kernel.quantize_groups(x, fp8, grouped_kernel.Groups(offs))
+    assert unpadded.padded_t is None and torch.equal(unpadded.data.cpu().view(torch.uint8), want.data.view(torch.uint8))
     w = torch.randn(5, 48, 96, device="cuda", generator=g).bfloat16()
     data, inv = grouped_kernel.quantize_experts(w, fp8)  # the kernel, each expert's rows one group
-    want_scale = amax_to_scale(w.float().abs().amax(dim=(1, 2)), fp8)
-    assert torch.equal(data.view(torch.uint8), saturate_cast(w, want_scale[:, None, None], fp8).view(torch.uint8))
+    want_data, want_inv = grouped_kernel.quantize_experts(w.cpu(), fp8)
+    assert torch.equal(data.cpu().view(torch.uint8), want_data.view(torch.uint8)) and torch.equal(inv.cpu(), want_inv)
 
 
 @pytest.mark.parametrize("shape", [(3, 48, 96), (2, 130, 70), (1, 1536, 2048)])
@@ -77,3 +80,30 @@ def test_triton_transpose_bytes_is_torch_transpose(shape):
     got = triton_grouped.transpose_bytes(data)
     assert got.is_contiguous() and got.shape == (shape[0], shape[2], shape[1])
     assert torch.equal(got.view(torch.uint8), data.view(torch.uint8).transpose(1, 2))
+
+
+def test_compiled_experts_trace_the_kernel_with_the_eager_results():
+    """In one graph (fullgraph: no break at the experts), the same bytes as the eager call."""
+    from fsdp8.fp8 import grouped_kernel
+    from fsdp8.fp8.grouped import fp8_grouped_mm
+    from fsdp8.fp8.recipes import Float8CurrentScaling
+
+    assert grouped_kernel.kernel_runs(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    sizes = [0, 900, 1, 2047, 0, 17, 1100, 31]
+    offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    x = torch.randn(sum(sizes), 2048, device="cuda", generator=g).bfloat16()
+    w = torch.randn(len(sizes), 1536, 2048, device="cuda", generator=g).bfloat16() * 0.02
+    dy = torch.randn(sum(sizes), 1536, device="cuda", generator=g).bfloat16()
+    recipe = Float8CurrentScaling(fp8_format="e4m3")
+
+    def step(x, w):
+        return fp8_grouped_mm(x, w, offs, recipe)
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(xr, wr)
+        results.append((out, *torch.autograd.grad(out, (xr, wr), dy)))
+    for a, b in zip(*results):  # the same ops on the same bytes
+        assert torch.equal(a, b)
