@@ -73,9 +73,12 @@ class Groups:
 
     - ``bounds()``: the groups' (first, end) rows on the host: the one synchronisation, made only
       where a GEMM goes group by group (none where the caller knew them: ``known``);
-    - ``row_group(rows)``: each row's group, on the device;
+    - ``row_group(rows)``: each row's group, on the device (torch ops: the CPU path);
     - ``padded(rows)``: the weight gradient's 16-aligned token buffer of the Note: each row's
-      column, the groups' padded ends (the last taking the buffer's zero tail) and the width."""
+      column, the groups' padded ends (the last taking the buffer's zero tail) and the width
+      (torch ops: the CPU path and the reference);
+    - ``sources(rows)``, ``padded_ends(rows)``: each column's row and the padded ends, what the
+      GPU path reads (one Triton launch there)."""
 
     def __init__(self, offs: torch.Tensor, known: Optional[Bounds] = None):
         self.offs, self._bounds = offs, known
