@@ -89,8 +89,6 @@ MODELS = {
     "A": ModelSpec("A", 2048, 8192, 16, 16, 8, 32000, 2048, 4),
     "B": ModelSpec("B", 4096, 14336, 8, 32, 8, 32000, 2048, 2),
     "tiny": ModelSpec("tiny", 64, 256, 2, 4, 2, 1024, 64, 2),
-    # model B's layer count and heads at tiny widths: on a CPU its step is almost all host time
-    "host-B": ModelSpec("host-B", 256, 512, 8, 32, 8, 1024, 64, 2),
 }
 
 
