@@ -78,6 +78,7 @@ class Session:
         self.t0 = time.monotonic()
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", **MULTICAST_OFF)
         self.runs = 0
+        self.numa = args.numa_binding
 
     def left(self) -> float:
         return self.limit - (time.monotonic() - self.t0)
@@ -94,6 +95,8 @@ class Session:
         """Run `cmd` in a process group of its own, its output into `log` under --out (stdout
         into `stdout` instead, where given; no log: this terminal). 124 if it ran out of time."""
         self.runs += 1
+        if self.numa and [str(c) for c in cmd[:len(TORCHRUN)]] == TORCHRUN:
+            cmd = [*TORCHRUN, "--numa-binding", self.numa, *cmd[len(TORCHRUN):]]
         seconds = seconds if seconds is not None else self.deadline(self.limit)
         shown = " ".join([f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()] + [shlex.join(map(str, cmd))])
         if log:
@@ -502,6 +505,9 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--limit", type=int, default=540, help="seconds for the whole job (default: 540)")
     common.add_argument("--wheels", default=".whl/*.whl", help="wheels to install into /tmp/site, or none")
     common.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    common.add_argument("--numa-binding", default="", choices=("", "node", "socket", "exclusive", "core-complex"),
+                        help="torchrun --numa-binding for every torchrun: each rank's host threads on CPUs near its "
+                             "GPU (the compiled FP8 + TP step is host-bound on its slower hosts)")
     jobs = p.add_subparsers(dest="job", required=True)
 
     def job(name, func, doc):

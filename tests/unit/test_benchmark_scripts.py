@@ -172,6 +172,15 @@ def test_runner_peers_each_stack_in_its_own_process(tmp_path):
     assert all("--loopback-world 2" in r and r.rstrip().split("#")[0].count("--skip-packed-check") == 1 for r in runs)
 
 
+def test_runner_binds_every_torchrun_to_its_gpus_numa_node_when_asked(tmp_path):
+    args = ("--dry-run", "--out", str(tmp_path), "--wheels", "none", "--stacks", "fsdp8,fsdp8-tp-compile")
+    bound = [line for line in dry_run("peers", *args, "--numa-binding", "node").splitlines() if "peers.py" in line]
+    plain = [line for line in dry_run("peers", *args).splitlines() if "peers.py" in line]
+    assert len(bound) == len(plain) == 2
+    assert all("torch.distributed.run --numa-binding node --nproc_per_node" in r for r in bound)
+    assert not any("--numa-binding" in r for r in plain)
+
+
 def test_runner_ab_runs_old_new_new_old(tmp_path):
     out = dry_run("ab", "--dry-run", "--out", str(tmp_path), "--wheels", "none", "--old", "HEAD~1")
     runs = [line for line in out.splitlines() if "peers.py" in line]
