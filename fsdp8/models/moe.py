@@ -168,74 +168,20 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
     one (then the expert GEMMs run in FP8)."""
     k = top_k_index.shape[-1]
     order, counts = permute_by_expert(top_k_index, experts.gate_up_proj.shape[0])
-    slot_row = inverse_permutation(order)
-    out = expert_mlp(rows_by_expert(hidden_states, order, slot_row, k), counts, experts.gate_up_proj,
-                     experts.down_proj, experts.act_fn, getattr(experts, "fp8_recipe", None))
-    return combine_by_token(out, order, slot_row, top_k_weights, hidden_states)
+    token = order // k
+    out = expert_mlp(hidden_states[token], counts, experts.gate_up_proj, experts.down_proj, experts.act_fn,
+                     getattr(experts, "fp8_recipe", None))
+    return combine_by_token(out, order, token, top_k_weights, hidden_states)
 
 
-# [Note: tokens to experts and back, by gathers]
-# Row i of the experts' input is token order[i] // k (its slot order[i] % k); the experts' output
-# comes back to the tokens by the inverse permutation (slot_row) and a sum over each token's k
-# slots. Written with autograd's own ops, one direction of each is an index_add (the input's
-# gradient summed into its token; transformers' eager experts combine so), which adds atomically
-# on GPUs: 0.54 ms a layer on model Q (32768 rows of 2048, one H200; docs/PERFORMANCE.md, section
-# 13). Here every direction is a gather, and the sums over k are reductions a compiled graph fuses
-# with what surrounds them; they also add in a fixed order.
-def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
-    """``slot_row`` with ``slot_row[order[i]] = i``."""
-    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-
-
-def permute_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """``x[perm]`` for a permutation of the rows (``inverse`` its inverse), gathers both ways."""
-    return _PermuteRows.apply(x, perm, inverse)
-
-
-def rows_by_expert(hidden_states: torch.Tensor, order: torch.Tensor, slot_row: torch.Tensor, k: int) -> torch.Tensor:
-    """Each routed (token, slot) pair's row of ``hidden_states`` [T, H], in ``order`` (see the Note)."""
-    return _TokenRows.apply(hidden_states, order, slot_row, k)
-
-
-def combine_by_token(out: torch.Tensor, order: torch.Tensor, slot_row: torch.Tensor, top_k_weights: torch.Tensor,
+def combine_by_token(out: torch.Tensor, order: torch.Tensor, token: torch.Tensor, top_k_weights: torch.Tensor,
                      hidden_states: torch.Tensor) -> torch.Tensor:
-    """Each token's sum of its experts' rows ``out`` (row i is the flattened (token, slot) pair
-    ``order[i]``; ``slot_row`` its inverse), weighted by its routing weights in the product's dtype,
-    summed over its k slots and returned in the hidden states' dtype (see the Note)."""
-    k = top_k_weights.shape[-1]
-    rows = permute_rows(out, slot_row, order).view(-1, k, out.shape[-1])
-    return (rows * top_k_weights.unsqueeze(-1)).sum(1).to(hidden_states.dtype)
-
-
-class _TokenRows(torch.autograd.Function):
-    """``hidden_states[order // k]``; backward: each token's k rows of the gradient gathered by
-    ``slot_row`` and summed."""
-
-    @staticmethod
-    def forward(ctx, hidden_states: torch.Tensor, order: torch.Tensor, slot_row: torch.Tensor, k: int):
-        ctx.save_for_backward(slot_row)
-        ctx.k = k
-        return hidden_states[order // k]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (slot_row,) = ctx.saved_tensors
-        return grad[slot_row].view(-1, ctx.k, grad.shape[-1]).sum(1), None, None, None
-
-
-class _PermuteRows(torch.autograd.Function):
-    """``x[perm]`` for a permutation ``perm`` of the rows whose inverse is ``inverse``; backward:
-    the gather by ``inverse``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        return x[perm]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
-        return grad[inverse], None, None
+    """Each token's sum of its experts' rows ``out`` (in ``order``, permute_by_expert's; ``token``
+    is ``order // k``, the gather's own index, passed in so autograd saves one copy, not two),
+    weighted by its routing weights: as transformers, weighted in the product's dtype, summed in
+    the hidden states'."""
+    out = out * top_k_weights.reshape(-1)[order, None]
+    return torch.zeros_like(hidden_states).index_add_(0, token, out.to(hidden_states.dtype))
 
 
 def load_balancing_loss(router_probs: torch.Tensor, top_k: int, token_groups: Sequence = ()) -> torch.Tensor:
