@@ -214,3 +214,21 @@ def test_a_layers_two_projections_derive_their_groups_once(monkeypatch):
     out = expert_mlp(x, counts, gate_up, down, F.silu, Float8CurrentScaling(fp8_format="e4m3"))
     out.float().square().sum().backward()
     assert found == [1] and gate_up.grad.abs().sum() > 0 and down.grad.abs().sum() > 0
+
+
+def test_the_kernel_is_probed_before_compiling_only_for_fp8_experts_on_a_gpu(monkeypatch):
+    """parallelize runs the probe before it compiles the units (a probe met inside a trace would
+    split the graph): for a model with FP8 experts on a CUDA device, not otherwise."""
+    from fsdp8.fp8 import grouped
+    from fsdp8.fp8.convert import convert_to_fp8
+    from fsdp8.models.llama import Llama, preset
+
+    probed = []
+    monkeypatch.setattr(grouped_kernel, "kernel_runs", lambda device: probed.append(device) or True)
+    moe = convert_to_fp8(Llama(preset("moe-tiny", n_layers=1)), Float8CurrentScaling(fp8_format="e4m3"))
+    dense = convert_to_fp8(Llama(preset("tiny", n_layers=1)), Float8CurrentScaling(fp8_format="e4m3"))
+    grouped.probe_before_compiling(moe, torch.device("cpu"))
+    grouped.probe_before_compiling(dense, torch.device("cuda", 0))
+    assert probed == []
+    grouped.probe_before_compiling(moe, torch.device("cuda", 0))
+    assert probed == [torch.device("cuda", 0)]
