@@ -24,6 +24,9 @@ Model "Q" (2 GPUs): hidden 2048, 8 layers, 16 heads of 128 (4 KV heads), 64 expe
 top 8, vocab 32000, 2 sequences of 2048 per GPU. FLOPs/token count active parameters:
 6 * (non-expert parameters + layers * top_k * 3 * hidden * expert_ffn) + 12 * L * H * S.
 
+Model "W": model Q's attention with 16 experts of 2048 per layer (top 8; 1.83 B parameters, 1.02 B
+active), for FP8 experts where the GEMMs weigh more.
+
 On 2 GPUs, one stack:
     torchrun --nproc_per_node 2 benchmarks/moe_peers.py --model Q --stacks fsdp8-ep --out runs/moe.json
 CPU smoke test (gloo):
@@ -87,6 +90,8 @@ class MoeSpec:
 
 MODELS = {
     "Q": MoeSpec("Q", 2048, 8, 16, 4, 128, 64, 8, 768, 32000, 2048, 2),
+    # Fewer, wider experts (16 of 2048, top-8): four times Q's rows per expert, GEMMs a larger share.
+    "W": MoeSpec("W", 2048, 8, 16, 4, 128, 16, 8, 2048, 32000, 2048, 2),
     "tiny": MoeSpec("tiny", 64, 2, 4, 2, 16, 8, 2, 32, 256, 64, 2),
 }
 FLOPS_FORMULA = "FLOPs/token = 6*N_active + 12*L*H*S (N_active: parameters a token uses, experts top_k of E)"
