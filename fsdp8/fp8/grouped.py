@@ -154,8 +154,8 @@ def one_kernel(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, recipe
 
 class Fp8GroupedMm(torch.autograd.Function):
     """out = rows of group g of x times weight[g].T, its three GEMMs in FP8 (see [Note: FP8 experts]).
-    Saved for backward: the operands' FP8 bytes and scales (and, in the kernel's forward, each
-    row's group), never their high-precision values."""
+    Saved for backward: the operands' FP8 bytes and scales (the input only where the weight's
+    gradient reads it), never their high-precision values."""
 
     @staticmethod
     def forward(ctx, x, weight, recipe: Recipe, groups: Groups, grad_enabled: bool):
@@ -171,9 +171,8 @@ class Fp8GroupedMm(torch.autograd.Function):
             weight_grad = grad_enabled and ctx.needs_input_grad[1]
             # The weight gradient's operand (the bytes in the padded token buffer) made in the same
             # pass, where the backward will run in the kernel too.
-            qx = quantize_groups(x, recipe.fwd_dtype, groups, padded=weight_grad and recipe.bwd_dtype == E4M3)
             w, inv_w = (weight._data, weight._scale_inv) if gathered else quantize_experts(weight.to(dtype), recipe.fwd_dtype)
-            out = grouped_kernel.forward_gemm(qx, w, inv_w, groups)
+            out, qx = grouped_kernel.forward_in_kernel(x, w, inv_w, groups, padded=weight_grad and recipe.bwd_dtype == E4M3)
             # Kept for backward: the input only where the weight's gradient reads it, and then as
             # that GEMM reads it (in the kernel: the padded buffer alone).
             kept = None if not weight_grad else qx if qx.padded_t is None else qx._replace(data=None, row_inv=None)
@@ -201,14 +200,11 @@ class Fp8GroupedMm(torch.autograd.Function):
 
 def _backward_in_one_kernel(ctx, dy: torch.Tensor):
     qx, w, inv_w = ctx.kernel_operands
-    qdy = quantize_groups(dy, ctx.recipe.bwd_dtype, ctx.groups, padded=ctx.needs_input_grad[1])
-    dx = dw = None
+    w_t = None
     if ctx.needs_input_grad[0]:
         w_t = ctx.gathered.transposed_bytes() if ctx.gathered is not None else transpose_bytes(w)
-        dx = grouped_kernel.input_grad_gemm(qdy, w_t, inv_w, ctx.groups)
-    if ctx.needs_input_grad[1]:
-        dw = grouped_kernel.weight_grad_gemm(qdy, qx, ctx.groups, dy.shape[0])
-    return dx, dw
+    return grouped_kernel.backward_in_kernel(dy, w_t, inv_w, ctx.groups, qx, ctx.needs_input_grad[0],
+                                             ctx.needs_input_grad[1])
 
 
 def _backward_by_group(ctx, dy: torch.Tensor):

@@ -112,23 +112,27 @@ class Groups:
     def sources(self, rows: int) -> torch.Tensor:
         """The inverse of ``padded``'s columns: each column's row (int32 [width], -1 for padding),
         what the Triton cast reads to write the buffer column by column."""
-        return self._columns(rows)[0]
+        if not self._on_gpu():
+            key = ("sources", rows)
+            if key not in self._derived:
+                column, _, width = self.padded(rows)
+                source = torch.full((width,), -1, dtype=torch.int32, device=self.offs.device)
+                self._derived[key] = source.scatter_(0, column, torch.arange(rows, dtype=torch.int32,
+                                                                              device=self.offs.device))
+            return self._derived[key]
+        return self._gpu_columns(rows)[0]
 
     def padded_ends(self, rows: int) -> torch.Tensor:
         """``padded``'s group ends, what the weight gradient's GEMM takes as its offsets."""
-        return self._columns(rows)[1]
+        return self._gpu_columns(rows)[1] if self._on_gpu() else self.padded(rows)[1]
 
-    def _columns(self, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        key = ("columns", rows)
+    def _on_gpu(self) -> bool:
+        return self.offs.is_cuda and triton_grouped.available()
+
+    def _gpu_columns(self, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        key = ("columns", rows)  # sources and padded ends in one launch, for a dozen small ops
         if key not in self._derived:
-            width = buffer_width(rows, self.offs.shape[0])
-            if self.offs.is_cuda and triton_grouped.available():  # one launch for a dozen small ops
-                self._derived[key] = triton_grouped.padded_columns(self.offs, width)
-            else:
-                column, ends, _ = self.padded(rows)
-                source = torch.full((width,), -1, dtype=torch.int32, device=self.offs.device)
-                self._derived[key] = (source.scatter_(0, column, torch.arange(rows, dtype=torch.int32,
-                                                                               device=self.offs.device)), ends)
+            self._derived[key] = triton_grouped.padded_columns(self.offs, buffer_width(rows, self.offs.shape[0]))
         return self._derived[key]
 
 
@@ -177,14 +181,13 @@ def quantize_groups(t: torch.Tensor, fp8_dtype: torch.dtype, groups: Groups, pad
 
 
 def quantize_experts(w: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Each matrix of ``w`` [E, N, K] quantized with its own scale: (bytes, inverse scales [E])."""
+    """Each matrix of ``w`` [E, N, K] quantized with its own scale: (bytes, inverse scales [E]). Its
+    rows are E groups of N rows, so this is ``quantize_groups`` (the amax of a matrix is the
+    largest of its rows' maxima)."""
     experts, n, k = w.shape
-    w = w.detach().contiguous()  # the kernel reads the bytes as stored
-    scale = amax_to_scale(torch.linalg.vector_norm(w.reshape(experts, -1), float("inf"), dim=1).float(), fp8_dtype)
-    if triton_grouped.runs_on(w):  # each expert's rows a group of rows
-        data, _ = triton_grouped.group_cast(w.reshape(experts * n, k), scale.repeat_interleave(n), fp8_dtype)
-        return data.view(experts, n, k), scale_to_inv(scale)
-    return saturate_cast(w, scale[:, None, None], fp8_dtype), scale_to_inv(scale)
+    offs = torch.arange(1, experts + 1, dtype=torch.int32, device=w.device) * n
+    q = quantize_groups(w.detach().reshape(experts * n, k), fp8_dtype, Groups(offs))
+    return q.data.view(experts, n, k), q.inv
 
 
 # -- the kernel ------------------------------------------------------------------------------------
@@ -268,6 +271,25 @@ def weight_grad_gemm(qdy: GroupedBytes, qx: GroupedBytes, groups: Groups, rows: 
     ends = groups.padded_ends(rows)
     return scaled_grouped_mm(qdy.padded_t, qx.padded_t.t(), qdy.inv.repeat_interleave(n), qx.inv.repeat_interleave(k),
                              ends, fast_accum=BACKWARD_FAST_ACCUM)
+
+
+def forward_in_kernel(x: torch.Tensor, w: torch.Tensor, inv_w: torch.Tensor, groups: Groups,
+                      padded: bool) -> Tuple[torch.Tensor, GroupedBytes]:
+    """The one-kernel forward (e4m3): ``x`` [T, K] quantized by group (``padded``: its bytes also in
+    the weight gradient's buffer, made in the same pass) times the experts' bytes ``w`` [G, N, K];
+    (out [T, N] bf16, the quantized input)."""
+    qx = quantize_groups(x, E4M3, groups, padded=padded)
+    return forward_gemm(qx, w, inv_w, groups), qx
+
+
+def backward_in_kernel(dy: torch.Tensor, w_t: Optional[torch.Tensor], inv_w: torch.Tensor, groups: Groups,
+                       qx: Optional[GroupedBytes], input_grad: bool, weight_grad: bool):
+    """The one-kernel backward (e4m3 gradients): (dx or None, dW or None) from ``dy`` [T, N], the
+    experts' transposed bytes ``w_t`` [G, K, N] (for dx) and the forward's padded input ``qx`` (for dW)."""
+    qdy = quantize_groups(dy, E4M3, groups, padded=weight_grad)
+    dx = input_grad_gemm(qdy, w_t, inv_w, groups) if input_grad else None
+    dw = weight_grad_gemm(qdy, qx, groups, dy.shape[0]) if weight_grad else None
+    return dx, dw
 
 
 def _scatter_columns(q: torch.Tensor, column: torch.Tensor, width: int) -> torch.Tensor:

@@ -24,10 +24,7 @@ from __future__ import annotations
 import torch
 
 from .formats import E4M3
-from .grouped_kernel import (
-    GroupedBytes, Groups, buffer_width, forward_gemm, input_grad_gemm, quantize_experts, quantize_groups,
-    weight_grad_gemm,
-)
+from .grouped_kernel import GroupedBytes, Groups, backward_in_kernel, buffer_width, forward_in_kernel, quantize_experts
 from .tensor import Float8Tensor
 from .triton_grouped import transpose_bytes
 
@@ -35,10 +32,8 @@ _NONE = (0,)  # the shape of an output a call was not asked for
 
 
 def _forward(x: torch.Tensor, w: torch.Tensor, inv_w: torch.Tensor, offs: torch.Tensor, keep_input: bool):
-    groups = Groups(offs)
-    qx = quantize_groups(x, E4M3, groups, padded=keep_input)
-    padded = qx.padded_t if keep_input else x.new_empty(_NONE, dtype=E4M3)
-    return forward_gemm(qx, w, inv_w, groups), padded, qx.inv
+    out, qx = forward_in_kernel(x, w, inv_w, Groups(offs), padded=keep_input)
+    return out, qx.padded_t if keep_input else x.new_empty(_NONE, dtype=E4M3), qx.inv
 
 
 def _forward_shapes(x, w, inv_w, offs, keep_input):
@@ -50,12 +45,9 @@ def _forward_shapes(x, w, inv_w, offs, keep_input):
 
 def _backward(dy: torch.Tensor, w: torch.Tensor, inv_w: torch.Tensor, offs: torch.Tensor, x_padded: torch.Tensor,
               inv_x: torch.Tensor, input_grad: bool, weight_grad: bool):
-    groups = Groups(offs)
-    qdy = quantize_groups(dy, E4M3, groups, padded=weight_grad)
-    dx = input_grad_gemm(qdy, transpose_bytes(w), inv_w, groups) if input_grad else dy.new_empty(_NONE)
-    dw = (weight_grad_gemm(qdy, GroupedBytes(None, inv_x, x_padded), groups, dy.shape[0]) if weight_grad
-          else dy.new_empty(_NONE))
-    return dx, dw
+    dx, dw = backward_in_kernel(dy, transpose_bytes(w) if input_grad else None, inv_w, Groups(offs),
+                                GroupedBytes(None, inv_x, x_padded), input_grad, weight_grad)
+    return (dx if input_grad else dy.new_empty(_NONE)), (dw if weight_grad else dy.new_empty(_NONE))
 
 
 def _backward_shapes(dy, w, inv_w, offs, x_padded, inv_x, input_grad, weight_grad):
