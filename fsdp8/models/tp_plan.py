@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 Plan = Dict[str, Optional[ParallelStyle]]
@@ -73,10 +73,13 @@ class ExpertParallelBlock(ParallelStyle):
     routes and dispatches its own tokens, and gives its output back as ``Shard(1)`` (a DTensor
     unless ``use_local_output``, as torch's RowwiseParallel) or plain.
 
-    The router's parameters become ``Replicate()`` DTensors and it computes as DTensor on its
-    tokens taken as ``Shard(0)`` of all tokens (sequence parallel) or as ``Replicate()``: so its
-    weight's gradient is ``Partial`` over tp when tp ranks routed different tokens (the engine
-    sums it), and replicated, counted once, when they routed the same ones. Its first output
+    The router's parameters become ``Replicate()`` DTensors, and it computes on plain tensors:
+    this rank's tokens and its parameters' local values (``_router_on_local_values``), whose
+    gradient is ``Partial`` over tp when tp ranks routed different tokens (sequence parallel; the
+    engine sums it), and replicated, counted once, when they routed the same ones. Plain, because
+    the router's ``torch.topk`` on a DTensor has no working backward before torch 2.12 (its
+    gradient is scattered into a plain zeros tensor: "aten.scatter.src got mixed torch.Tensor and
+    DTensor"), and a model's own router cannot be rewritten to avoid topk. Its first output
     (the logits or probabilities that a load-balancing loss reads) is handed back for all the
     block's tokens in the input's (batch, sequence) order, gathered over tp under sequence
     parallelism, so that loss is the one of the whole rows on every tp rank, as one process
@@ -98,10 +101,10 @@ class ExpertParallelBlock(ParallelStyle):
             raise ValueError(f"ExpertParallelBlock: {type(module).__name__} holds {outside[0]!r} beside its router and "
                              "experts (shared experts?), which it has no tensor-parallel layout for")
         _replicate_parameters("gate", gate, device_mesh)
+        _router_on_local_values(gate, [Partial()] if self.sequence_parallel else [Replicate()])
         # This call's local [batch, sequence]: the order the gathered router output comes back in.
         # The key is there from the start, so a compiled caller does not recompile once it is filled.
         shape = {"rows": ()}
-        tokens = [Shard(0)] if self.sequence_parallel else [Replicate()]
 
         def block_input(_, args):
             x = args[0]
@@ -117,23 +120,39 @@ class ExpertParallelBlock(ParallelStyle):
                 return (DTensor.from_local(out[0], device_mesh, [Shard(1)], run_check=False), *out[1:])
             return DTensor.from_local(out, device_mesh, [Shard(1)], run_check=False)
 
-        def gate_input(_, args):
-            return (DTensor.from_local(args[0], device_mesh, tokens, run_check=False), *args[1:])
-
         def gate_output(_, args, out):
+            if not self.sequence_parallel:
+                return out
             first, *rest = out
-            if self.sequence_parallel:
-                first = _in_sequence_order(first.redistribute(device_mesh, [Replicate()]).to_local(),
-                                           device_mesh.size(), shape["rows"])
-            else:
-                first = first.to_local()
-            return (first, *(t.to_local() if isinstance(t, DTensor) else t for t in rest))
+            # Every tp rank's rows, so the load-balancing loss sees whole sequences; its gradient
+            # (the same on every tp rank) comes back as this rank's rows, not summed.
+            everyone = DTensor.from_local(first, device_mesh, [Shard(0)], run_check=False)
+            first = _in_sequence_order(everyone.redistribute(device_mesh, [Replicate()]).to_local(),
+                                       device_mesh.size(), shape["rows"])
+            return (first, *rest)
 
         module.register_forward_pre_hook(block_input)
         module.register_forward_hook(block_output)
-        gate.register_forward_pre_hook(gate_input)
         gate.register_forward_hook(gate_output)
         return module
+
+
+def _router_on_local_values(router: nn.Module, grad_placements: list) -> None:
+    """Make ``router``'s forward read each DTensor parameter as its local tensor, the gradient
+    arriving as ``grad_placements``; the parameters themselves stay registered (the engine,
+    checkpoints and optimizers see the DTensors), swapped back after every call."""
+    forward = router.forward
+
+    def forward_on_local_values(*args, **kwargs):
+        held = dict(router._parameters)
+        router._parameters.update({name: p.to_local(grad_placements=grad_placements)
+                                   for name, p in held.items() if isinstance(p, DTensor)})
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            router._parameters.update(held)
+
+    router.forward = forward_on_local_values
 
 
 def _in_sequence_order(gathered: torch.Tensor, tp: int, rows: tuple) -> torch.Tensor:

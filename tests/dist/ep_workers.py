@@ -229,3 +229,59 @@ def host_reads_per_moe_layer(recipe_name: str) -> float:
     finally:
         torch.Tensor.tolist, torch.Tensor.item = originals
     return len(reads) / model.config.n_layers
+
+
+def router_on_plain_tensors(sequence_parallel: bool) -> dict:
+    """A built-in MoE block laid out by ExpertParallelBlock over a 1-D tp mesh of every rank,
+    forward and backward on one [batch, sequence] input, against the same block in one process:
+    whether the router's top-k ever saw a DTensor (its backward fails on DTensors before torch
+    2.12), the router weight's gradient placement, and the relative errors of the output, the
+    load-balancing loss and the gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.overrides import TorchFunctionMode
+
+    from fsdp8.models.llama import LlamaConfig
+    from fsdp8.models.moe import MoE
+    from fsdp8.models.tp_plan import ExpertParallelBlock
+
+    class TopkInputs(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.dtensor = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.topk and isinstance(args[0], DTensor):
+                self.dtensor += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16,
+                         num_experts=4, num_experts_per_tok=2, moe_ffn_dim=16, router_aux_loss_coef=0.1)
+    dev = common.device()
+    reference = MoE(config).to(dev)
+    block = copy.deepcopy(reference)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(3)).to(dev)
+    out, aux = reference(x)
+    (out.sum() + aux).backward()
+
+    tp, r = common.world(), common.rank()
+    mesh = init_device_mesh(dev.type, (tp,))
+    parallelize_module(block, mesh, ExpertParallelBlock(sequence_parallel, use_local_output=True))
+    seq = x.shape[1] // tp
+    mine = DTensor.from_local(x[:, r * seq:(r + 1) * seq], mesh, [Shard(1)]) if sequence_parallel else x
+    with TopkInputs() as seen:
+        got, got_aux = block(mine)
+        # Each rank's loss: its tokens' outputs and the (same) load-balancing loss of the whole rows.
+        (got.sum() + got_aux).backward()
+    expected = out[:, r * seq:(r + 1) * seq] if sequence_parallel else out
+    grads = {name: _rel(common.full_tensor(p.grad) if isinstance(p.grad, DTensor) else p.grad, ref.grad)
+             for (name, p), ref in zip(block.named_parameters(), reference.parameters())}
+    if sequence_parallel:  # the plain experts' gradients of this rank's tokens: summed over tp, as the engine does
+        for name, p in block.named_parameters():
+            if not isinstance(p.grad, DTensor):
+                dist.all_reduce(p.grad)
+                grads[name] = _rel(p.grad, dict(reference.named_parameters())[name].grad)
+    return {"topk_on_dtensor": seen.dtensor, "router_grad": [type(p).__name__ for p in block.gate.weight.grad.placements],
+            "out": _rel(got, expected), "aux": _rel(got_aux, aux), "grads": grads}
