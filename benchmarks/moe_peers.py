@@ -53,7 +53,7 @@ from peer_report import environment, fmt, markdown_table, write_json  # noqa: E4
 from peer_stacks import Built, Context, _compile_layers, build_fsdp2, plain_optimizer  # noqa: E402
 from peers import (  # noqa: E402
     Result, add_probe_arguments, add_run_arguments, guarded_run, init_process_group, make_batches, probe_and_report,
-    record_steps,
+    record_steps, skip_packed_check_if_asked,
 )
 
 import fsdp8  # noqa: E402  (the checkout, which peers.py put on the path)
@@ -267,6 +267,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     ctx = init_process_group(args)
+    skip_packed_check_if_asked(args)
     args.ep = args.ep or ctx.world
     spec = MODELS[args.model]
     env = environment(ctx) if ctx.rank == 0 else None

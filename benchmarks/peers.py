@@ -131,6 +131,21 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H200 SXM: 989)")
     p.add_argument("--timeout-s", type=int, default=300,
                    help="collective timeout, so a broken stack cannot hang the run")
+    p.add_argument("--skip-packed-check", action="store_true", default=True,
+                   help="the default: for every stack, replace transformers' per-forward packed-sequence check (a "
+                        "device-to-host sync at the start of each forward: py-spy found the host waiting there most "
+                        "of a step) by its answer for these batches, which are never packed "
+                        "(fsdp8.models.hf_adapter.skip_packed_sequence_check)")
+    p.add_argument("--packed-check", dest="skip_packed_check", action="store_false",
+                   help="keep transformers' packed-sequence check (one host sync a forward, in every stack)")
+
+
+def skip_packed_check_if_asked(args: argparse.Namespace) -> None:
+    """Every stack alike: the benchmarks' batches are never packed (add_run_arguments)."""
+    if args.skip_packed_check:
+        from fsdp8.models.hf_adapter import skip_packed_sequence_check
+
+        skip_packed_sequence_check()
 
 
 def add_probe_arguments(p: argparse.ArgumentParser) -> None:
@@ -168,10 +183,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-mode", default=None,
                    help="torch.compile's mode for every compiled stack's layers (e.g. reduce-overhead: CUDA graphs, "
                         "each step marked with cudagraph_mark_step_begin)")
-    p.add_argument("--skip-packed-check", action="store_true",
-                   help="for every stack, replace transformers' per-forward packed-sequence check (a device-to-host "
-                        "sync at the start of each forward: py-spy found the host waiting there most of a step) by "
-                        "its answer for these unpacked batches (fsdp8.models.hf_adapter.skip_packed_sequence_check)")
     p.add_argument("--inductor", default="",
                    help="comma list of torch._inductor.config settings for every compiled stack, e.g. "
                         "triton.tile_reductions=1 (values 0/1 are booleans, others ints or strings)")
@@ -432,10 +443,7 @@ def inductor_settings(text: str) -> dict:
 def main(argv=None) -> None:
     args = parse_args(argv)
     ctx = init_process_group(args)
-    if args.skip_packed_check:  # every stack alike: the batches here are never packed
-        from fsdp8.models.hf_adapter import skip_packed_sequence_check
-
-        skip_packed_sequence_check()
+    skip_packed_check_if_asked(args)
     if args.inductor:
         torch._inductor.config.load_config(inductor_settings(args.inductor))
     results = []

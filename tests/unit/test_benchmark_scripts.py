@@ -207,3 +207,16 @@ def test_runner_sets_multicast_off(clean_imports):
     env = gpu_run.Session(args).env
     assert {k: env[k] for k in gpu_run.MULTICAST_OFF} == {
         "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def test_peers_skip_the_packed_sequence_check_unless_asked(clean_imports):
+    # Its batches are never packed, so every stack skips transformers' per-forward host sync by
+    # default (a run without it measured each stack with one sync a step); --packed-check keeps it.
+    sys.path.insert(0, str(BENCH))
+    import moe_peers
+    import peers
+
+    for parse in (peers.parse_args, moe_peers.parse_args):
+        assert parse([]).skip_packed_check is True
+        assert parse(["--skip-packed-check"]).skip_packed_check is True
+        assert parse(["--packed-check"]).skip_packed_check is False
