@@ -5,6 +5,7 @@ Here, below parallel/, because adapters (adapter.py) return plans and parallel/t
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -140,19 +141,20 @@ class ExpertParallelBlock(ParallelStyle):
 def _router_on_local_values(router: nn.Module, grad_placements: list) -> None:
     """Make ``router``'s forward read each DTensor parameter as its local tensor, the gradient
     arriving as ``grad_placements``; the parameters themselves stay registered (the engine,
-    checkpoints and optimizers see the DTensors), swapped back after every call."""
-    forward = router.forward
+    checkpoints and optimizers see the DTensors), swapped back after every call. A bound method
+    on the instance, so that a deep copy of the model binds it to the copy's router."""
+    router._fsdp8_local_grad_placements = list(grad_placements)
+    router.forward = types.MethodType(_forward_on_local_values, router)
 
-    def forward_on_local_values(*args, **kwargs):
-        held = dict(router._parameters)
-        router._parameters.update({name: p.to_local(grad_placements=grad_placements)
-                                   for name, p in held.items() if isinstance(p, DTensor)})
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            router._parameters.update(held)
 
-    router.forward = forward_on_local_values
+def _forward_on_local_values(self: nn.Module, *args, **kwargs):
+    held = dict(self._parameters)
+    self._parameters.update({name: p.to_local(grad_placements=self._fsdp8_local_grad_placements)
+                             for name, p in held.items() if isinstance(p, DTensor)})
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        self._parameters.update(held)
 
 
 def _in_sequence_order(gathered: torch.Tensor, tp: int, rows: tuple) -> torch.Tensor:

@@ -283,5 +283,11 @@ def router_on_plain_tensors(sequence_parallel: bool) -> dict:
             if not isinstance(p.grad, DTensor):
                 dist.all_reduce(p.grad)
                 grads[name] = _rel(p.grad, dict(reference.named_parameters())[name].grad)
-    return {"topk_on_dtensor": seen.dtensor, "router_grad": [type(p).__name__ for p in block.gate.weight.grad.placements],
+    # A deep copy's router reads the copy's parameters (its gradient lands there, not on the original's).
+    placements = [type(p).__name__ for p in block.gate.weight.grad.placements]
+    block.zero_grad(set_to_none=True)
+    twin = copy.deepcopy(block)
+    sum(t.sum() for t in twin(mine)).backward()
+    copies_own = twin.gate.weight.grad is not None and block.gate.weight.grad is None
+    return {"topk_on_dtensor": seen.dtensor, "router_grad": placements, "copy_uses_its_own": copies_own,
             "out": _rel(got, expected), "aux": _rel(got_aux, aux), "grads": grads}

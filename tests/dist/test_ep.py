@@ -167,10 +167,12 @@ def test_one_host_read_per_moe_layer(recipe):
 def test_router_under_tp_computes_on_plain_tensors(sequence_parallel):
     # ExpertParallelBlock over tp 2: the router's top-k never sees a DTensor (torch 2.11's topk
     # backward fails on one: "aten.scatter.src got mixed torch.Tensor and DTensor"), its weight's
-    # gradient is Partial over tp when the tp ranks routed different tokens, and the block's
-    # output, load-balancing loss and gradients are one process's (fp32, other summation orders).
+    # gradient is Partial over tp when the tp ranks routed different tokens, a deep copy's router
+    # reads the copy's parameters, and the block's output, load-balancing loss and gradients are
+    # one process's (fp32, other summation orders).
     for out in run_on_ranks(2, workers.router_on_plain_tensors, sequence_parallel):
         assert out["topk_on_dtensor"] == 0, out
         assert out["router_grad"] == (["Partial"] if sequence_parallel else ["Replicate"]), out
+        assert out["copy_uses_its_own"], out
         assert out["out"] <= FP32_TOL and out["aux"] <= LOSS_TOL, out
         assert max(out["grads"].values()) <= FP32_TOL, out
