@@ -249,11 +249,12 @@ def router_on_plain_tensors(sequence_parallel: bool) -> dict:
     class TopkInputs(TorchFunctionMode):
         def __init__(self):
             super().__init__()
-            self.dtensor = 0
+            self.calls, self.dtensor = 0, 0
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is torch.topk and isinstance(args[0], DTensor):
-                self.dtensor += 1
+            if func is torch.topk:
+                self.calls += 1
+                self.dtensor += isinstance(args[0], DTensor)
             return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
@@ -276,18 +277,19 @@ def router_on_plain_tensors(sequence_parallel: bool) -> dict:
         # Each rank's loss: its tokens' outputs and the (same) load-balancing loss of the whole rows.
         (got.sum() + got_aux).backward()
     expected = out[:, r * seq:(r + 1) * seq] if sequence_parallel else out
-    grads = {name: _rel(common.full_tensor(p.grad) if isinstance(p.grad, DTensor) else p.grad, ref.grad)
-             for (name, p), ref in zip(block.named_parameters(), reference.parameters())}
-    if sequence_parallel:  # the plain experts' gradients of this rank's tokens: summed over tp, as the engine does
-        for name, p in block.named_parameters():
-            if not isinstance(p.grad, DTensor):
-                dist.all_reduce(p.grad)
-                grads[name] = _rel(p.grad, dict(reference.named_parameters())[name].grad)
+    grads = {}
+    for (name, p), ref in zip(block.named_parameters(), reference.parameters()):
+        if isinstance(p.grad, DTensor):
+            grads[name] = _rel(common.full_tensor(p.grad), ref.grad)
+            continue
+        if sequence_parallel:  # the plain experts' gradients of this rank's tokens: summed over tp, as the engine does
+            dist.all_reduce(p.grad)
+        grads[name] = _rel(p.grad, ref.grad)
     # A deep copy's router reads the copy's parameters (its gradient lands there, not on the original's).
     placements = [type(p).__name__ for p in block.gate.weight.grad.placements]
     block.zero_grad(set_to_none=True)
     twin = copy.deepcopy(block)
     sum(t.sum() for t in twin(mine)).backward()
     copies_own = twin.gate.weight.grad is not None and block.gate.weight.grad is None
-    return {"topk_on_dtensor": seen.dtensor, "router_grad": placements, "copy_uses_its_own": copies_own,
+    return {"topk_calls": seen.calls, "topk_on_dtensor": seen.dtensor, "router_grad": placements, "copy_uses_its_own": copies_own,
             "out": _rel(got, expected), "aux": _rel(got_aux, aux), "grads": grads}
