@@ -12,7 +12,7 @@ import torch
 
 def host_profile(step: Callable[[], object], out_dir: str, stem: str, label: str, ctx, steps: int = 3) -> None:
     """``steps`` steps under cProfile: the Python functions that spend the host's time, by own
-    time and by cumulative time, rank 0's."""
+    time and by cumulative time, every rank's (text and pstats)."""
     import cProfile
     import io
     import pstats
@@ -33,6 +33,7 @@ def host_profile(step: Callable[[], object], out_dir: str, stem: str, label: str
     # Every rank's: the slowest host sets a collective-bound step, and it need not be rank 0's.
     (out / f"{stem}-host-rank{ctx.rank}.txt").write_text(f"{label}, rank {ctx.rank}, {steps} steps\n"
                                                          + text.getvalue())
+    profiler.dump_stats(str(out / f"{stem}-host-rank{ctx.rank}.pstats"))  # to compare two stacks offline
 
 
 def host_syncs(step: Callable[[], object], out_dir: str, stem: str, label: str, ctx) -> None:

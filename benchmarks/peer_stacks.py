@@ -250,6 +250,11 @@ def _tp_mesh(ctx: Context):
     fsdp8.init_distributed()
     if "tp" not in ctx.meshes:
         ctx.meshes["tp"] = fsdp8.make_mesh(dp_shard=ctx.world // ctx.args.tp, tp=ctx.args.tp)
+        if getattr(ctx.args, "async_tp", False):
+            from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+            enable_symm_mem_for_group(ctx.meshes["tp"]["tp"].get_group().group_name)
+            torch._inductor.config._micro_pipeline_tp = True
     return ctx.meshes["tp"]
 
 

@@ -66,6 +66,7 @@ from peer_stacks import (  # noqa: E402  (after the checkout is on the path)
     ALL_STACKS, BUILDERS, STACKS, Built, Context, _short, mesh_label, optimizer_step, tp_degree, unavailable_reason,
 )
 import peer_probes  # noqa: E402
+from gc_in_step import CollectInStep  # noqa: E402
 from peer_report import environment, fmt, print_report, write_json  # noqa: E402
 
 GIB = 1024**3
@@ -136,6 +137,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "device-to-host sync at the start of each forward: py-spy found the host waiting there most "
                         "of a step) by its answer for these batches, which are never packed "
                         "(fsdp8.models.hf_adapter.skip_packed_sequence_check)")
+    p.add_argument("--gc-every", type=int, default=0,
+                   help="every stack alike: Python's automatic garbage collection off during the timed steps, "
+                        "a generation-1 collection on every rank every N steps (gc_in_step.py); 0: "
+                        "Python's own collector, each rank pausing at its own moment")
     p.add_argument("--packed-check", dest="skip_packed_check", action="store_false",
                    help="keep transformers' packed-sequence check (one host sync a forward, in every stack)")
 
@@ -179,6 +184,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="feed each tensor-parallel group tp times the model's micro-batch, so that each GPU of a TP "
                         "stack has the tokens of a GPU of the dp stacks (a like-for-like TP cost); default: a TP "
                         "group trains one micro-batch")
+    p.add_argument("--async-tp", action="store_true",
+                   help="compiled TP stacks: torch's micro-pipelined TP (Inductor's _micro_pipeline_tp, symmetric "
+                        "memory on the tp group), which splits a sequence-parallel all-gather or reduce-scatter "
+                        "and the matmul beside it into overlapped pieces")
     add_probe_arguments(p)
     p.add_argument("--compile-mode", default=None,
                    help="torch.compile's mode for every compiled stack's layers (e.g. reduce-overhead: CUDA graphs, "
@@ -293,18 +302,20 @@ def run_steps(built: Built, batches: list[torch.Tensor], ctx: Context) -> tuple[
     warmup = ctx.args.warmup
     losses = [train_step(built, b, ctx) for b in batches[:warmup]]
     cuda = ctx.device.type == "cuda"
-    _sync(ctx)
-    dist.barrier()
-    wall0, cpu0, gc0 = time.perf_counter(), time.process_time(), _gc_collections()
-    marks = []
-    for batch in batches[warmup:]:
-        start = _mark(cuda)
-        losses.append(train_step(built, batch, ctx))
-        marks.append((start, _mark(cuda)))
-    _sync(ctx)
-    wall_ms = (time.perf_counter() - wall0) * 1e3 / len(marks)
-    host = {"cpu_ms_per_step": round((time.process_time() - cpu0) * 1e3 / len(marks), 2),
-            "gc_collections": _gc_collections() - gc0, "loadavg_1min": round(os.getloadavg()[0], 2)}
+    with CollectInStep(ctx.args.gc_every) as collector:  # its first full collection before the barrier
+        _sync(ctx)
+        dist.barrier()
+        wall0, cpu0, gc0 = time.perf_counter(), time.process_time(), _gc_collections()
+        marks = []
+        for batch in batches[warmup:]:
+            start = _mark(cuda)
+            losses.append(train_step(built, batch, ctx))
+            collector.step()
+            marks.append((start, _mark(cuda)))
+        _sync(ctx)
+        wall_ms = (time.perf_counter() - wall0) * 1e3 / len(marks)
+        host = {"cpu_ms_per_step": round((time.process_time() - cpu0) * 1e3 / len(marks), 2),
+                "gc_collections": _gc_collections() - gc0, "loadavg_1min": round(os.getloadavg()[0], 2)}
     step_ms = [s.elapsed_time(e) if cuda else (e - s) * 1e3 for s, e in marks]
     return losses, step_ms, wall_ms, host
 

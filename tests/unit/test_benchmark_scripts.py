@@ -220,3 +220,41 @@ def test_peers_skip_the_packed_sequence_check_unless_asked(clean_imports):
         assert parse([]).skip_packed_check is True
         assert parse(["--skip-packed-check"]).skip_packed_check is True
         assert parse(["--packed-check"]).skip_packed_check is False
+
+
+def test_collect_in_step_collects_on_schedule_and_restores_the_collector(clean_imports, monkeypatch):
+    import gc
+
+    sys.path.insert(0, str(BENCH))
+    from gc_in_step import CollectInStep
+
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or 0)
+    assert gc.isenabled()
+    with CollectInStep(every=3) as collector:
+        assert not gc.isenabled() and calls == [2]  # a clean start, then no automatic collection
+        collected = [collector.step() for _ in range(7)]
+    assert collected == [False, False, True, False, False, True, False]
+    assert calls == [2, 1, 1, 2] and gc.isenabled()  # generation 1 on steps 3 and 6, a full one on exit
+    gc.disable()
+    try:
+        with CollectInStep(every=2):
+            pass
+        assert not gc.isenabled()  # the state it found is the state it leaves
+    finally:
+        gc.enable()
+    with CollectInStep(every=0) as off:  # 0: Python's own collector, untouched
+        assert gc.isenabled() and not off.step()
+    for bad in (dict(every=-1), dict(generation=3)):
+        with pytest.raises(ValueError, match="every must be|a generation is"):
+            CollectInStep(**bad)
+
+
+def test_peers_gc_and_async_tp_switches(clean_imports):
+    sys.path.insert(0, str(BENCH))
+    import moe_peers
+    import peers
+
+    for parse in (peers.parse_args, moe_peers.parse_args):
+        assert parse([]).gc_every == 0 and parse(["--gc-every", "50"]).gc_every == 50
+    assert peers.parse_args([]).async_tp is False and peers.parse_args(["--async-tp"]).async_tp is True
