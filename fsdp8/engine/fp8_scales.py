@@ -45,11 +45,11 @@ class ScaleAgreement:
         """Agree on new scales where weights changed (every step under delayed scaling)."""
         delayed = bool(self.states)
         units = [u for u in self.units if delayed or u.weights_changed()]
-        if not units:
+        if not units and not delayed:
             return
         # One flat tensor: every unit's amaxes, then the delayed histories' pending amaxes;
-        # one all-reduce; each unit takes its slice back.
-        local = local_amaxes_of(units)
+        # one all-reduce; each unit takes its slice back. (No unit: only FP8 experts' histories.)
+        local = local_amaxes_of(units) if units else self.states[0].pending.new_zeros(0)
         sizes = [u.amax_count() for u in units]
         pieces = [local] + ([torch.stack([s.pending for s in self.states]).flatten()] if delayed else [])
         flat = torch.cat(pieces)

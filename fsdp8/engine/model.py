@@ -18,6 +18,7 @@ from ..fp8.convert import convert_units_to_fp8, is_fp8_primary, tp_aware_filter,
 from ..fp8.linear import Float8Linear
 from ..fp8.recipes import Recipe
 from .fp8_experts import gathers_fp8_expert
+from ..fp8.grouped_delayed import delayed_experts_on
 from .fp8_scales import ScaleAgreement, delayed_states_of
 from .fp8_unit import Float8Unit
 from .grads import check_finite as check_finite_grads
@@ -155,11 +156,15 @@ def fully_shard(
     schedule = Schedule(module, root_unit, units_list, precision.param_dtype if precision.casts_inputs else None)
     engine = Engine(topology, precision, units_list, root_unit, schedule, own_topologies)
     fp8_units = [u for u in built.values() if isinstance(u, Float8Unit)]
-    if fp8_units:
+    experts_states = delayed_experts_on(module, device)  # FP8 experts' histories (fsdp8/fp8/grouped_delayed.py)
+    if fp8_units or experts_states:
         states = delayed_states_of(fp8_units)
         for m in module.modules():
             if isinstance(m, Float8Linear) and m.delayed_state(device) in states:
                 m.external_delayed_update = True  # folded in by the one all-reduce per step
+        for experts in experts_states:
+            experts.external_update = True  # the same all-reduce: every rank holds every expert's row
+            states += experts.states
         engine.scales = ScaleAgreement(fp8_units, states, topology.model_group)
         schedule.before_forward.append(engine.scales.refresh)
 

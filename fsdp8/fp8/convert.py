@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .grouped import runs_fp8_experts
+from .grouped_delayed import attach as attach_delayed_experts
 from .kernels import quantize
 from .linear import Float8Linear
 from .recipes import Recipe
@@ -30,9 +31,6 @@ _NOT_LINEAR = ("layer(s) with a 2-D weight in high precision, neither nn.Linear 
 _GROUPED_FORWARD = ("mixture-of-experts layer(s) in high precision: their forward does not compute the experts with "
                     "fsdp8's FP8 grouped GEMMs (fsdp8.models.moe.experts_forward does; transformers' own experts "
                     "forward does not)")
-_GROUPED_DELAYED = ("mixture-of-experts layer(s) in high precision under delayed scaling, which fsdp8 has no "
-                    "per-expert amax histories for (Float8CurrentScaling, Float8BlockScaling and MXFP8BlockScaling "
-                    "run them in FP8)")
 _GROUPED_DIMS = ("mixture-of-experts layer(s) in high precision, expert dimensions not multiples of 16 (FP8 GEMMs "
                  "need them)")
 _ROUTER = "router(s) in high precision (the experts they choose must not change with FP8 rounding)"
@@ -121,8 +119,6 @@ def _grouped_reason(module: nn.Module, recipe: Recipe) -> Optional[str]:
     """Why an experts module stays in high precision under ``recipe``; None: it runs in FP8."""
     if not runs_fp8_experts(module):
         return _GROUPED_FORWARD
-    if recipe.delayed:
-        return _GROUPED_DELAYED
     if any(d % 16 for _, p in _grouped_weights(module) for d in p.shape[-2:]):
         return _GROUPED_DIMS
     return None
@@ -188,6 +184,8 @@ def convert_linears(model: nn.Module, recipe: Recipe, filter: Optional[LinearFil
             reason = _grouped_reason(module, recipe)
             if reason is None:
                 module.fp8_recipe = recipe  # read by its forward (fsdp8.models.moe.experts_forward)
+                if recipe.delayed:  # an amax history per expert (grouped_delayed.py)
+                    attach_delayed_experts(module, recipe, [n for n, _ in _grouped_weights(module)])
                 converted.append(full)
             else:
                 kept.append(KeptLayer(full, _detail(module, kind), reason))

@@ -34,9 +34,10 @@ scales are those ``grouped_weights`` makes from the high-precision weight, so bo
 read the weight use them as they are, the transposes made once per gather; the weight gradient
 goes to the parameter as before.
 
-Not here: delayed scaling (per-expert amax histories agreed across ranks, which fsdp8 does not keep;
-conversion leaves experts in high precision under it and says so), and tracing by torch.compile (an
-opaque call inside a compiled block).
+Delayed scaling keeps an amax history per expert and operand (fsdp8/fp8/grouped_delayed.py, [Note:
+delayed experts]): each expert's rows, matrix and output gradient are quantized with its history's
+scales, group by group, as the dense delayed linear on its rows; such calls are opaque in compiled
+blocks.
 """
 
 from __future__ import annotations
@@ -48,11 +49,12 @@ import torch
 import torch.nn.functional as F
 
 from . import grouped_kernel
-from .formats import E4M3, Granularity, aligned
+from .formats import E4M3, Granularity, aligned, scale_to_inv
 from .gemm import fp8_mm
-from .grouped_kernel import Bounds, Groups, quantize_experts, quantize_groups
-from .kernels import Quantized, quantize, quantize_transposed
-from .recipes import Recipe
+from .grouped_delayed import LocalExperts
+from .grouped_kernel import Bounds, Groups, group_amax, quantize_experts, quantize_groups
+from .kernels import Quantized, quantize, quantize_transposed, saturate_cast
+from .recipes import G, W, X, Recipe, update_delayed_states
 from .grouped_traced import traced_fp8_grouped_mm
 from .tensor import Float8Tensor, transpose_of
 from .triton_grouped import transpose_bytes
@@ -117,6 +119,29 @@ def grouped_weights(w: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granul
     return [Quantized(data[g, :n], inv[g], granularity) for g in range(experts)]
 
 
+def delayed_rows(t: torch.Tensor, fp8_dtype: torch.dtype, delayed: LocalExperts, row: int,
+                 groups: Groups) -> List[Quantized]:
+    """Each group's rows of ``t`` [T, K] quantized with its expert's delayed scale for operand
+    ``row`` (X or G); each group's amax recorded (grouped_delayed.py)."""
+    group = groups.row_group(t.shape[0])
+    scale = delayed.scale(row)
+    data = saturate_cast(t.detach(), scale[group][:, None], fp8_dtype)
+    delayed.record(row, group_amax(t, group, scale.shape[0]))
+    return split_by_group(data, scale_to_inv(scale), groups.bounds())
+
+
+def delayed_weights(w: torch.Tensor, fp8_dtype: torch.dtype, delayed: LocalExperts, groups: Groups) -> List[Quantized]:
+    """Each expert's matrix of ``w`` [E, N, K] quantized with its delayed scale; the amax of each
+    matrix whose expert has rows recorded (one with none is not used, as an uncalled linear)."""
+    experts = w.shape[0]
+    scale = delayed.scale(W)
+    data = saturate_cast(w, scale[:, None, None], fp8_dtype)
+    reached = torch.diff(groups.offs, prepend=groups.offs.new_zeros(1)) > 0
+    amaxes = torch.linalg.vector_norm(w, float("inf"), dim=(1, 2)).float()
+    delayed.record(W, torch.where(reached, amaxes, torch.zeros_like(amaxes)))
+    return split_by_group(data, scale_to_inv(scale), [(g, g + 1) for g in range(experts)], squeeze=True)
+
+
 def transposed_groups(parts: List[Quantized], t: Optional[torch.Tensor], fp8_dtype: torch.dtype, granularity: Granularity,
                       bounds: Bounds) -> List[Optional[Quantized]]:
     """Each group's rows transposed, [K, rows], quantized along the tokens: the weight gradient's
@@ -158,13 +183,14 @@ class Fp8GroupedMm(torch.autograd.Function):
     gradient reads it), never their high-precision values."""
 
     @staticmethod
-    def forward(ctx, x, weight, recipe: Recipe, groups: Groups, grad_enabled: bool):
+    def forward(ctx, x, weight, recipe: Recipe, groups: Groups, grad_enabled: bool, delayed=None):
         dtype = x.dtype
         x = x.detach().contiguous()
         gathered = isinstance(weight, Float8Tensor)  # the engine's bytes (see the Note), checked by the caller
         ctx.groups, ctx.recipe, ctx.dtype, ctx.weight_dtype, ctx.k = groups, recipe, dtype, weight.dtype, x.shape[1]
         ctx.gathered = weight if gathered else None  # its transposes are made once per gather
-        ctx.one_kernel = one_kernel(x, weight, groups.offs, recipe)
+        ctx.delayed = delayed
+        ctx.one_kernel = delayed is None and one_kernel(x, weight, groups.offs, recipe)
         if ctx.one_kernel and grad_enabled and recipe.bwd_dtype != E4M3:
             _warn_hybrid_backward(recipe)
         if ctx.one_kernel:
@@ -178,9 +204,13 @@ class Fp8GroupedMm(torch.autograd.Function):
             kept = None if not weight_grad else qx if qx.padded_t is None else qx._replace(data=None, row_inv=None)
             ctx.kernel_operands = (kept, w, inv_w)
             return out
-        qx = grouped_rows(x, recipe.fwd_dtype, recipe.x_granularity, groups)
-        qw = weight.matrices() if gathered else grouped_weights(weight.detach().to(dtype).contiguous(),
-                                                                recipe.fwd_dtype, recipe.w_granularity)
+        if delayed is not None:
+            qx = delayed_rows(x, recipe.fwd_dtype, delayed, X, groups)
+            qw = delayed_weights(weight.detach().to(dtype).contiguous(), recipe.fwd_dtype, delayed, groups)
+        else:
+            qx = grouped_rows(x, recipe.fwd_dtype, recipe.x_granularity, groups)
+            qw = weight.matrices() if gathered else grouped_weights(weight.detach().to(dtype).contiguous(),
+                                                                    recipe.fwd_dtype, recipe.w_granularity)
         out = rows_times_groups(qx, qw, weight.shape[1], dtype, recipe, x.device, fast_accum=True)
         ctx.qx_t = transposed_groups(qx, x, recipe.fwd_dtype, recipe.x_granularity, groups.bounds())
         ctx.qw = qw
@@ -194,8 +224,8 @@ class Fp8GroupedMm(torch.autograd.Function):
             dx, dw = _backward_in_one_kernel(ctx, dy)
         else:
             dx, dw = _backward_by_group(ctx, dy)
-        ctx.qx_t = ctx.qw = ctx.gathered = ctx.kernel_operands = None
-        return dx, None if dw is None else dw.to(ctx.weight_dtype), None, None, None
+        ctx.qx_t = ctx.qw = ctx.gathered = ctx.kernel_operands = ctx.delayed = None
+        return dx, None if dw is None else dw.to(ctx.weight_dtype), None, None, None, None
 
 
 def _backward_in_one_kernel(ctx, dy: torch.Tensor):
@@ -218,7 +248,10 @@ def _backward_by_group(ctx, dy: torch.Tensor):
             ctx.qx_t = transposed_groups(split_by_group(qx.data, qx.inv, bounds), None, recipe.fwd_dtype,
                                          Granularity.TENSOR, bounds)
         ctx.qw = split_by_group(w, inv_w, [(g, g + 1) for g in range(w.shape[0])], squeeze=True)
-    qdy = grouped_rows(dy, recipe.bwd_dtype, recipe.g_granularity, ctx.groups)
+    if ctx.delayed is not None:
+        qdy = delayed_rows(dy, recipe.bwd_dtype, ctx.delayed, G, ctx.groups)
+    else:
+        qdy = grouped_rows(dy, recipe.bwd_dtype, recipe.g_granularity, ctx.groups)
     dx = dw = None
     if ctx.needs_input_grad[0]:
         gathered = ctx.gathered
@@ -252,7 +285,7 @@ def _check_gathered(weight: Float8Tensor, recipe: Recipe) -> None:
 
 
 def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, recipe: Recipe,
-                   groups: Union[Bounds, Groups, None] = None) -> torch.Tensor:
+                   groups: Union[Bounds, Groups, None] = None, delayed: Optional[LocalExperts] = None) -> torch.Tensor:
     """``grouped_mm`` in FP8 under ``recipe``: the rows of group g of ``x`` [T, K] times
     ``weight[g]``.T for ``weight`` [G, N, K] (high precision, or the engine's 3-D Float8Tensor of
     the recipe's bytes and scales), [T, N] in ``x``'s dtype; ``offs`` int32 [G], the
@@ -260,14 +293,17 @@ def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, re
     linear on its own rows, with its own scales (see [Note: FP8 experts]). ``groups``: the groups'
     bounds when the caller has them on the host, or a ``Groups`` of ``offs`` that the experts' GEMMs
     share (what is derived from ``offs``, the host read included, made once for them all); None:
-    this call's own. In a compiled graph the one-kernel path with e4m3 gradients is traced
-    (grouped_traced.py, [Note: FP8 experts, compiled]); any other is an opaque call."""
+    this call's own. ``delayed``: under DelayedScaling, the states of these experts (their
+    history's scales are read and this call's amaxes recorded; grouped_delayed.py). In a compiled
+    graph the one-kernel path with e4m3 gradients is traced (grouped_traced.py, [Note: FP8
+    experts, compiled]); any other is an opaque call."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be an fsdp8 FP8 recipe (e.g. Float8CurrentScaling()), got "
                         f"{type(recipe).__name__}")
-    if recipe.delayed:
-        raise ValueError("fp8_grouped_mm has no delayed scaling (it would need per-expert amax histories); use "
-                         "Float8CurrentScaling, Float8BlockScaling or MXFP8BlockScaling for FP8 experts")
+    if recipe.delayed != (delayed is not None):
+        raise ValueError("fp8_grouped_mm takes the experts' delayed-scaling states (delayed=) exactly when the recipe "
+                         f"is DelayedScaling; got {type(recipe).__name__} and delayed={delayed!r}. FP8 conversion "
+                         "gives an experts module its states (fsdp8.fp8.grouped_delayed)")
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2] or offs.shape != weight.shape[:1]:
         raise ValueError(f"fp8_grouped_mm takes x [T, K], weight [G, N, K] and offs [G], got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)} and {tuple(offs.shape)}")
@@ -275,13 +311,20 @@ def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, re
         raise ValueError("fp8_grouped_mm got a Groups of other offsets than offs; make it with Groups(offs)")
     if isinstance(weight, Float8Tensor):
         _check_gathered(weight, recipe)
-    if torch.compiler.is_compiling() and recipe.bwd_dtype == E4M3 and one_kernel(x, weight, offs, recipe):
+        if delayed is not None:
+            raise ValueError("fp8_grouped_mm under delayed scaling quantizes the experts' weights itself, with their "
+                             "histories' scales; it got them gathered as FP8 bytes")
+    if (torch.compiler.is_compiling() and delayed is None and recipe.bwd_dtype == E4M3
+            and one_kernel(x, weight, offs, recipe)):
         return traced_fp8_grouped_mm(x, weight, offs)
-    return _opaque_grouped_mm(x, weight, offs, recipe, groups)
+    return _opaque_grouped_mm(x, weight, offs, recipe, groups, delayed)
 
 
 @torch.compiler.disable  # group sizes may be read on the host: an opaque call in compiled blocks
-def _opaque_grouped_mm(x, weight, offs, recipe: Recipe, groups) -> torch.Tensor:
+def _opaque_grouped_mm(x, weight, offs, recipe: Recipe, groups, delayed: Optional[LocalExperts] = None) -> torch.Tensor:
     if not isinstance(groups, Groups):
         groups = Groups(offs, groups)
-    return Fp8GroupedMm.apply(x, weight, recipe, groups, torch.is_grad_enabled())
+    if delayed is not None and not delayed.experts.external_update and delayed.experts.dirty:
+        # Standalone use: fold the last step's amaxes in, as a standalone delayed Float8Linear does.
+        update_delayed_states(delayed.experts.states)
+    return Fp8GroupedMm.apply(x, weight, recipe, groups, torch.is_grad_enabled(), delayed)

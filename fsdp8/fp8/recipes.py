@@ -188,11 +188,22 @@ class DelayedState:
     all-reduce (max) over the data-parallel group."""
 
     def __init__(self, recipe: DelayedScaling, device: torch.device):
+        self._bind(recipe, torch.zeros(3, recipe.amax_history_len, device=device), torch.ones(3, device=device),
+                   torch.zeros(3, device=device))
+
+    @classmethod
+    def over(cls, recipe: DelayedScaling, history: torch.Tensor, scale: torch.Tensor,
+             pending: torch.Tensor) -> "DelayedState":
+        """A state whose history [3, L], scales [3] and pending amaxes [3] are the given tensors
+        (views into tensors a group of states shares: FP8 experts, one state per expert)."""
+        state = cls.__new__(cls)
+        state._bind(recipe, history, scale, pending)
+        return state
+
+    def _bind(self, recipe: DelayedScaling, history: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor) -> None:
         self.recipe = recipe
         self.dtypes = (recipe.fwd_dtype, recipe.fwd_dtype, recipe.bwd_dtype)
-        self.history = torch.zeros(3, recipe.amax_history_len, device=device)
-        self.scale = torch.ones(3, device=device)
-        self.pending = torch.zeros(3, device=device)
+        self.history, self.scale, self.pending = history, scale, pending
         self.keep_inverses()
         self.dirty = False  # host-side: amaxes recorded since the last update
         self.steps = 0

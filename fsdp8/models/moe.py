@@ -31,7 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..distributed import comm
-from ..fp8.grouped import fp8_experts_forward, fp8_grouped_mm
+from ..fp8.grouped import FP8_EXPERT_WEIGHTS, fp8_experts_forward, fp8_grouped_mm
+from ..fp8.grouped_delayed import delayed_experts
 from ..fp8.grouped_kernel import Bounds, Groups
 from ..fp8.recipes import Recipe
 
@@ -143,19 +144,30 @@ def permute_by_expert(top_k_index: torch.Tensor, num_experts: int) -> Tuple[torc
 
 def expert_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                act_fn: Callable[[torch.Tensor], torch.Tensor], recipe: Optional[Recipe] = None,
-               bounds: Optional[Bounds] = None) -> torch.Tensor:
+               bounds: Optional[Bounds] = None, delayed: Optional[tuple] = None) -> torch.Tensor:
     """The experts' SwiGLU, ``down(act(gate x) * up x)``, on ``x_sorted`` [T', H] whose first
     ``counts[0]`` rows go to expert 0, the next ``counts[1]`` to expert 1, and so on. With an FP8
     ``recipe`` both grouped GEMMs run in FP8, each expert with its own scales (fsdp8.fp8.grouped):
     ``bounds`` are the groups' (first, end) rows when the caller already holds ``counts`` on the
-    host, else they are read from the device once, if a GEMM goes group by group."""
+    host, else they are read from the device once, if a GEMM goes group by group. ``delayed``:
+    under DelayedScaling, the two projections' states of these experts (``delayed_of``)."""
     offs = counts.cumsum(0).to(torch.int32)
     if recipe is None:
         gate, up = grouped_mm(x_sorted, gate_up_proj, offs).chunk(2, dim=-1)
         return grouped_mm(act_fn(gate) * up, down_proj, offs)
     groups = Groups(offs, bounds)  # derived from offs once for both FP8 GEMMs (and their backward)
-    gate, up = fp8_grouped_mm(x_sorted, gate_up_proj, offs, recipe, groups).chunk(2, dim=-1)
-    return fp8_grouped_mm(act_fn(gate) * up, down_proj, offs, recipe, groups)
+    gate_up_state, down_state = delayed or (None, None)
+    gate, up = fp8_grouped_mm(x_sorted, gate_up_proj, offs, recipe, groups, gate_up_state).chunk(2, dim=-1)
+    return fp8_grouped_mm(act_fn(gate) * up, down_proj, offs, recipe, groups, down_state)
+
+
+def delayed_of(experts: nn.Module, first: int, count: int) -> Optional[tuple]:
+    """The delayed-scaling states of experts ``first .. first + count - 1`` of the experts module,
+    (gate_up_proj's, down_proj's), or None when it has none (fsdp8.fp8.grouped_delayed)."""
+    states = [delayed_experts(experts, name) for name in FP8_EXPERT_WEIGHTS]
+    if any(s is None for s in states):
+        return None
+    return tuple(s.local(first, count) for s in states)
 
 
 @fp8_experts_forward
@@ -169,8 +181,9 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
     k = top_k_index.shape[-1]
     order, counts = permute_by_expert(top_k_index, experts.gate_up_proj.shape[0])
     token = order // k
+    count = experts.gate_up_proj.shape[0]
     out = expert_mlp(hidden_states[token], counts, experts.gate_up_proj, experts.down_proj, experts.act_fn,
-                     getattr(experts, "fp8_recipe", None))
+                     getattr(experts, "fp8_recipe", None), delayed=delayed_of(experts, 0, count))
     return combine_by_token(out, order, token, top_k_weights, hidden_states)
 
 

@@ -66,7 +66,7 @@ from ..distributed import comm
 from ..fp8.grouped import fp8_experts_forward, runs_fp8_experts
 from ..fp8.grouped_kernel import bounds_of
 from ..models.adapter import adapter_for
-from ..models.moe import combine_by_token, expert_mlp, experts_forward, permute_by_expert
+from ..models.moe import combine_by_token, delayed_of, expert_mlp, experts_forward, permute_by_expert
 from ..models.tp_plan import beside_router_and_experts
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -232,8 +232,12 @@ def dispatch_and_compute(module: nn.Module, group: ExpertGroup, hidden_states: t
     gate_up = _ScaleGrad.apply(_local(module.gate_up_proj, group.grad_placements), scale)
     down = _ScaleGrad.apply(_local(module.down_proj, group.grad_placements), scale)
     bounds = bounds_of(list(itertools.accumulate(expert_rows)))
+    # Delayed scaling: every rank keeps all experts' histories and records its own experts' rows
+    # (fsdp8/fp8/grouped_delayed.py); experts lie rank-major, so its first is index x local.
+    first = dist.get_rank(group.group) * group.local_experts
     computed = expert_mlp(arrived[regroup], local_counts, gate_up, down, module.act_fn,
-                          recipe=getattr(module, "fp8_recipe", None), bounds=bounds)
+                          recipe=getattr(module, "fp8_recipe", None), bounds=bounds,
+                          delayed=delayed_of(module, first, group.local_experts))
     restored = computed.new_empty(computed.shape).index_copy(0, regroup, computed)  # back to arrival order
     returned = _AllToAll.apply(restored, in_splits, out_splits, group.group, "ep combine")
     return combine_by_token(returned, order, token, top_k_weights, hidden_states)

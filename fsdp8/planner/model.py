@@ -58,7 +58,8 @@ def gathers_fp8_experts(experts: List[Param], recipe: Optional[str]) -> bool:
     """Whether fully_shard(fp8=recipe) gathers a layer's ``experts`` weights as FP8 bytes: experts
     that convert (every matrix dimension a multiple of 16, fp8.convert) under a recipe whose weight
     scales are agreed before the gather or travel with the bytes (engine/fp8_experts.py: per-tensor
-    current, 128x128, MX); delayed scaling keeps experts in high precision."""
+    current, 128x128, MX); delayed experts gather in the compute dtype and quantize themselves with
+    their histories' scales (fp8/grouped_delayed.py)."""
     dims = [s for p in experts for s in p.shape[1:]]
     return bool(experts) and recipe in ("current", "block", "mxfp8") and all(s % 16 == 0 for s in dims)
 

@@ -205,6 +205,85 @@ def fp8_block_parity(family: str, layout: dict) -> dict:
             "converted": converted, "experts": sorted(adapter_for(model).experts(model))}
 
 
+def _backward_as_each_rank(reference: nn.Module, global_batch: Dict[str, torch.Tensor], dp_size: int) -> float:
+    """reference_backward, with each rank's loss back-propagated as that rank does (the output
+    gradients a rank quantizes are its own loss's, not the mean's), the gradients then averaged.
+    Delayed scaling needs it: its scales are not rescaled with each tensor, so the 1/dp would
+    change which gradient values fall among e5m2's subnormals."""
+    ref_loss = 0.0
+    for r in range(dp_size):
+        part = loss_of(reference, {k: common.rank_slice(v, r, dp_size) for k, v in global_batch.items()})
+        part.backward()
+        ref_loss += float(part.detach()) / dp_size
+    for p in reference.parameters():
+        if p.grad is not None:
+            p.grad.div_(dp_size)
+    return ref_loss
+
+
+def delayed_parity(family: str, layout: dict) -> dict:
+    """Three SGD steps of delayed scaling, FP8 experts included, against the same recipe in one
+    process fed each data-parallel rank's rows (fp64 compute: common.FP8_PARITY_PRECISION). The
+    one process folds its amaxes in once a step, as the engine's per-step all-reduce does; each
+    expert's history then holds the largest amax any rank saw, which is what one process records
+    on all the rows. The engine gathers the dense linears' weights in 8 bits, each quantized with a
+    history that took the weight's amax of now (fsdp8/engine/fp8_scales.py); the one process does
+    the same before each step. Returns each step's loss error, the weights' errors after the last
+    step, and the experts' histories and scales against the reference's."""
+    from fsdp8.fp8.grouped_delayed import all_delayed_experts
+    from fsdp8.fp8.recipes import W, update_delayed_states
+
+    recipe = fsdp8.DelayedScaling(amax_history_len=4)
+    initial = build(family)
+    reference = copy.deepcopy(initial).to(torch.float64)
+    model = fsdp8.parallelize(initial, fsdp8.ParallelConfig(**layout, fp8=recipe,
+                                                            precision=common.FP8_PARITY_PRECISION))
+    computed_in_fp8(reference)
+    for unit in model._fsdp8.units:  # the engine converts inside its units only (not the head)
+        fsdp8.convert_to_fp8(dict(reference.named_modules())[unit.name], recipe)
+    ref_experts = all_delayed_experts(reference)
+    ref_states = [s for e in ref_experts for s in e.states]
+    dense = [m for m in reference.modules() if isinstance(m, fsdp8.fp8.Float8Linear)]
+    for m in dense:
+        m.external_delayed_update = True
+        ref_states.append(m.delayed_state(torch.device("cpu")))
+    for e in ref_experts:
+        e.external_update = True
+
+    def roll_reference():  # the engine's refresh before each step's first forward
+        for m in dense:
+            m._delayed.pending[W] = m.weight.detach().abs().max().float()
+        update_delayed_states(ref_states)
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        global_batch = batch(family, step, ROWS_PER_RANK * model.dp_size)
+        loss = loss_of(model, model.shard_batch(global_batch))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        roll_reference()
+        ref_loss = _backward_as_each_rank(reference, global_batch, model.dp_size)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(abs(float(total) / dist.get_world_size() - ref_loss) / abs(ref_loss))
+    ref_params = dict(reference.named_parameters())
+    weights = {n: _rel(_full(p), ref_params[n].detach().float().cpu()) for n, p in model.named_parameters()}
+    model._fsdp8.scales.refresh()  # fold the last step in, on both sides
+    roll_reference()
+    experts = all_delayed_experts(model)
+    histories = [_rel(e.history.cpu(), r.history) for e, r in zip(experts, ref_experts)]
+    scales = [_rel(e.scale.cpu(), r.scale) for e, r in zip(experts, ref_experts)]
+    moved = all(e.history[:, :, :STEPS].gt(0).any().item() for e in experts)
+    return {"losses": losses, "weights": weights, "histories": histories, "scales": scales, "moved": moved,
+            "experts": len(experts), "converted": sorted(n for n, m in model.named_modules()
+                                                          if getattr(m, "fp8_recipe", None) is not None)}
+
+
 def host_reads_per_moe_layer(recipe_name: str) -> float:
     """Device-to-host reads (``Tensor.tolist`` / ``.item``) in one training step's forward and
     backward at ep 2, per mixture-of-experts layer: the dispatch's split sizes and, with an FP8

@@ -156,6 +156,20 @@ def test_fp8_experts(family, layout):
         assert max(experts.values()) <= (0.1 if layout.get("ep", 1) > 1 else 1e-6), experts
 
 
+@pytest.mark.parametrize("family,layout", [("builtin", {"ep": 2}), ("qwen3_moe", {})])
+def test_delayed_scaling_experts(family, layout):
+    # Bound: as test_fp8_experts (fp64 compute around exact FP8 products, an fp32 router softmax):
+    # 1e-6 on each step's loss and on the weights after three SGD steps. The histories hold amaxes
+    # of those values: 1e-6 too. Every expert's history rows moved (scaled FP8, not scale 1).
+    if family != "builtin":
+        pytest.importorskip("transformers")
+    for out in run_on_ranks(4, workers.delayed_parity, family, layout):
+        assert out["experts"] == 4 and out["moved"], out  # 2 layers x (gate_up_proj, down_proj)
+        assert max(out["losses"]) <= 1e-6, out["losses"]
+        assert max(out["weights"].values()) <= 1e-6, {n: e for n, e in out["weights"].items() if e > 1e-6}
+        assert max(out["histories"]) <= 1e-6 and max(out["scales"]) <= 1e-6, (out["histories"], out["scales"])
+
+
 @pytest.mark.parametrize("recipe", ["bf16", "fp8-current", "fp8-block"])
 def test_one_host_read_per_moe_layer(recipe):
     # The split sizes and the FP8 GEMMs' group bounds come from one read of the counts.

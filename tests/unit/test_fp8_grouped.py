@@ -95,15 +95,76 @@ def test_experts_of_very_different_magnitudes_keep_their_precision(recipe):
         start += rows
 
 
-def test_delayed_scaling_keeps_experts_in_high_precision_and_says_so():
-    with pytest.raises(ValueError, match="no delayed scaling"):
-        fp8_grouped_mm(torch.randn(4, 16), torch.randn(2, 16, 16), offsets([1, 3]), DelayedScaling())
+def test_delayed_experts_are_the_dense_delayed_linear_on_each_group_step_after_step():
+    """Each expert keeps its own amax history (grouped_delayed.py): over three steps, with the
+    groups changing and an expert with no rows in some, every out, dx, dw and every expert's
+    history and scales equal a dense delayed Float8LinearFn run on that expert's rows with its own
+    state, bit for bit (fp64 compute, as in the test above). Step 1 quantizes with scale 1, so
+    the inputs are scaled to exceed e4m3's range there (saturation is part of the recipe)."""
+    from fsdp8.fp8.grouped_delayed import DelayedExperts
+    from fsdp8.fp8.recipes import DelayedState, update_delayed_states
+
+    recipe = DelayedScaling(amax_history_len=4)
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(len(SIZES), N, K, generator=g, dtype=torch.float64)
+    experts = DelayedExperts.new(recipe, len(SIZES), "cpu")
+    dense = [DelayedState(recipe, "cpu") for _ in SIZES]
+    for step, sizes in enumerate([SIZES, [5, 0, 150, 3, 0, 40], SIZES]):
+        x = torch.randn(sum(sizes), K, generator=g, dtype=torch.float64) * 300
+        dy = torch.randn(sum(sizes), N, generator=g, dtype=torch.float64) * 1e-3
+        xg, wg = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = fp8_grouped_mm(xg, wg, offsets(sizes), recipe, delayed=experts.local(0, len(sizes)))
+        got = (out, *torch.autograd.grad(out, (xg, wg), dy))
+        if any(s.dirty for s in dense):  # one roll for all experts a step, a reached one or not (amax 0)
+            update_delayed_states(dense)
+        outs, dxs, dws, start = [], [], [], 0
+        for e, rows in enumerate(sizes):
+            xe = x[start:start + rows].clone().requires_grad_()
+            we = weight[e].clone().requires_grad_()
+            if rows:
+                o = Float8LinearFn.apply(xe, we, None, recipe, dense[e])
+                dx, dw = torch.autograd.grad(o, (xe, we), dy[start:start + rows])
+                outs.append(o), dxs.append(dx), dws.append(dw)
+            else:
+                dws.append(torch.zeros_like(we))
+            start += rows
+        for a, b in zip(got, (torch.cat(outs), torch.cat(dxs), torch.stack(dws))):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for e, state in enumerate(dense):
+            torch.testing.assert_close(experts.pending[e], state.pending, rtol=0, atol=0, msg=f"step {step} expert {e}")
+            torch.testing.assert_close(experts.history[e], state.history, rtol=0, atol=0)
+            torch.testing.assert_close(experts.scale[e], state.scale, rtol=0, atol=0)
+        assert step == 0 or experts.scale.ne(1).any()  # the histories moved the scales
+
+
+def test_delayed_scaling_converts_experts_with_their_histories_as_buffers():
     model = Llama(preset("moe-tiny", n_layers=1))
-    with pytest.warns(HighPrecisionLayerWarning, match=r"kept 1 mixture-of-experts layer\(s\) in high precision under "
-                                                       r"delayed scaling.*layers\.0\.ffn\.experts \(gate_up_proj"):
-        convert_to_fp8(model, DelayedScaling())
-    assert getattr(model.layers[0].ffn.experts, "fp8_recipe", None) is None
-    assert isinstance(model.layers[0].attn.wq, fsdp8.fp8.Float8Linear)
+    experts = model.layers[0].ffn.experts
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        convert_to_fp8(model, DelayedScaling(amax_history_len=8))
+    kept = " ".join(str(w.message) for w in caught if issubclass(w.category, HighPrecisionLayerWarning))
+    assert "router" in kept and "mixture-of-experts" not in kept, kept  # only the router stays behind
+    assert isinstance(experts.fp8_recipe, DelayedScaling)
+    count = experts.gate_up_proj.shape[0]
+    buffers = {n: tuple(b.shape) for n, b in experts.named_buffers()}
+    assert buffers == {f"fp8_{w}_{b}": shape for w in ("gate_up_proj", "down_proj")
+                       for b, shape in (("amax_history", (count, 3, 8)), ("scale", (count, 3)),
+                                        ("amax_pending", (count, 3)))}
+    with pytest.raises(ValueError, match="delayed-scaling states"):
+        fp8_grouped_mm(torch.randn(4, 16), torch.randn(2, 16, 16), offsets([1, 3]), DelayedScaling())
+    # Trains standalone: each projection folds its amaxes in at its next forward; state dicts keep them.
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16))
+    for _ in range(3):
+        model(tokens).float().pow(2).mean().backward()
+    state = experts.fp8_delayed["down_proj"]
+    assert state.history[:, :, :2].gt(0).any() and state.scale.ne(1).any()
+    copy_ = Llama(preset("moe-tiny", n_layers=1))
+    convert_to_fp8(copy_, DelayedScaling(amax_history_len=8))
+    copy_.load_state_dict(model.state_dict())
+    loaded = copy_.layers[0].ffn.experts.fp8_delayed["down_proj"]
+    torch.testing.assert_close(loaded.scale, state.scale, rtol=0, atol=0)
+    torch.testing.assert_close(loaded.states[1].scale_inv_column, state.states[1].scale_inv_column, rtol=0, atol=0)
 
 
 class LoopExperts(nn.Module):
