@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from ..distributed.check import check_same_everywhere
 from ..distributed.process_group import current_device, init_distributed
 from ..engine.state_dict import StateDictError, describe_mismatch
+from ..fp8.grouped_delayed import all_delayed_experts
 from . import checksums, extra as extra_values, store
 from .reader import SafeLoadPlanner, SafeReader, same_kind
 from .verify import Inspection, examine
@@ -293,6 +294,10 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
             # DCP wrote the scales in place, past Float8Linear._load_from_state_dict. (Under the
             # engine its scale refresh before each forward rewrites the inverses anyway.)
             delayed.refresh_inverses()
+    for experts in all_delayed_experts(model):  # FP8 experts' histories, likewise (fp8/grouped_delayed.py)
+        for expert in experts.states:
+            expert.dirty = True
+        experts.refresh_inverses()
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
     return found.extra

@@ -284,6 +284,29 @@ def delayed_parity(family: str, layout: dict) -> dict:
                                                           if getattr(m, "fp8_recipe", None) is not None)}
 
 
+def delayed_checkpoint_hop(path: str, save_layout: dict, load_layout: dict) -> dict:
+    """Two delayed-scaling steps laid out by ``save_layout``, saved; a model from another seed laid
+    out by ``load_layout`` loads it: each experts projection's histories and scales (buffers every
+    rank holds whole) before and after, and whether the kept inverses follow the loaded scales."""
+    from fsdp8.fp8.grouped_delayed import all_delayed_experts
+
+    recipe = fsdp8.DelayedScaling(amax_history_len=4)
+    config = dict(fp8=recipe, precision=FP32)
+    model = fsdp8.parallelize(build("builtin"), fsdp8.ParallelConfig(**save_layout, **config))
+    for step in range(2):
+        loss_of(model, model.shard_batch(batch("builtin", step, ROWS_PER_RANK * model.dp_size))).backward()
+    model._fsdp8.scales.refresh()  # the second step's amaxes into the histories
+    saved = [(e.history.cpu().clone(), e.scale.cpu().clone()) for e in all_delayed_experts(model)]
+    fsdp8.save(path, model)
+    other = fsdp8.parallelize(_reseeded("builtin"), fsdp8.ParallelConfig(**load_layout, **config))
+    fsdp8.load(path, other)
+    loaded = [(e.history.cpu(), e.scale.cpu()) for e in all_delayed_experts(other)]
+    inverses = all(torch.equal(s.scale_inv_column.cpu(), 1 / s.scale.cpu())
+                   for e in all_delayed_experts(other) for s in e.states)
+    return {"saved": saved, "loaded": loaded, "inverses": inverses,
+            "moved": all(h[:, :, :2].gt(0).any() for h, _ in saved)}
+
+
 def host_reads_per_moe_layer(recipe_name: str) -> float:
     """Device-to-host reads (``Tensor.tolist`` / ``.item``) in one training step's forward and
     backward at ep 2, per mixture-of-experts layer: the dispatch's split sizes and, with an FP8

@@ -13,6 +13,7 @@ those gradients: 4e-6.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.dist import ep_workers as workers
 from tests.harness import retire_pool, run_on_ranks
@@ -168,6 +169,15 @@ def test_delayed_scaling_experts(family, layout):
         assert max(out["losses"]) <= 1e-6, out["losses"]
         assert max(out["weights"].values()) <= 1e-6, {n: e for n, e in out["weights"].items() if e > 1e-6}
         assert max(out["histories"]) <= 1e-6 and max(out["scales"]) <= 1e-6, (out["histories"], out["scales"])
+
+
+def test_delayed_experts_histories_load_at_another_ep_degree(tmp_path):
+    # Every rank holds every expert's history, so ep 2 -> ep 4 -> dp 4 moves them bit for bit.
+    for i, (save, load) in enumerate([({"ep": 2}, {"ep": 4}), ({"ep": 4}, {})]):
+        out = run_on_ranks(4, workers.delayed_checkpoint_hop, str(tmp_path / f"hop{i}"), save, load)[0]
+        assert out["moved"] and out["inverses"] and len(out["saved"]) == 4, out["moved"]
+        for (h, s), (h2, s2) in zip(out["saved"], out["loaded"]):
+            assert torch.equal(h, h2) and torch.equal(s, s2)
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8-current", "fp8-block"])
