@@ -43,7 +43,11 @@ def test_compiled_fp8_tp_stack_of_the_peer_benchmark(tmp_path):
     assert result["status"] == "ok" and result["mesh"] == "1 dp x 2 tp", result["error"]
     assert result["losses"][-1] < result["losses"][0]
     profiles = sorted(p.name for p in host.iterdir())
-    assert profiles == [f"tiny-fsdp8-tp-fp8-compile-host-rank{r}.txt" for r in (0, 1)], profiles
+    # The text tables, and the raw pstats for comparing two stacks offline.
+    assert profiles == [f"tiny-fsdp8-tp-fp8-compile-host-rank{r}.{ext}" for r in (0, 1) for ext in ("pstats", "txt")]
+    import pstats
+
+    assert any("train_step" in func for _, _, func in pstats.Stats(str(host / profiles[0])).stats), profiles
 
 
 def test_tp_full_batch_gives_each_gpu_a_data_parallel_ranks_tokens():

@@ -137,3 +137,24 @@ def compiled_parity(layout: dict) -> dict:
         breaks.append(sum(counters["graph_break"].values()))
     grouped.traced_fp8_grouped_mm = traced
     return {"differences": _differences(*runs), "breaks": breaks}
+
+
+def delayed_compiled_parity(layout: dict) -> dict:
+    """The built-in moe-tiny Llama under delayed scaling, its units compiled (``aot_eager``) and
+    eager: the dense linears traced with the engine's states, the experts an opaque call reading and
+    recording theirs. Returns what differs (losses, gradients, weights) and the experts' histories."""
+    from fsdp8.fp8.grouped_delayed import all_delayed_experts
+    from fsdp8.fp8.recipes import DelayedScaling
+
+    runs, histories = [], []
+    for compiled in (True, False):
+        torch._dynamo.reset()
+        config = fsdp8.ParallelConfig(**layout, fp8=DelayedScaling(amax_history_len=4), precision=PRECISION,
+                                      compile={"backend": "aot_eager"} if compiled else False)
+        model = fsdp8.parallelize(build(), config)
+        runs.append(_train(model))
+        histories.append([e.history.cpu().clone() for e in all_delayed_experts(model)])
+    same = [torch.equal(a, b) for a, b in zip(*histories)]
+    moved = all(h[:, :, :STEPS - 1].gt(0).any().item() for h in histories[0])
+    return {"differences": _differences(*runs), "histories_equal": same, "moved": moved}
+

@@ -49,3 +49,12 @@ def test_compiled_units_trace_fp8_experts_with_the_same_results():
     for out in run_on_ranks(2, workers.compiled_parity, {}):
         assert out["differences"] == [], out["differences"][:10]
         assert out["breaks"][0] == 0 < out["breaks"][1], out["breaks"]  # traced: none; opaque: at the experts
+
+
+def test_delayed_experts_in_compiled_units_train_as_eager():
+    """Delayed scaling's experts are an opaque call inside compiled units: losses, gradients,
+    weights and the experts' histories equal the eager run's bit for bit."""
+    for out in run_on_ranks(2, workers.delayed_compiled_parity, {}):
+        assert out["differences"] == [], out["differences"][:10]
+        assert out["moved"] and out["histories_equal"] and all(out["histories_equal"]), out
+
