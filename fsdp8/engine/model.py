@@ -15,10 +15,10 @@ from ..distributed import comm
 from ..distributed.check import check_same_everywhere
 from ..distributed.process_group import current_device, default_device_type, init_distributed
 from ..fp8.convert import convert_units_to_fp8, is_fp8_primary, tp_aware_filter, warn_tp_kept
+from ..fp8.grouped_delayed import delayed_experts_on
 from ..fp8.linear import Float8Linear
 from ..fp8.recipes import Recipe
 from .fp8_experts import gathers_fp8_expert
-from ..fp8.grouped_delayed import delayed_experts_on
 from .fp8_scales import ScaleAgreement, delayed_states_of
 from .fp8_unit import Float8Unit
 from .grads import check_finite as check_finite_grads
@@ -147,6 +147,9 @@ def fully_shard(
             built[name] = ShardedUnit(*args, reshard_after_forward=reshard_after_forward and name != "",
                                       offload=offload is not None)
     slot_unit = {id(s): u for u in built.values() for s in u.slots}
+    # FP8 experts' delayed histories start on the device here, before materialization would give
+    # meta ones empty (uninitialized) memory (fsdp8/fp8/grouped_delayed.py).
+    experts_states = delayed_experts_on(module, device)
     materialize_and_load(module, built, originals, slot_unit, device)
     for unit in built.values():
         unit.register(compute=False)
@@ -156,7 +159,6 @@ def fully_shard(
     schedule = Schedule(module, root_unit, units_list, precision.param_dtype if precision.casts_inputs else None)
     engine = Engine(topology, precision, units_list, root_unit, schedule, own_topologies)
     fp8_units = [u for u in built.values() if isinstance(u, Float8Unit)]
-    experts_states = delayed_experts_on(module, device)  # FP8 experts' histories (fsdp8/fp8/grouped_delayed.py)
     if fp8_units or experts_states:
         states = delayed_states_of(fp8_units)
         for m in module.modules():

@@ -158,3 +158,25 @@ def delayed_compiled_parity(layout: dict) -> dict:
     moved = all(h[:, :, :STEPS - 1].gt(0).any().item() for h in histories[0])
     return {"differences": _differences(*runs), "histories_equal": same, "moved": moved}
 
+
+def delayed_meta_init() -> dict:
+    """moe-tiny built on the meta device, parallelized under delayed scaling: the experts' histories
+    start as a fresh state's (zeros, scales 1) on the real device, not as the uninitialized memory
+    materialization gives meta buffers; then two steps train and move them."""
+    from fsdp8.fp8.grouped_delayed import all_delayed_experts
+    from fsdp8.fp8.recipes import DelayedScaling
+
+    from fsdp8.models.llama import Llama, preset
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Llama(preset("moe-tiny", n_layers=2))
+    model = fsdp8.parallelize(model, fsdp8.ParallelConfig(fp8=DelayedScaling(amax_history_len=4), precision=PRECISION))
+    experts = all_delayed_experts(model)
+    fresh = all(e.history.eq(0).all().item() and e.scale.eq(1).all().item() and not e.scale.is_meta for e in experts)
+    run = _train(model)
+    model._fsdp8.scales.refresh()
+    moved = all(e.history[:, :, :STEPS].gt(0).any().item() and e.history.lt(1e6).all().item() for e in experts)
+    return {"experts": len(experts), "fresh": fresh, "moved": moved,
+            "losses": [float(x) for x in run["loss"]]}
+

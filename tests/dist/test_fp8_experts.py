@@ -9,6 +9,8 @@ in place; its expert scales are still agreed with the other ep rank's zeros arou
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests.dist import fp8_experts_workers as workers
@@ -57,4 +59,11 @@ def test_delayed_experts_in_compiled_units_train_as_eager():
     for out in run_on_ranks(2, workers.delayed_compiled_parity, {}):
         assert out["differences"] == [], out["differences"][:10]
         assert out["moved"] and out["histories_equal"] and all(out["histories_equal"]), out
+
+
+def test_delayed_experts_of_a_meta_device_model_start_fresh():
+    # Materialization gives meta buffers uninitialized memory: the histories must not start from it.
+    for out in run_on_ranks(2, workers.delayed_meta_init):
+        assert out["experts"] == 4 and out["fresh"] and out["moved"], out
+        assert all(math.isfinite(x) for x in out["losses"]), out["losses"]
 
