@@ -49,6 +49,14 @@ class DelayedExperts:
         self.states = [DelayedState.over(recipe, history[e], scale[e], pending[e]) for e in range(scale.shape[0])]
         self.external_update = False  # under the engine: its per-step all-reduce updates them
 
+    def rebind(self, history: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor) -> None:
+        """Read and write these tensors from now on (the module's buffers were replaced: moved,
+        materialized), keeping this object and its states, which the engine's scale agreement holds."""
+        self.history, self.scale, self.pending = history, scale, pending
+        for e, state in enumerate(self.states):
+            state.history, state.scale, state.pending = history[e], scale[e], pending[e]
+            state.keep_inverses()
+
     @classmethod
     def new(cls, recipe: DelayedScaling, experts: int, device) -> "DelayedExperts":
         return cls(recipe, torch.zeros(experts, 3, recipe.amax_history_len, device=device),
@@ -117,9 +125,7 @@ def delayed_experts(module: nn.Module, name: str) -> Optional[DelayedExperts]:
     experts = states[name]
     history, scale, pending = (getattr(module, b) for b in buffer_names(name))
     if history is not experts.history or scale is not experts.scale or pending is not experts.pending:
-        rebound = DelayedExperts(experts.recipe, history, scale, pending)
-        rebound.external_update = experts.external_update
-        states[name] = experts = rebound
+        experts.rebind(history, scale, pending)
     return experts
 
 
@@ -139,12 +145,12 @@ def delayed_experts_on(model: nn.Module, device: torch.device) -> List[DelayedEx
             if experts.scale.is_meta or experts.scale.device != torch.device(device):
                 if experts.scale.is_meta:
                     fresh = DelayedExperts.new(experts.recipe, experts.scale.shape[0], device)
+                    tensors = (fresh.history, fresh.scale, fresh.pending)
                 else:
-                    fresh = DelayedExperts(experts.recipe, *(t.to(device) for t in (experts.history, experts.scale,
-                                                                                    experts.pending)))
-                for buffer, tensor in zip(buffer_names(name), (fresh.history, fresh.scale, fresh.pending)):
+                    tensors = tuple(t.to(device) for t in (experts.history, experts.scale, experts.pending))
+                for buffer, tensor in zip(buffer_names(name), tensors):
                     module.register_buffer(buffer, tensor)
-                module.fp8_delayed[name] = experts = fresh
+                experts.rebind(*tensors)
             out.append(experts)
     return out
 

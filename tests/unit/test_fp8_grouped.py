@@ -273,3 +273,23 @@ def test_fsdp8_train_start_up_line_counts_fp8_experts():
     # convert_to_fp8 on the whole model: the head too (fully_shard converts inside its units only).
     model = fsdp8.convert_to_fp8(Llama(preset("moe-tiny", n_layers=2)), fsdp8.Float8CurrentScaling())
     assert _fp8_layers(model) == "9 linear layers and 2 experts modules run FP8 GEMMs; in bf16: layers.*.ffn.gate (Router)"
+
+
+def test_delayed_experts_follow_their_buffers_when_the_module_moves():
+    # The engine holds the states: a move (module.to / .double()) must rebind them, not replace them.
+    model = Llama(preset("moe-tiny", n_layers=1))
+    experts = model.layers[0].ffn.experts
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HighPrecisionLayerWarning)
+        convert_to_fp8(model, DelayedScaling(amax_history_len=8))
+    held = experts.fp8_delayed["gate_up_proj"]
+    states = list(held.states)
+    experts.fp8_gate_up_proj_scale.fill_(2.0)
+    model.double()  # replaces every floating buffer
+    from fsdp8.fp8.grouped_delayed import delayed_experts
+
+    again = delayed_experts(experts, "gate_up_proj")
+    assert again is held and again.states == states  # the same objects
+    assert again.scale is experts.fp8_gate_up_proj_scale and again.scale.dtype == torch.float64
+    assert states[1].scale.data_ptr() == experts.fp8_gate_up_proj_scale[1].data_ptr()
+    assert float(states[1].scale_inv_column[0]) == 0.5  # the kept inverses follow
