@@ -115,6 +115,9 @@ def _unit(name: str, count: int, params: List[Param], setup: Setup, tp_rank: int
         wire, wire_bytes = layout, e
     fp8_shapes = [s for s, f in zip(shapes, fp8) if f]
     scales = _scale_bytes(fp8_shapes, setup.fp8) if fp8_shapes else 0
+    if setup.fp8 == "delayed" and in_unit:  # an amax history per expert, all E on every rank (fp8/grouped_delayed.py)
+        scales += sum(3 * 4 * DELAYED_HISTORY * p.shape[0] for p in params
+                      if p.expert and all(d % 16 == 0 for d in p.shape[1:]))
     # Float8Unit._free_unsharded: MX's scale_inv is made at each gather and freed at reshard.
     gathered = scales if setup.fp8 == "mxfp8" and setup.parallel.strategy.shards_params else 0
     return UnitPlan(name, count, layout, wire, wire_bytes, sum(math.prod(s) for s in shapes),

@@ -303,3 +303,23 @@ def test_auto_lays_out_a_mixture_of_experts(capsys):
     model = fsdp8.parallelize(Llama(preset("moe-tiny")), "auto")  # a world of one: ep 1, the planner's pick
     assert model.parallel_config == search("moe-tiny", gpus_per_node=1, top=1)[0].parallel
     assert "fsdp8.parallelize: 'auto' chose dp_replicate 1 x dp_shard 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_delayed_experts_histories_are_counted_whole_on_every_rank(ep):
+    # Under delayed scaling each expert of each projection keeps a 3 x 1024 fp32 history, all E of
+    # them on every ep rank (fsdp8/fp8/grouped_delayed.py), whatever ep is: what the module registers.
+    # Its weights gather in bf16, so the experts' unit (its own under ep) holds no other FP8 scales.
+    import fsdp8
+    from fsdp8.fp8.grouped_delayed import attach
+
+    spec = _moe()
+    setup = _setup(spec, parallel=ParallelConfig(ep=ep, fp8=fsdp8.DelayedScaling(),
+                                                 precision=Precision(param_dtype=torch.bfloat16)))
+    [unit] = [u for u in unit_plans(spec, setup) if u.experts]
+    experts = torch.nn.Module()
+    experts.gate_up_proj = torch.nn.Parameter(torch.empty(spec.experts, 2 * spec.expert_ffn, spec.hidden))
+    experts.down_proj = torch.nn.Parameter(torch.empty(spec.experts, spec.hidden, spec.expert_ffn))
+    attach(experts, fsdp8.DelayedScaling(), ["gate_up_proj", "down_proj"])
+    history = sum(b.numel() * 4 for n, b in experts.named_buffers() if n.endswith("amax_history"))
+    assert unit.scale_bytes == history == 2 * spec.experts * 3 * 1024 * 4
