@@ -159,10 +159,10 @@ def test_delayed_scaling_converts_experts_with_their_histories_as_buffers():
         model(tokens).float().pow(2).mean().backward()
     state = experts.fp8_delayed["down_proj"]
     assert state.history[:, :, :2].gt(0).any() and state.scale.ne(1).any()
-    copy_ = Llama(preset("moe-tiny", n_layers=1))
-    convert_to_fp8(copy_, DelayedScaling(amax_history_len=8))
-    copy_.load_state_dict(model.state_dict())
-    loaded = copy_.layers[0].ffn.experts.fp8_delayed["down_proj"]
+    other = Llama(preset("moe-tiny", n_layers=1))
+    convert_to_fp8(other, DelayedScaling(amax_history_len=8))
+    other.load_state_dict(model.state_dict())
+    loaded = other.layers[0].ffn.experts.fp8_delayed["down_proj"]
     torch.testing.assert_close(loaded.scale, state.scale, rtol=0, atol=0)
     torch.testing.assert_close(loaded.states[1].scale_inv_column, state.states[1].scale_inv_column, rtol=0, atol=0)
 
