@@ -295,8 +295,7 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
             # engine its scale refresh before each forward rewrites the inverses anyway.)
             delayed.refresh_inverses()
     for experts in all_delayed_experts(model):  # FP8 experts' histories, likewise (fp8/grouped_delayed.py)
-        for expert in experts.states:
-            expert.dirty = True
+        experts.dirty = True
         experts.refresh_inverses()
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])

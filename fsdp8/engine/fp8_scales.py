@@ -38,6 +38,8 @@ class ScaleAgreement:
         self.units = list(units)
         self.states = list(states)
         self.group = group
+        # No unit when only FP8 experts' histories are agreed (their weights gather in high precision).
+        self.device = self.units[0].device if self.units else self.states[0].scale.device
         self._positions_key, self._positions = None, None
         self._layout = None  # see _write_layout
 
@@ -48,8 +50,8 @@ class ScaleAgreement:
         if not units and not delayed:
             return
         # One flat tensor: every unit's amaxes, then the delayed histories' pending amaxes;
-        # one all-reduce; each unit takes its slice back. (No unit: only FP8 experts' histories.)
-        local = local_amaxes_of(units) if units else self.states[0].pending.new_zeros(0)
+        # one all-reduce; each unit takes its slice back.
+        local = local_amaxes_of(units, self.device)
         sizes = [u.amax_count() for u in units]
         pieces = [local] + ([torch.stack([s.pending for s in self.states]).flatten()] if delayed else [])
         flat = torch.cat(pieces)
@@ -145,14 +147,14 @@ def delayed_states_of(units: Sequence[Float8Unit]) -> List[DelayedState]:
     return out
 
 
-def local_amaxes_of(units: Sequence[Float8Unit]) -> torch.Tensor:
+def local_amaxes_of(units: Sequence[Float8Unit], device: torch.device) -> torch.Tensor:
     """``torch.cat([u.local_amaxes() for u in units])`` in one launch where they allow it: the
     amaxes of every per-tensor-scaled weight, or the 128x128 grids of every whole weight (the
     engine takes them for all units before each step's first kernel, on the host's critical
     path; per unit and per weight they were ~13 ms of model A's step on an H200)."""
     slots = [(u, s) for u in units for s in u.amax_slots()]
     if not slots:
-        return torch.zeros(0, dtype=torch.float32, device=units[0].device if units else None)
+        return torch.zeros(0, dtype=torch.float32, device=device)
     granularity = units[0].granularity
     dtypes = {u.compute_dtype for u in units}
     if len(dtypes) > 1 or (granularity is not Granularity.TENSOR and not all(u.whole_grids() for u in units)):

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .grouped import runs_fp8_experts
+from .grouped import FP8_EXPERT_WEIGHTS, runs_fp8_experts
 from .grouped_delayed import attach as attach_delayed_experts
 from .kernels import quantize
 from .linear import Float8Linear
@@ -185,7 +185,7 @@ def convert_linears(model: nn.Module, recipe: Recipe, filter: Optional[LinearFil
             if reason is None:
                 module.fp8_recipe = recipe  # read by its forward (fsdp8.models.moe.experts_forward)
                 if recipe.delayed:  # an amax history per expert (grouped_delayed.py)
-                    attach_delayed_experts(module, recipe, [n for n, _ in _grouped_weights(module)])
+                    attach_delayed_experts(module, recipe, FP8_EXPERT_WEIGHTS)  # the weights its forward reads
                 converted.append(full)
             else:
                 kept.append(KeptLayer(full, _detail(module, kind), reason))

@@ -49,11 +49,11 @@ import torch
 import torch.nn.functional as F
 
 from . import grouped_kernel
-from .formats import E4M3, Granularity, aligned, scale_to_inv
+from .formats import E4M3, Granularity, aligned
 from .gemm import fp8_mm
 from .grouped_delayed import LocalExperts
 from .grouped_kernel import Bounds, Groups, group_amax, quantize_experts, quantize_groups
-from .kernels import Quantized, quantize, quantize_transposed, saturate_cast
+from .kernels import Quantized, quantize, quantize_transposed
 from .recipes import G, W, X, Recipe, update_delayed_states
 from .grouped_traced import traced_fp8_grouped_mm
 from .tensor import Float8Tensor, transpose_of
@@ -89,10 +89,12 @@ def probe_before_compiling(model: torch.nn.Module, device: torch.device) -> None
 
 
 # -- the operands, one Quantized per group ---------------------------------------------------------
-def grouped_rows(t: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity, groups: Groups) -> List[Quantized]:
-    """Each group's rows of ``t`` [T, K] (contiguous) quantized along K as that group alone would be."""
+def grouped_rows(t: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity, groups: Groups,
+                 scale: Optional[torch.Tensor] = None) -> List[Quantized]:
+    """Each group's rows of ``t`` [T, K] (contiguous) quantized along K as that group alone would be
+    (per tensor: with ``scale`` [G] where given, delayed scaling's)."""
     if granularity is Granularity.TENSOR:
-        q = quantize_groups(t, fp8_dtype, groups)
+        q = quantize_groups(t, fp8_dtype, groups, scale=scale)
         return split_by_group(q.data, q.inv, groups.bounds())
     q = quantize(t, fp8_dtype, granularity)  # blocks along one row: local to it, hence to its group
     return [Quantized(q.data[a:b], q.scale_inv[a:b], granularity) for a, b in groups.bounds()]
@@ -105,11 +107,13 @@ def split_by_group(data: torch.Tensor, inv: torch.Tensor, bounds: Bounds, squeez
     return [Quantized(data[a] if squeeze else data[a:b], inv[g], Granularity.TENSOR) for g, (a, b) in enumerate(bounds)]
 
 
-def grouped_weights(w: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity) -> List[Quantized]:
-    """Each expert's matrix of ``w`` [E, N, K] (contiguous) quantized along K as a dense weight."""
+def grouped_weights(w: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granularity,
+                    scale: Optional[torch.Tensor] = None) -> List[Quantized]:
+    """Each expert's matrix of ``w`` [E, N, K] (contiguous) quantized along K as a dense weight
+    (per tensor: with ``scale`` [E] where given, delayed scaling's)."""
     experts, n, k = w.shape
     if granularity is Granularity.TENSOR:
-        data, inv = quantize_experts(w, fp8_dtype)
+        data, inv = quantize_experts(w, fp8_dtype, scale)
         return split_by_group(data, inv, [(g, g + 1) for g in range(experts)], squeeze=True)
     pad = -n % granularity.block[0]  # 128x128: each expert's rows padded to whole blocks
     padded = F.pad(w, (0, 0, 0, pad)) if pad else w
@@ -119,27 +123,18 @@ def grouped_weights(w: torch.Tensor, fp8_dtype: torch.dtype, granularity: Granul
     return [Quantized(data[g, :n], inv[g], granularity) for g in range(experts)]
 
 
-def delayed_rows(t: torch.Tensor, fp8_dtype: torch.dtype, delayed: LocalExperts, row: int,
-                 groups: Groups) -> List[Quantized]:
-    """Each group's rows of ``t`` [T, K] quantized with its expert's delayed scale for operand
-    ``row`` (X or G); each group's amax recorded (grouped_delayed.py)."""
-    group = groups.row_group(t.shape[0])
-    scale = delayed.scale(row)
-    data = saturate_cast(t.detach(), scale[group][:, None], fp8_dtype)
-    delayed.record(row, group_amax(t, group, scale.shape[0]))
-    return split_by_group(data, scale_to_inv(scale), groups.bounds())
-
-
-def delayed_weights(w: torch.Tensor, fp8_dtype: torch.dtype, delayed: LocalExperts, groups: Groups) -> List[Quantized]:
-    """Each expert's matrix of ``w`` [E, N, K] quantized with its delayed scale; the amax of each
-    matrix whose expert has rows recorded (one with none is not used, as an uncalled linear)."""
-    experts = w.shape[0]
-    scale = delayed.scale(W)
-    data = saturate_cast(w, scale[:, None, None], fp8_dtype)
+def record_delayed_amaxes(delayed: LocalExperts, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> None:
+    """Delayed scaling: each group's amax of its rows ``x`` and of its matrix in ``w`` [E, N, K], the
+    matrix's only where its expert has rows (an uncalled linear records nothing)."""
+    group = groups.row_group(x.shape[0])
+    delayed.record(X, group_amax(x, group, w.shape[0]))
     reached = torch.diff(groups.offs, prepend=groups.offs.new_zeros(1)) > 0
     amaxes = torch.linalg.vector_norm(w, float("inf"), dim=(1, 2)).float()
     delayed.record(W, torch.where(reached, amaxes, torch.zeros_like(amaxes)))
-    return split_by_group(data, scale_to_inv(scale), [(g, g + 1) for g in range(experts)], squeeze=True)
+
+
+def _delayed_scale(delayed: Optional[LocalExperts], row: int) -> Optional[torch.Tensor]:
+    return None if delayed is None else delayed.scale(row)
 
 
 def transposed_groups(parts: List[Quantized], t: Optional[torch.Tensor], fp8_dtype: torch.dtype, granularity: Granularity,
@@ -204,13 +199,12 @@ class Fp8GroupedMm(torch.autograd.Function):
             kept = None if not weight_grad else qx if qx.padded_t is None else qx._replace(data=None, row_inv=None)
             ctx.kernel_operands = (kept, w, inv_w)
             return out
-        if delayed is not None:
-            qx = delayed_rows(x, recipe.fwd_dtype, delayed, X, groups)
-            qw = delayed_weights(weight.detach().to(dtype).contiguous(), recipe.fwd_dtype, delayed, groups)
-        else:
-            qx = grouped_rows(x, recipe.fwd_dtype, recipe.x_granularity, groups)
-            qw = weight.matrices() if gathered else grouped_weights(weight.detach().to(dtype).contiguous(),
-                                                                    recipe.fwd_dtype, recipe.w_granularity)
+        w = None if gathered else weight.detach().to(dtype).contiguous()
+        if delayed is not None:  # the scales of each expert's history, this step's amaxes recorded
+            record_delayed_amaxes(delayed, x, w, groups)
+        qx = grouped_rows(x, recipe.fwd_dtype, recipe.x_granularity, groups, _delayed_scale(delayed, X))
+        qw = weight.matrices() if gathered else grouped_weights(w, recipe.fwd_dtype, recipe.w_granularity,
+                                                                _delayed_scale(delayed, W))
         out = rows_times_groups(qx, qw, weight.shape[1], dtype, recipe, x.device, fast_accum=True)
         ctx.qx_t = transposed_groups(qx, x, recipe.fwd_dtype, recipe.x_granularity, groups.bounds())
         ctx.qw = qw
@@ -248,10 +242,10 @@ def _backward_by_group(ctx, dy: torch.Tensor):
             ctx.qx_t = transposed_groups(split_by_group(qx.data, qx.inv, bounds), None, recipe.fwd_dtype,
                                          Granularity.TENSOR, bounds)
         ctx.qw = split_by_group(w, inv_w, [(g, g + 1) for g in range(w.shape[0])], squeeze=True)
-    if ctx.delayed is not None:
-        qdy = delayed_rows(dy, recipe.bwd_dtype, ctx.delayed, G, ctx.groups)
-    else:
-        qdy = grouped_rows(dy, recipe.bwd_dtype, recipe.g_granularity, ctx.groups)
+    delayed = ctx.delayed
+    if delayed is not None:
+        delayed.record(G, group_amax(dy, ctx.groups.row_group(dy.shape[0]), ctx.groups.offs.shape[0]))
+    qdy = grouped_rows(dy, recipe.bwd_dtype, recipe.g_granularity, ctx.groups, _delayed_scale(delayed, G))
     dx = dw = None
     if ctx.needs_input_grad[0]:
         gathered = ctx.gathered
@@ -327,4 +321,5 @@ def _opaque_grouped_mm(x, weight, offs, recipe: Recipe, groups, delayed: Optiona
     if delayed is not None and not delayed.experts.external_update and delayed.experts.dirty:
         # Standalone use: fold the last step's amaxes in, as a standalone delayed Float8Linear does.
         update_delayed_states(delayed.experts.states)
+        delayed.experts.dirty = False
     return Fp8GroupedMm.apply(x, weight, recipe, groups, torch.is_grad_enabled(), delayed)

@@ -48,23 +48,21 @@ class DelayedExperts:
         self.history, self.scale, self.pending = history, scale, pending
         self.states = [DelayedState.over(recipe, history[e], scale[e], pending[e]) for e in range(scale.shape[0])]
         self.external_update = False  # under the engine: its per-step all-reduce updates them
+        # Host-side, for a standalone module: amaxes recorded since the last roll. One flag for all
+        # experts (the engine rolls them every step and reads none).
+        self.dirty = False
 
     def rebind(self, history: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor) -> None:
-        """Read and write these tensors from now on (the module's buffers were replaced: moved,
-        materialized), keeping this object and its states, which the engine's scale agreement holds."""
+        """DelayedState.use for every expert: keeps this object and its states, which the engine's
+        scale agreement holds."""
         self.history, self.scale, self.pending = history, scale, pending
         for e, state in enumerate(self.states):
-            state.history, state.scale, state.pending = history[e], scale[e], pending[e]
-            state.keep_inverses()
+            state.use(history[e], scale[e], pending[e])
 
     @classmethod
     def new(cls, recipe: DelayedScaling, experts: int, device) -> "DelayedExperts":
         return cls(recipe, torch.zeros(experts, 3, recipe.amax_history_len, device=device),
                    torch.ones(experts, 3, device=device), torch.zeros(experts, 3, device=device))
-
-    @property
-    def dirty(self) -> bool:
-        return any(s.dirty for s in self.states)
 
     def refresh_inverses(self) -> None:
         for state in self.states:
@@ -89,8 +87,7 @@ class LocalExperts:
         """Fold ``amaxes`` [count] (0 for an expert that saw nothing) into the pending amaxes."""
         pending = self.experts.pending
         pending[self.rows, row] = torch.maximum(pending[self.rows, row], amaxes.to(pending.device))
-        for state in self.experts.states[self.rows]:
-            state.dirty = True
+        self.experts.dirty = True
 
 
 def attach(module: nn.Module, recipe: DelayedScaling, names) -> Dict[str, DelayedExperts]:
@@ -99,7 +96,7 @@ def attach(module: nn.Module, recipe: DelayedScaling, names) -> Dict[str, Delaye
     module.fp8_delayed = {}
     for name in names:
         weight = getattr(module, name)
-        experts = DelayedExperts.new(recipe, weight.shape[0], _device_of(weight))
+        experts = DelayedExperts.new(recipe, weight.shape[0], weight.device)  # a DTensor's: its local device
         for buffer, tensor in zip(buffer_names(name), (experts.history, experts.scale, experts.pending)):
             module.register_buffer(buffer, tensor)
         module.fp8_delayed[name] = experts
@@ -154,7 +151,3 @@ def delayed_experts_on(model: nn.Module, device: torch.device) -> List[DelayedEx
             out.append(experts)
     return out
 
-
-def _device_of(weight: torch.Tensor) -> torch.device:
-    local = getattr(weight, "_local_tensor", None)
-    return (local if local is not None else weight).device

@@ -160,12 +160,15 @@ def group_amax(t: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tenso
     return torch.zeros(groups, dtype=torch.float32, device=t.device).scatter_reduce_(0, group, rows, "amax")
 
 
-def quantize_groups(t: torch.Tensor, fp8_dtype: torch.dtype, groups: Groups, padded: bool = False) -> GroupedBytes:
-    """Rows of ``t`` [T, K] quantized with one scale per group; ``padded``: their bytes also in the
-    weight gradient's 16-aligned token buffer (transposed; see the Note)."""
+def quantize_groups(t: torch.Tensor, fp8_dtype: torch.dtype, groups: Groups, padded: bool = False,
+                    scale: Optional[torch.Tensor] = None) -> GroupedBytes:
+    """Rows of ``t`` [T, K] quantized with one scale per group: ``scale`` [G] where given (delayed
+    scaling's, from each group's history), else each group's own amax (current scaling);
+    ``padded``: their bytes also in the weight gradient's 16-aligned token buffer (transposed;
+    see the Note)."""
     tokens = t.shape[0]
     width = buffer_width(tokens, groups.offs.shape[0]) if padded else 0
-    if triton_grouped.runs_on(t, width):
+    if scale is None and triton_grouped.runs_on(t, width):
         # Three launches: the rows' maxima, every scale (per group and per row), the cast.
         rowmax = torch.linalg.vector_norm(t.detach(), float("inf"), dim=1)
         _, inv, row_scale, row_inv = triton_grouped.group_scales(rowmax, groups.offs, fp8_dtype)
@@ -173,20 +176,22 @@ def quantize_groups(t: torch.Tensor, fp8_dtype: torch.dtype, groups: Groups, pad
                                                    groups.sources(tokens) if padded else None, width)
         return GroupedBytes(data, inv, padded_t, row_inv)
     group = groups.row_group(tokens)
-    scale = amax_to_scale(group_amax(t, group, groups.offs.shape[0]), fp8_dtype)
+    if scale is None:
+        scale = amax_to_scale(group_amax(t, group, groups.offs.shape[0]), fp8_dtype)
     data = saturate_cast(t.detach(), scale[group][:, None], fp8_dtype)
     padded_t = _scatter_columns(data, *groups.padded(tokens)[::2]) if padded else None
     inv = scale_to_inv(scale)
     return GroupedBytes(data, inv, padded_t, inv[group])
 
 
-def quantize_experts(w: torch.Tensor, fp8_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Each matrix of ``w`` [E, N, K] quantized with its own scale: (bytes, inverse scales [E]). Its
-    rows are E groups of N rows, so this is ``quantize_groups`` (the amax of a matrix is the
-    largest of its rows' maxima)."""
+def quantize_experts(w: torch.Tensor, fp8_dtype: torch.dtype,
+                     scale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each matrix of ``w`` [E, N, K] quantized with its own scale (``scale`` [E] where given, else
+    its amax's): (bytes, inverse scales [E]). Its rows are E groups of N rows, so this is
+    ``quantize_groups`` (the amax of a matrix is the largest of its rows' maxima)."""
     experts, n, k = w.shape
     offs = torch.arange(1, experts + 1, dtype=torch.int32, device=w.device) * n
-    q = quantize_groups(w.detach().reshape(experts * n, k), fp8_dtype, Groups(offs))
+    q = quantize_groups(w.detach().reshape(experts * n, k), fp8_dtype, Groups(offs), scale=scale)
     return q.data.view(experts, n, k), q.inv
 
 

@@ -69,8 +69,7 @@ class Float8Linear(nn.Linear):
             self.register_buffer("fp8_amax_pending", self._delayed.pending)
         state = self._delayed
         if state.history is not self.fp8_amax_history:  # the module was moved (.to / .cuda)
-            state.history, state.scale, state.pending = self.fp8_amax_history, self.fp8_scale, self.fp8_amax_pending
-            state.keep_inverses()
+            state.use(self.fp8_amax_history, self.fp8_scale, self.fp8_amax_pending)
         return state
 
     def traced(self) -> bool:

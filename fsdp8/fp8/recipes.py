@@ -203,10 +203,15 @@ class DelayedState:
     def _bind(self, recipe: DelayedScaling, history: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor) -> None:
         self.recipe = recipe
         self.dtypes = (recipe.fwd_dtype, recipe.fwd_dtype, recipe.bwd_dtype)
-        self.history, self.scale, self.pending = history, scale, pending
-        self.keep_inverses()
+        self.use(history, scale, pending)
         self.dirty = False  # host-side: amaxes recorded since the last update
         self.steps = 0
+
+    def use(self, history: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor) -> None:
+        """Read and write these tensors from now on (its module's buffers were replaced: moved,
+        materialized), keeping this object, which others may hold (the engine's scale agreement)."""
+        self.history, self.scale, self.pending = history, scale, pending
+        self.keep_inverses()
 
     def keep_inverses(self) -> None:
         """``1 / scale`` beside the scales (``scale_inv_column``, each update writes it): a

@@ -81,10 +81,16 @@ class ExpertGroup:
     num_experts: int
     # The experts' local weights' gradient placements on (ep, tp); None: their own (see the Note).
     grad_placements: Optional[Tuple[Placement, ...]] = None
+    rank: int = 0  # this rank's index in the ep group
 
     @property
     def local_experts(self) -> int:
         return self.num_experts // self.size
+
+    @property
+    def first_expert(self) -> int:
+        """The index of this rank's first expert: experts lie rank-major."""
+        return self.rank * self.local_experts
 
 
 class _AllToAll(torch.autograd.Function):
@@ -181,7 +187,8 @@ def expert_parallel(model: nn.Module, expert_mesh: DeviceMesh, sequence_parallel
             param = getattr(module, name)
             placed = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)
             module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
-        group = ExpertGroup(ep_mesh.get_group(), ep_mesh.size(), module.gate_up_proj.shape[0], grad_placements)
+        group = ExpertGroup(ep_mesh.get_group(), ep_mesh.size(), module.gate_up_proj.shape[0], grad_placements,
+                            ep_mesh.get_local_rank())
         module.forward = types.MethodType(_dispatching_forward(group), module)
     return model
 
@@ -233,11 +240,10 @@ def dispatch_and_compute(module: nn.Module, group: ExpertGroup, hidden_states: t
     down = _ScaleGrad.apply(_local(module.down_proj, group.grad_placements), scale)
     bounds = bounds_of(list(itertools.accumulate(expert_rows)))
     # Delayed scaling: every rank keeps all experts' histories and records its own experts' rows
-    # (fsdp8/fp8/grouped_delayed.py); experts lie rank-major, so its first is index x local.
-    first = dist.get_rank(group.group) * group.local_experts
+    # (fsdp8/fp8/grouped_delayed.py).
     computed = expert_mlp(arrived[regroup], local_counts, gate_up, down, module.act_fn,
                           recipe=getattr(module, "fp8_recipe", None), bounds=bounds,
-                          delayed=delayed_of(module, first, group.local_experts))
+                          delayed=delayed_of(module, group.first_expert, group.local_experts))
     restored = computed.new_empty(computed.shape).index_copy(0, regroup, computed)  # back to arrival order
     returned = _AllToAll.apply(restored, in_splits, out_splits, group.group, "ep combine")
     return combine_by_token(returned, order, token, top_k_weights, hidden_states)

@@ -177,6 +177,19 @@ def load_pretrained_under_ep(family: str, path: str, layout: dict) -> Dict[str, 
     return {n: float((_full(p) - saved[n]).abs().max()) for n, p in model.named_parameters()}
 
 
+def _fp8_pair(family: str, layout: dict, recipe) -> tuple:
+    """(the model parallelized by ``layout`` under ``recipe`` in fp64 compute, common.FP8_PARITY_PRECISION;
+    the same model in one process, fp64, converted as the engine converts it)."""
+    initial = build(family)
+    reference = copy.deepcopy(initial).to(torch.float64)
+    model = fsdp8.parallelize(initial, fsdp8.ParallelConfig(**layout, fp8=recipe,
+                                                            precision=common.FP8_PARITY_PRECISION))
+    computed_in_fp8(reference)  # transformers' experts get fsdp8's forward, as parallelize gives them
+    for unit in model._fsdp8.units:  # the engine converts inside its units only (not the head)
+        fsdp8.convert_to_fp8(dict(reference.named_modules())[unit.name], recipe)
+    return model, reference
+
+
 def fp8_block_parity(family: str, layout: dict) -> dict:
     """One step of 128-block FP8 scaling under expert parallelism against the same recipe in one
     process fed each data-parallel rank's rows (fp64 compute: common.FP8_PARITY_PRECISION).
@@ -185,13 +198,7 @@ def fp8_block_parity(family: str, layout: dict) -> dict:
     experts' weight gradients (whose token blocks follow the rows an expert received from its
     ep group) equal one process's up to fp64 rounding."""
     recipe = fsdp8.Float8BlockScaling()
-    initial = build(family)
-    reference = copy.deepcopy(initial).to(torch.float64)
-    model = fsdp8.parallelize(initial, fsdp8.ParallelConfig(**layout, fp8=recipe,
-                                                            precision=common.FP8_PARITY_PRECISION))
-    computed_in_fp8(reference)  # transformers' experts get fsdp8's forward, as parallelize gives them
-    for unit in model._fsdp8.units:  # the engine converts inside its units only (not the head)
-        fsdp8.convert_to_fp8(dict(reference.named_modules())[unit.name], recipe)
+    model, reference = _fp8_pair(family, layout, recipe)
     global_batch = batch(family, 0, ROWS_PER_RANK * model.dp_size)
     loss = loss_of(model, model.shard_batch(global_batch))
     loss.backward()
@@ -203,22 +210,6 @@ def fp8_block_parity(family: str, layout: dict) -> dict:
     converted = sorted(n for n, m in model.named_modules() if getattr(m, "fp8_recipe", None) is not None)
     return {"loss": abs(float(total) / dist.get_world_size() - ref_loss) / abs(ref_loss), "grads": grads,
             "converted": converted, "experts": sorted(adapter_for(model).experts(model))}
-
-
-def _backward_as_each_rank(reference: nn.Module, global_batch: Dict[str, torch.Tensor], dp_size: int) -> float:
-    """reference_backward, with each rank's loss back-propagated as that rank does (the output
-    gradients a rank quantizes are its own loss's, not the mean's), the gradients then averaged.
-    Delayed scaling needs it: its scales are not rescaled with each tensor, so the 1/dp would
-    change which gradient values fall among e5m2's subnormals."""
-    ref_loss = 0.0
-    for r in range(dp_size):
-        part = loss_of(reference, {k: common.rank_slice(v, r, dp_size) for k, v in global_batch.items()})
-        part.backward()
-        ref_loss += float(part.detach()) / dp_size
-    for p in reference.parameters():
-        if p.grad is not None:
-            p.grad.div_(dp_size)
-    return ref_loss
 
 
 def delayed_parity(family: str, layout: dict) -> dict:
@@ -234,13 +225,7 @@ def delayed_parity(family: str, layout: dict) -> dict:
     from fsdp8.fp8.recipes import W, update_delayed_states
 
     recipe = fsdp8.DelayedScaling(amax_history_len=4)
-    initial = build(family)
-    reference = copy.deepcopy(initial).to(torch.float64)
-    model = fsdp8.parallelize(initial, fsdp8.ParallelConfig(**layout, fp8=recipe,
-                                                            precision=common.FP8_PARITY_PRECISION))
-    computed_in_fp8(reference)
-    for unit in model._fsdp8.units:  # the engine converts inside its units only (not the head)
-        fsdp8.convert_to_fp8(dict(reference.named_modules())[unit.name], recipe)
+    model, reference = _fp8_pair(family, layout, recipe)
     ref_experts = all_delayed_experts(reference)
     ref_states = [s for e in ref_experts for s in e.states]
     dense = [m for m in reference.modules() if isinstance(m, fsdp8.fp8.Float8Linear)]
@@ -265,7 +250,7 @@ def delayed_parity(family: str, layout: dict) -> dict:
         opt.step()
         opt.zero_grad()
         roll_reference()
-        ref_loss = _backward_as_each_rank(reference, global_batch, model.dp_size)
+        ref_loss = reference_backward(reference, global_batch, model.dp_size, own_loss=True)
         ref_opt.step()
         ref_opt.zero_grad()
         total = loss.detach().clone()

@@ -180,3 +180,25 @@ def delayed_meta_init() -> dict:
     return {"experts": len(experts), "fresh": fresh, "moved": moved,
             "losses": [float(x) for x in run["loss"]]}
 
+
+def amax_all_reduces(layout: dict) -> dict:
+    """All-reduces in one training step (after a first one) of moe-tiny under current and under
+    delayed scaling: the experts' histories add none (they ride the step's one all-reduce)."""
+    from fsdp8.fp8.recipes import DelayedScaling, Float8CurrentScaling
+
+    from .workers import CountCollectives
+
+    counts = {}
+    for name, recipe in (("current", Float8CurrentScaling()), ("delayed", DelayedScaling(amax_history_len=4))):
+        model = fsdp8.parallelize(build(), fsdp8.ParallelConfig(**layout, fp8=recipe, precision=PRECISION))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for step in range(2):
+            x, y = common.global_batch(step, ROWS_PER_RANK * model.dp_size, SEQ, model.config.vocab_size)
+            batch = model.shard_batch({"tokens": x, "targets": y})
+            with CountCollectives() as counter:
+                model(**{k: v.to(common.device()) for k, v in batch.items()}).backward()
+                opt.step()
+                opt.zero_grad()
+        counts[name] = counter.counts.get("all_reduce", 0)
+    return counts
+

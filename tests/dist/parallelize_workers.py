@@ -166,15 +166,23 @@ def families(names: List[str]) -> dict:
     return out
 
 
-def reference_backward(reference: nn.Module, global_batch: Dict[str, torch.Tensor], dp_size: int) -> float:
+def reference_backward(reference: nn.Module, global_batch: Dict[str, torch.Tensor], dp_size: int,
+                       own_loss: bool = False) -> float:
     """One process with data-parallel semantics: a forward and backward per data-parallel rank's
     rows (each quantizes its own activations; per-batch quantities are that rank's), the
-    gradients and the returned loss averaged over the ranks."""
+    gradients and the returned loss averaged over the ranks. ``own_loss``: each backward starts
+    from that rank's loss, as the rank's does, and the gradients are averaged after. Delayed
+    scaling needs it: its scales are not rescaled with each tensor, so a 1/dp on the loss would
+    change which output gradients fall among e5m2's subnormals."""
     ref_loss = 0.0
     for r in range(dp_size):
         part = loss_of(reference, {k: common.rank_slice(v, r, dp_size) for k, v in global_batch.items()})
-        (part / dp_size).backward()
+        (part if own_loss else part / dp_size).backward()
         ref_loss += float(part.detach()) / dp_size
+    if own_loss:
+        for p in reference.parameters():
+            if p.grad is not None:
+                p.grad.div_(dp_size)
     return ref_loss
 
 

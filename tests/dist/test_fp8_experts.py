@@ -67,3 +67,11 @@ def test_delayed_experts_of_a_meta_device_model_start_fresh():
         assert out["experts"] == 4 and out["fresh"] and out["moved"], out
         assert all(math.isfinite(x) for x in out["losses"]), out["losses"]
 
+
+@pytest.mark.parametrize("layout", [{}, {"ep": 2}], ids=["dp2", "ep2"])
+def test_delayed_experts_add_no_collective(layout):
+    # Current scaling agrees its weights' scales in one all-reduce a step; delayed scaling folds
+    # every history, the experts' included, into that same one (the README's claim).
+    for out in run_on_ranks(2, workers.amax_all_reduces, layout):
+        assert out["delayed"] == out["current"] >= 1, out
+
