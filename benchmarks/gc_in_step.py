@@ -2,7 +2,7 @@
 
 [Note: collecting in step]
 CPython collects when allocations cross a threshold, so each rank pauses at its own moment:
-a generation-2 pass over a large model's objects takes tens of milliseconds. When the step is
+a generation-2 pass over a large model's objects can take milliseconds or more. When the step is
 host-bound, the GPU of a paused rank runs dry, and every collective that rank joins next
 (tensor parallelism's sequence gathers and FP8 scale agreements, a few per layer) makes its
 peers wait: one rank's pause becomes the whole group's. ``CollectInStep`` turns automatic
@@ -24,13 +24,11 @@ class CollectInStep:
     since the last collection made), and a full collection on ``close()``. ``every`` 0 leaves
     Python's collector as it is. A context manager; restores the collector's state on exit."""
 
-    def __init__(self, every: int = 50, generation: int = 1):
+    def __init__(self, every: int = 50):
         if every < 0:
             raise ValueError(f"CollectInStep(every={every}): every must be >= 0 steps (0 keeps Python's "
                              "automatic collection)")
-        if generation not in (0, 1, 2):
-            raise ValueError(f"CollectInStep(generation={generation}): a generation is 0, 1 or 2")
-        self.every, self.generation = every, generation
+        self.every = every
         self.steps = 0
         self._was_enabled = None
 
@@ -49,7 +47,7 @@ class CollectInStep:
         """Count a step; True when this one collected."""
         self.steps += 1
         if self.active and self.steps % self.every == 0:
-            gc.collect(self.generation)
+            gc.collect(1)
             return True
         return False
 

@@ -34,13 +34,15 @@ def test_tp_stacks_of_the_peer_benchmark_agree(tmp_path):
 def test_compiled_fp8_tp_stack_of_the_peer_benchmark(tmp_path):
     # The compiled FP8 TP stack (its linears traced into each compiled layer) trains, and
     # --host-profile writes every rank's profile: the slowest host, not rank 0's, sets a
-    # collective-bound step.
+    # collective-bound step. --gc-every 2: over the 3 timed steps the only collection is the one
+    # made after step 2 (automatic collection is off).
     pytest.importorskip("transformers")
     host = tmp_path / "host"
     [result] = torchrun_benchmark("peers.py", ["--models", "tiny", "--device", "cpu", "--warmup", "1", "--steps", "3",
                                                "--stacks", "fsdp8-tp-fp8-compile", "--out", tmp_path / "peers.json",
-                                               "--host-profile", host], tmp_path, timeout=600).values()
+                                               "--host-profile", host, "--gc-every", "2"], tmp_path, timeout=600).values()
     assert result["status"] == "ok" and result["mesh"] == "1 dp x 2 tp", result["error"]
+    assert result["host"]["gc_collections"] == 1, result["host"]
     assert result["losses"][-1] < result["losses"][0]
     profiles = sorted(p.name for p in host.iterdir())
     # The text tables, and the raw pstats for comparing two stacks offline.

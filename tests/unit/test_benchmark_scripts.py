@@ -245,16 +245,5 @@ def test_collect_in_step_collects_on_schedule_and_restores_the_collector(clean_i
         gc.enable()
     with CollectInStep(every=0) as off:  # 0: Python's own collector, untouched
         assert gc.isenabled() and not off.step()
-    for bad in (dict(every=-1), dict(generation=3)):
-        with pytest.raises(ValueError, match="every must be|a generation is"):
-            CollectInStep(**bad)
-
-
-def test_peers_gc_and_async_tp_switches(clean_imports):
-    sys.path.insert(0, str(BENCH))
-    import moe_peers
-    import peers
-
-    for parse in (peers.parse_args, moe_peers.parse_args):
-        assert parse([]).gc_every == 0 and parse(["--gc-every", "50"]).gc_every == 50
-    assert peers.parse_args([]).async_tp is False and peers.parse_args(["--async-tp"]).async_tp is True
+    with pytest.raises(ValueError, match="every must be >= 0"):
+        CollectInStep(every=-1)
