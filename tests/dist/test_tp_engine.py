@@ -145,6 +145,18 @@ def test_fp8_sequence_parallel_gathers_fp8_bytes():
     assert len(fp8_hp_inputs) == len(hp_inputs) - 2, (fp8, bf16)
 
 
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_compiled_fp8_tp_moves_the_activations_bf16_moves(sequence_parallel):
+    # FP8 adds scalar scale agreements to TP and nothing else: the activation-sized collectives
+    # of a compiled step (q/k/v's and gate/up's input gradients summed once per input, under
+    # sequence parallelism one reduce-scatter each) are bf16's, op for op and shape for shape.
+    # A colwise FP8 linear that redistributed its already replicated input had every linear
+    # all-reduce its own whole input gradient (five per layer here, instead of two reduce-scatters).
+    fp8 = run_on_ranks(2, tp_fp8_workers.tp_activation_collectives, "fp8-current", True, sequence_parallel)[0]
+    bf16 = run_on_ranks(2, tp_fp8_workers.tp_activation_collectives, "bf16", True, sequence_parallel)[0]
+    assert bf16 and fp8 == bf16, (fp8, bf16)
+
+
 def test_memory_report_per_rank():
     for got, expected in run_on_ranks(4, workers.memory_per_rank):
         assert got == expected
