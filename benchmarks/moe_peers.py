@@ -10,8 +10,10 @@ Stacks (--stacks; run each in its own process for a per-stack peak: ``gpu_run.py
   fsdp8-ep-fp8-block  the same with Float8BlockScaling() (1x128 / 128x128 blocks)
   fsdp8           ep 1: every rank computes every expert for its own tokens, experts sharded
   fsdp8-fp8-e4m3  ep 1 with Float8CurrentScaling(fp8_format="e4m3")
-  fsdp8-fp8-delayed  ep 1 with DelayedScaling(): per-expert amax histories (the experts run group
-                  by group, outside the compiled graphs)
+  fsdp8-fp8-delayed  ep 1 with DelayedScaling(): per-expert amax histories (the experts run outside
+                  the compiled graphs; e5m2 gradients keep their backward group by group)
+  fsdp8-fp8-delayed-e4m3  the same with DelayedScaling(fp8_format="e4m3"): the backward in the grouped
+                  kernel too
   fsdp2           torch FSDP2 per decoder layer over the same HF model (no expert parallelism:
                   experts sharded and gathered like dense weights), experts as transformers'
                   grouped_mm, layers compiled
@@ -212,6 +214,7 @@ BUILDERS: Dict[str, Callable[[MoeSpec, Context], Built]] = {
     "fsdp8": lambda spec, ctx: build_fsdp8(spec, ctx, 1),
     "fsdp8-fp8-e4m3": lambda spec, ctx: build_fsdp8(spec, ctx, 1, fsdp8.Float8CurrentScaling(fp8_format="e4m3")),
     "fsdp8-fp8-delayed": lambda spec, ctx: build_fsdp8(spec, ctx, 1, fsdp8.DelayedScaling()),
+    "fsdp8-fp8-delayed-e4m3": lambda spec, ctx: build_fsdp8(spec, ctx, 1, fsdp8.DelayedScaling(fp8_format="e4m3")),
     "fsdp2": build_fsdp2_moe,
     "torchtitan-ep": lambda spec, ctx: build_torchtitan(spec, ctx, ctx.args.ep),
 }

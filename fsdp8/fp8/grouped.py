@@ -36,8 +36,8 @@ goes to the parameter as before.
 
 Delayed scaling keeps an amax history per expert and operand (fsdp8/fp8/grouped_delayed.py, [Note:
 delayed experts]): each expert's rows, matrix and output gradient are quantized with its history's
-scales, group by group, as the dense delayed linear on its rows; such calls are opaque in compiled
-blocks.
+scales, as the dense delayed linear on its rows: in the grouped kernel where it runs (its backward
+too with e4m3 gradients), else group by group; such calls are opaque in compiled blocks.
 """
 
 from __future__ import annotations
@@ -185,23 +185,25 @@ class Fp8GroupedMm(torch.autograd.Function):
         ctx.groups, ctx.recipe, ctx.dtype, ctx.weight_dtype, ctx.k = groups, recipe, dtype, weight.dtype, x.shape[1]
         ctx.gathered = weight if gathered else None  # its transposes are made once per gather
         ctx.delayed = delayed
-        ctx.one_kernel = delayed is None and one_kernel(x, weight, groups.offs, recipe)
+        ctx.one_kernel = one_kernel(x, weight, groups.offs, recipe)
         if ctx.one_kernel and grad_enabled and recipe.bwd_dtype != E4M3:
             _warn_hybrid_backward(recipe)
+        w = None if gathered else weight.detach().to(dtype).contiguous()
+        if delayed is not None:  # the scales of each expert's history, this step's amaxes recorded
+            record_delayed_amaxes(delayed, x, w, groups)
         if ctx.one_kernel:
             weight_grad = grad_enabled and ctx.needs_input_grad[1]
             # The weight gradient's operand (the bytes in the padded token buffer) made in the same
             # pass, where the backward will run in the kernel too.
-            w, inv_w = (weight._data, weight._scale_inv) if gathered else quantize_experts(weight.to(dtype), recipe.fwd_dtype)
-            out, qx = grouped_kernel.forward_in_kernel(x, w, inv_w, groups, padded=weight_grad and recipe.bwd_dtype == E4M3)
+            w, inv_w = (weight._data, weight._scale_inv) if gathered else quantize_experts(w, recipe.fwd_dtype,
+                                                                                           _delayed_scale(delayed, W))
+            out, qx = grouped_kernel.forward_in_kernel(x, w, inv_w, groups, padded=weight_grad and recipe.bwd_dtype == E4M3,
+                                                       scale=_delayed_scale(delayed, X))
             # Kept for backward: the input only where the weight's gradient reads it, and then as
             # that GEMM reads it (in the kernel: the padded buffer alone).
             kept = None if not weight_grad else qx if qx.padded_t is None else qx._replace(data=None, row_inv=None)
             ctx.kernel_operands = (kept, w, inv_w)
             return out
-        w = None if gathered else weight.detach().to(dtype).contiguous()
-        if delayed is not None:  # the scales of each expert's history, this step's amaxes recorded
-            record_delayed_amaxes(delayed, x, w, groups)
         qx = grouped_rows(x, recipe.fwd_dtype, recipe.x_granularity, groups, _delayed_scale(delayed, X))
         qw = weight.matrices() if gathered else grouped_weights(w, recipe.fwd_dtype, recipe.w_granularity,
                                                                 _delayed_scale(delayed, W))
@@ -227,8 +229,14 @@ def _backward_in_one_kernel(ctx, dy: torch.Tensor):
     w_t = None
     if ctx.needs_input_grad[0]:
         w_t = ctx.gathered.transposed_bytes() if ctx.gathered is not None else transpose_bytes(w)
+    _record_gradient_amaxes(ctx.delayed, dy, ctx.groups)
     return grouped_kernel.backward_in_kernel(dy, w_t, inv_w, ctx.groups, qx, ctx.needs_input_grad[0],
-                                             ctx.needs_input_grad[1])
+                                             ctx.needs_input_grad[1], scale=_delayed_scale(ctx.delayed, G))
+
+
+def _record_gradient_amaxes(delayed: Optional[LocalExperts], dy: torch.Tensor, groups: Groups) -> None:
+    if delayed is not None:
+        delayed.record(G, group_amax(dy, groups.row_group(dy.shape[0]), groups.offs.shape[0]))
 
 
 def _backward_by_group(ctx, dy: torch.Tensor):
@@ -242,10 +250,8 @@ def _backward_by_group(ctx, dy: torch.Tensor):
             ctx.qx_t = transposed_groups(split_by_group(qx.data, qx.inv, bounds), None, recipe.fwd_dtype,
                                          Granularity.TENSOR, bounds)
         ctx.qw = split_by_group(w, inv_w, [(g, g + 1) for g in range(w.shape[0])], squeeze=True)
-    delayed = ctx.delayed
-    if delayed is not None:
-        delayed.record(G, group_amax(dy, ctx.groups.row_group(dy.shape[0]), ctx.groups.offs.shape[0]))
-    qdy = grouped_rows(dy, recipe.bwd_dtype, recipe.g_granularity, ctx.groups, _delayed_scale(delayed, G))
+    _record_gradient_amaxes(ctx.delayed, dy, ctx.groups)
+    qdy = grouped_rows(dy, recipe.bwd_dtype, recipe.g_granularity, ctx.groups, _delayed_scale(ctx.delayed, G))
     dx = dw = None
     if ctx.needs_input_grad[0]:
         gathered = ctx.gathered

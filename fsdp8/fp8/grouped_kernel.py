@@ -279,19 +279,21 @@ def weight_grad_gemm(qdy: GroupedBytes, qx: GroupedBytes, groups: Groups, rows: 
 
 
 def forward_in_kernel(x: torch.Tensor, w: torch.Tensor, inv_w: torch.Tensor, groups: Groups,
-                      padded: bool) -> Tuple[torch.Tensor, GroupedBytes]:
+                      padded: bool, scale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, GroupedBytes]:
     """The one-kernel forward (e4m3): ``x`` [T, K] quantized by group (``padded``: its bytes also in
-    the weight gradient's buffer, made in the same pass) times the experts' bytes ``w`` [G, N, K];
-    (out [T, N] bf16, the quantized input)."""
-    qx = quantize_groups(x, E4M3, groups, padded=padded)
+    the weight gradient's buffer, made in the same pass; ``scale`` [G]: the groups' given scales,
+    delayed scaling's) times the experts' bytes ``w`` [G, N, K]; (out [T, N] bf16, the quantized input)."""
+    qx = quantize_groups(x, E4M3, groups, padded=padded, scale=scale)
     return forward_gemm(qx, w, inv_w, groups), qx
 
 
 def backward_in_kernel(dy: torch.Tensor, w_t: Optional[torch.Tensor], inv_w: torch.Tensor, groups: Groups,
-                       qx: Optional[GroupedBytes], input_grad: bool, weight_grad: bool):
-    """The one-kernel backward (e4m3 gradients): (dx or None, dW or None) from ``dy`` [T, N], the
-    experts' transposed bytes ``w_t`` [G, K, N] (for dx) and the forward's padded input ``qx`` (for dW)."""
-    qdy = quantize_groups(dy, E4M3, groups, padded=weight_grad)
+                       qx: Optional[GroupedBytes], input_grad: bool, weight_grad: bool,
+                       scale: Optional[torch.Tensor] = None):
+    """The one-kernel backward (e4m3 gradients): (dx or None, dW or None) from ``dy`` [T, N] (quantized
+    with ``scale`` [G] where given), the experts' transposed bytes ``w_t`` [G, K, N] (for dx) and the
+    forward's padded input ``qx`` (for dW)."""
+    qdy = quantize_groups(dy, E4M3, groups, padded=weight_grad, scale=scale)
     dx = input_grad_gemm(qdy, w_t, inv_w, groups) if input_grad else None
     dw = weight_grad_gemm(qdy, qx, groups, dy.shape[0]) if weight_grad else None
     return dx, dw
