@@ -271,7 +271,9 @@ def maxed(tensor: torch.Tensor, mesh) -> torch.Tensor:
     record_function, with a warning."""
     if mesh.size() == 1:
         return tensor
-    return funcol.wait_tensor(funcol.all_reduce(tensor, "max", mesh))
+    # Traced, the functional all-reduce comes with its wait; eagerly it is waited for at first use.
+    # A wait of our own here would put a second wait in the graph: one more call a step per agreement.
+    return funcol.all_reduce(tensor, "max", mesh)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: List[int], in_splits: List[int], group,

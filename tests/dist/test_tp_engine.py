@@ -152,9 +152,12 @@ def test_compiled_fp8_tp_moves_the_activations_bf16_moves(sequence_parallel):
     # sequence parallelism one reduce-scatter each) are bf16's, op for op and shape for shape.
     # A colwise FP8 linear that redistributed its already replicated input had every linear
     # all-reduce its own whole input gradient (five per layer here, instead of two reduce-scatters).
-    fp8 = run_on_ranks(2, tp_fp8_workers.tp_activation_collectives, "fp8-current", True, sequence_parallel)[0]
-    bf16 = run_on_ranks(2, tp_fp8_workers.tp_activation_collectives, "bf16", True, sequence_parallel)[0]
+    # Each collective is waited for once (the scale agreements had a second wait of their own).
+    fp8, collectives, waits = run_on_ranks(2, tp_fp8_workers.tp_activation_collectives, "fp8-current", True,
+                                           sequence_parallel)[0]
+    bf16 = run_on_ranks(2, tp_fp8_workers.tp_activation_collectives, "bf16", True, sequence_parallel)[0][0]
     assert bf16 and fp8 == bf16, (fp8, bf16)
+    assert collectives > len(fp8) and waits == collectives, (collectives, waits)
 
 
 def test_memory_report_per_rank():

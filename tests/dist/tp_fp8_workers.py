@@ -184,7 +184,8 @@ def tp_activation_collectives(precision: str, compiled: bool, sequence_parallel:
     """The activation-sized collectives (op, shape) of one training step of a tiny built-in Llama
     at tp = world through ``fsdp8.parallelize``; ``precision``: "bf16" or an FP8 recipe name.
     Eager: the ops a dispatch mode sees; compiled: the nodes of every forward and backward graph
-    AOTAutograd hands its compiler (a capturing backend around aot_eager's)."""
+    AOTAutograd hands its compiler (a capturing backend around aot_eager's), and how many
+    collectives and waits of any size those graphs hold."""
     from torch._dynamo.backends.common import aot_autograd
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -218,12 +219,18 @@ def tp_activation_collectives(precision: str, compiled: bool, sequence_parallel:
     for step in range(steps):
         with (Record() if step == steps - 1 and not compiled else contextlib.nullcontext()):
             model(x.to(common.device()), y.to(common.device())).backward()
+    collectives = waits = 0
     for gm in graphs:
         for node in gm.graph.nodes:
             op = node.target
-            if (getattr(op, "namespace", None) == "_c10d_functional"
-                    and op.__name__.split(".")[0] in _ACTIVATION_COLLECTIVES):
+            if getattr(op, "namespace", None) != "_c10d_functional":
+                continue
+            if op.__name__.split(".")[0] == "wait_tensor":
+                waits += 1
+                continue
+            collectives += 1
+            if op.__name__.split(".")[0] in _ACTIVATION_COLLECTIVES:
                 shape = node.args[0].meta["val"].shape
                 if math.prod(shape) > 1:
                     seen.append(_collective(op, shape))
-    return sorted(seen)
+    return sorted(seen), collectives, waits
