@@ -153,9 +153,9 @@ def test_compiled_fp8_tp_moves_the_activations_bf16_moves(sequence_parallel):
     # A colwise FP8 linear that redistributed its already replicated input had every linear
     # all-reduce its own whole input gradient (five per layer here, instead of two reduce-scatters).
     # Each collective is waited for once (the scale agreements had a second wait of their own).
-    fp8, collectives, waits = run_on_ranks(2, tp_fp8_workers.tp_activation_collectives, "fp8-current", True,
+    fp8, collectives, waits = run_on_ranks(2, tp_fp8_workers.tp_compiled_collectives, "fp8-current",
                                            sequence_parallel)[0]
-    bf16 = run_on_ranks(2, tp_fp8_workers.tp_activation_collectives, "bf16", True, sequence_parallel)[0][0]
+    bf16 = run_on_ranks(2, tp_fp8_workers.tp_compiled_collectives, "bf16", sequence_parallel)[0][0]
     assert bf16 and fp8 == bf16, (fp8, bf16)
     assert collectives > len(fp8) and waits == collectives, (collectives, waits)
 

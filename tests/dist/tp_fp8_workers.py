@@ -5,7 +5,6 @@ data parallelism, the bytes a sequence-parallel gather moves, and FP8 primary we
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 from typing import Dict
@@ -171,35 +170,20 @@ def fp8_primary_tp(recipe_name: str = "fp8-current", steps: int = 3, vocab: int 
     return errors(full_state(a), full_state(b)), [getattr(u, "primary", None) for u in a._fsdp8.all_units]
 
 
-# The activation-sized collectives torch's functional collectives (DTensor's redistributions)
-# run, by op; the FP8 scale agreements are scalars and the engine's own collectives are c10d calls.
+# The activation-sized collectives of DTensor's redistributions, by op (the FP8 scale agreements are
+# scalars, and the engine's own collectives are c10d calls outside the compiled graphs).
 _ACTIVATION_COLLECTIVES = ("all_reduce", "all_reduce_", "reduce_scatter_tensor", "all_gather_into_tensor")
 
 
-def _collective(op, shape) -> tuple:
-    return (op.__name__.split(".")[0], tuple(shape))
-
-
-def tp_activation_collectives(precision: str, compiled: bool, sequence_parallel: bool, steps: int = 2):
-    """The activation-sized collectives (op, shape) of one training step of a tiny built-in Llama
-    at tp = world through ``fsdp8.parallelize``; ``precision``: "bf16" or an FP8 recipe name.
-    Eager: the ops a dispatch mode sees; compiled: the nodes of every forward and backward graph
-    AOTAutograd hands its compiler (a capturing backend around aot_eager's), and how many
-    collectives and waits of any size those graphs hold."""
+def tp_compiled_collectives(precision: str, sequence_parallel: bool):
+    """The collectives of one compiled training step of a tiny built-in Llama at tp = world through
+    ``fsdp8.parallelize`` (``precision``: "bf16" or an FP8 recipe name), read from every forward and
+    backward graph AOTAutograd hands its compiler (a capturing backend around aot_eager's): the
+    activation-sized ones (op, shape), sorted, and how many collectives and waits of any size."""
     from torch._dynamo.backends.common import aot_autograd
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from fsdp8.fp8.recipes import recipe_from_name
     from fsdp8.models.llama import Llama, LlamaConfig
-
-    seen = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] in _ACTIVATION_COLLECTIVES:
-                if args[0].numel() > 1:
-                    seen.append(_collective(func, args[0].shape))
-            return func(*args, **(kwargs or {}))
 
     graphs = []
 
@@ -212,25 +196,21 @@ def tp_activation_collectives(precision: str, compiled: bool, sequence_parallel:
                               max_seq_len=16)).to(common.device())
     fp8 = None if precision == "bf16" else recipe_from_name(precision)
     config = fsdp8.ParallelConfig(tp=dist.get_world_size(), sequence_parallel=sequence_parallel, fp8=fp8,
-                                  compile={"backend": aot_autograd(fw_compiler=capture, bw_compiler=capture)}
-                                  if compiled else False)
+                                  compile={"backend": aot_autograd(fw_compiler=capture, bw_compiler=capture)})
     model = fsdp8.parallelize(model, config)
     x, y = common.global_batch(0, 2, 16, 64)
-    for step in range(steps):
-        with (Record() if step == steps - 1 and not compiled else contextlib.nullcontext()):
-            model(x.to(common.device()), y.to(common.device())).backward()
-    collectives = waits = 0
+    model(x.to(common.device()), y.to(common.device())).backward()
+    activations, collectives, waits = [], 0, 0
     for gm in graphs:
         for node in gm.graph.nodes:
-            op = node.target
-            if getattr(op, "namespace", None) != "_c10d_functional":
+            if getattr(node.target, "namespace", None) != "_c10d_functional":
                 continue
-            if op.__name__.split(".")[0] == "wait_tensor":
+            name = node.target.__name__.split(".")[0]
+            if name == "wait_tensor":
                 waits += 1
                 continue
             collectives += 1
-            if op.__name__.split(".")[0] in _ACTIVATION_COLLECTIVES:
-                shape = node.args[0].meta["val"].shape
-                if math.prod(shape) > 1:
-                    seen.append(_collective(op, shape))
-    return sorted(seen), collectives, waits
+            shape = tuple(node.args[0].meta["val"].shape)
+            if name in _ACTIVATION_COLLECTIVES and math.prod(shape) > 1:
+                activations.append((name, shape))
+    return sorted(activations), collectives, waits
