@@ -287,16 +287,13 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     if engine is not None:  # main weights changed under the engine: refresh compute copies
         for unit in engine.all_units:
             unit.mark_stale()
-    for module in model.modules():
-        delayed = getattr(module, "_delayed", None)
-        if delayed is not None:  # restored amaxes not yet folded into the history
-            delayed.dirty = True
-            # DCP wrote the scales in place, past Float8Linear._load_from_state_dict. (Under the
-            # engine its scale refresh before each forward rewrites the inverses anyway.)
-            delayed.refresh_inverses()
-    for experts in all_delayed_experts(model):  # FP8 experts' histories, likewise (fp8/grouped_delayed.py)
-        experts.dirty = True
-        experts.refresh_inverses()
+    # Delayed-scaling states, of Float8Linears and of FP8 experts (fp8/grouped_delayed.py).
+    linears = [m._delayed for m in model.modules() if getattr(m, "_delayed", None) is not None]
+    for delayed in linears + all_delayed_experts(model):
+        delayed.dirty = True  # restored amaxes not yet folded into the history
+        # DCP wrote the scales in place, past the modules' state-dict hooks. (Under the engine
+        # its scale refresh before each forward rewrites the inverses anyway.)
+        delayed.refresh_inverses()
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
     return found.extra

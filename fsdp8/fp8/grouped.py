@@ -128,7 +128,7 @@ def record_delayed_amaxes(delayed: LocalExperts, x: torch.Tensor, w: torch.Tenso
     matrix's only where its expert has rows (an uncalled linear records nothing)."""
     group = groups.row_group(x.shape[0])
     delayed.record(X, group_amax(x, group, w.shape[0]))
-    reached = torch.diff(groups.offs, prepend=groups.offs.new_zeros(1)) > 0
+    reached = groups.counts() > 0
     amaxes = torch.linalg.vector_norm(w, float("inf"), dim=(1, 2)).float()
     delayed.record(W, torch.where(reached, amaxes, torch.zeros_like(amaxes)))
 

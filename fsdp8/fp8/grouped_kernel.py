@@ -95,10 +95,16 @@ class Groups:
             self._derived[key] = group_of_rows(self.offs, rows)
         return self._derived[key]
 
+    def counts(self) -> torch.Tensor:
+        """Each group's rows (on ``offs``' device)."""
+        if "counts" not in self._derived:
+            self._derived["counts"] = torch.diff(self.offs, prepend=self.offs.new_zeros(1))
+        return self._derived["counts"]
+
     def padded(self, rows: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
         key = ("padded", rows)
         if key not in self._derived:
-            counts = torch.diff(self.offs, prepend=self.offs.new_zeros(1))
+            counts = self.counts()
             padded_counts = (counts + ALIGN - 1) // ALIGN * ALIGN
             ends = torch.cumsum(padded_counts, 0).to(torch.int32)
             group = self.row_group(rows)
@@ -168,20 +174,24 @@ def quantize_groups(t: torch.Tensor, fp8_dtype: torch.dtype, groups: Groups, pad
     see the Note)."""
     tokens = t.shape[0]
     width = buffer_width(tokens, groups.offs.shape[0]) if padded else 0
-    if scale is None and triton_grouped.runs_on(t, width):
-        # Three launches: the rows' maxima, every scale (per group and per row), the cast.
+    triton = triton_grouped.runs_on(t, width)
+    if triton and scale is None:
+        # The rows' maxima, then every scale (per group and per row) in one launch.
         rowmax = torch.linalg.vector_norm(t.detach(), float("inf"), dim=1)
         _, inv, row_scale, row_inv = triton_grouped.group_scales(rowmax, groups.offs, fp8_dtype)
+    else:
+        group = groups.row_group(tokens)
+        if scale is None:
+            scale = amax_to_scale(group_amax(t, group, groups.offs.shape[0]), fp8_dtype)
+        inv = scale_to_inv(scale)
+        row_scale, row_inv = scale[group], inv[group]
+    if triton:  # the cast into both layouts, one launch
         data, padded_t = triton_grouped.group_cast(t.detach(), row_scale, fp8_dtype,
                                                    groups.sources(tokens) if padded else None, width)
-        return GroupedBytes(data, inv, padded_t, row_inv)
-    group = groups.row_group(tokens)
-    if scale is None:
-        scale = amax_to_scale(group_amax(t, group, groups.offs.shape[0]), fp8_dtype)
-    data = saturate_cast(t.detach(), scale[group][:, None], fp8_dtype)
-    padded_t = _scatter_columns(data, *groups.padded(tokens)[::2]) if padded else None
-    inv = scale_to_inv(scale)
-    return GroupedBytes(data, inv, padded_t, inv[group])
+    else:
+        data = saturate_cast(t.detach(), row_scale[:, None], fp8_dtype)
+        padded_t = _scatter_columns(data, *groups.padded(tokens)[::2]) if padded else None
+    return GroupedBytes(data, inv, padded_t, row_inv)
 
 
 def quantize_experts(w: torch.Tensor, fp8_dtype: torch.dtype,

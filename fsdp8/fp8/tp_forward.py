@@ -31,7 +31,7 @@ opaque FP8 linear slower under TP than the bf16 one it replaces (docs/PERFORMANC
 6). The FP8 bytes each GEMM computes with are the same as in eager mode; only where the
 sequence gather happens (before quantizing, not after) differs, and a per-tensor scale of the
 whole input is the same either way. The input gradient goes back as torch's ColwiseParallel
-sends it: each linear's partial sum stays a partial sum (``_replicated``), the partials of the
+sends it: each linear's partial sum stays a partial sum (``_placed``), the partials of the
 linears fed one input add up locally, and the style's redistribution sums them over tp once (a
 reduce-scatter under sequence parallelism). Delayed scaling (a state updated on the host) stays
 an opaque eager call.
@@ -83,16 +83,17 @@ def tp_fp8_ok(linear: nn.Linear, recipe: Recipe) -> Optional[str]:
     return None
 
 
-def _replicated(x: DTensor) -> DTensor:
-    """``x`` whole on every tp rank, redistributed only if it is not already. A colwise
-    linear's input gradient is a partial sum; a redistribution of an already replicated input
-    would still sum it in backward (``Partial`` to ``Replicate``: an all-reduce of the whole
-    activation per linear). Without it the partial sums of the linears fed one input (q/k/v,
-    gate/up) add up locally and the redistribution that made the input whole sums them once:
-    under sequence parallelism, one reduce-scatter, as torch's ColwiseParallel does in bf16."""
-    if all(p.is_replicate() for p in x.placements):
+def _placed(x: DTensor, placement) -> DTensor:
+    """``x`` with ``placement`` on the 1-D tp mesh, redistributed only if it differs. Redistributing
+    to the placement a tensor already has is not free: a colwise linear's input gradient is a
+    partial sum, and the backward of a replicated-to-replicated redistribution sums it (``Partial``
+    to ``Replicate``: an all-reduce of the whole activation per linear). Left as it is, the partial
+    sums of the linears fed one input (q/k/v, gate/up) add up locally and the redistribution that
+    made the input whole sums them once: under sequence parallelism, one reduce-scatter, as torch's
+    ColwiseParallel does in bf16."""
+    if x.placements[0] == placement:
         return x
-    return x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+    return x.redistribute(x.device_mesh, [placement])
 
 
 def tensor_parallel_forward(module: nn.Module, x, traced: bool = False) -> DTensor:
@@ -115,9 +116,7 @@ def tensor_parallel_forward(module: nn.Module, x, traced: bool = False) -> DTens
     kind = _kind(weight)
     bias = module.bias.to_local() if isinstance(module.bias, DTensor) else module.bias
     if kind == "rowwise":
-        if x.placements[0] != Shard(x.ndim - 1):
-            x = x.redistribute(mesh, [Shard(x.ndim - 1)])
-        x_local, placement = x.to_local(), Partial()
+        x_local, placement = _placed(x, Shard(x.ndim - 1)).to_local(), Partial()
         tp = TensorParallelGemm(group, x_sharded=True)
         if bias is not None:
             if isinstance(module.bias, DTensor):
@@ -131,11 +130,11 @@ def tensor_parallel_forward(module: nn.Module, x, traced: bool = False) -> DTens
                 and seq.dim % x.ndim != x.ndim - 1 and x.shape[seq.dim] % mesh.size() == 0):
             x_local, gathered = sequence_gather(x, recipe, state, seq.dim % x.ndim, group)
         else:
-            # Each rank's input gradient is a partial sum, and stays one: see _replicated.
-            x_local = _replicated(x).to_local(grad_placements=[Partial()])
+            # Each rank's input gradient is a partial sum, and stays one: see _placed.
+            x_local = _placed(x, Replicate()).to_local(grad_placements=[Partial()])
         tp = TensorParallelGemm(group, dy_sharded=True, gathered=gathered)
     else:  # whole on every rank: so is the input gradient
-        x_local, placement = _replicated(x).to_local(), Replicate()
+        x_local, placement = _placed(x, Replicate()).to_local(), Replicate()
         tp = TensorParallelGemm(group, w_sharded=False)
     if traced:
         qx, x_scale = input_in_graph(x_local, recipe, tp.amax_group(tp.x_sharded))

@@ -179,11 +179,11 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
     ``gate_up_proj``, ``down_proj`` and ``act_fn``, and ``fp8_recipe`` if FP8 conversion attached
     one (then the expert GEMMs run in FP8)."""
     k = top_k_index.shape[-1]
-    order, counts = permute_by_expert(top_k_index, experts.gate_up_proj.shape[0])
+    num_experts = experts.gate_up_proj.shape[0]
+    order, counts = permute_by_expert(top_k_index, num_experts)
     token = order // k
-    count = experts.gate_up_proj.shape[0]
     out = expert_mlp(hidden_states[token], counts, experts.gate_up_proj, experts.down_proj, experts.act_fn,
-                     getattr(experts, "fp8_recipe", None), delayed=delayed_of(experts, 0, count))
+                     getattr(experts, "fp8_recipe", None), delayed=delayed_of(experts, 0, num_experts))
     return combine_by_token(out, order, token, top_k_weights, hidden_states)
 
 

@@ -172,7 +172,7 @@ def fp8_primary_tp(recipe_name: str = "fp8-current", steps: int = 3, vocab: int 
 
 # The activation-sized collectives of DTensor's redistributions, by op (the FP8 scale agreements are
 # scalars, and the engine's own collectives are c10d calls outside the compiled graphs).
-_ACTIVATION_COLLECTIVES = ("all_reduce", "all_reduce_", "reduce_scatter_tensor", "all_gather_into_tensor")
+_ACTIVATION_COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
 
 
 def tp_compiled_collectives(precision: str, sequence_parallel: bool):

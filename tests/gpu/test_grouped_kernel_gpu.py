@@ -41,8 +41,9 @@ def test_grouped_kernel_runs_and_matches_group_by_group(fp8_format, monkeypatch)
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_triton_group_quantization_is_the_torch_reference_bit_for_bit(fp8, monkeypatch):
-    """quantize_groups' three launches (row maxima, every scale, the cast into both layouts) and the
-    buffer's columns (one launch) against the torch ops of the CPU path, byte for byte."""
+    """quantize_groups' three launches (row maxima, every scale, the cast into both layouts), its cast
+    with given scales, and the buffer's columns (one launch) against the torch ops of the CPU path,
+    byte for byte."""
     from fsdp8.fp8 import triton_grouped
 
     assert triton_grouped.runs_on(torch.zeros(1, device="cuda", dtype=torch.bfloat16))
@@ -64,6 +65,14 @@ def test_triton_group_quantization_is_the_torch_reference_bit_for_bit(fp8, monke
     assert torch.equal(gpu_groups.padded_ends(sum(sizes)).cpu(), cpu_groups.padded_ends(sum(sizes)))
     unpadded = grouped_kernel.quantize_groups(x, fp8, grouped_kernel.Groups(offs))
     assert unpadded.padded_t is None and torch.equal(unpadded.data.cpu().view(torch.uint8), want.data.view(torch.uint8))
+    scale = torch.logspace(-2, 2, len(sizes), device="cuda")  # given scales (delayed scaling's): the same cast
+    given = grouped_kernel.quantize_groups(x, fp8, grouped_kernel.Groups(offs), padded=True, scale=scale)
+    want = grouped_kernel.quantize_groups(x.cpu(), fp8, grouped_kernel.Groups(offs.cpu()), padded=True,
+                                          scale=scale.cpu())
+    for name in ("data", "padded_t"):
+        assert torch.equal(getattr(given, name).cpu().view(torch.uint8), getattr(want, name).view(torch.uint8)), name
+    for name in ("inv", "row_inv"):
+        assert torch.equal(getattr(given, name).cpu(), getattr(want, name)), name
     w = torch.randn(5, 48, 96, device="cuda", generator=g).bfloat16()
     data, inv = grouped_kernel.quantize_experts(w, fp8)  # the kernel, each expert's rows one group
     want_data, want_inv = grouped_kernel.quantize_experts(w.cpu(), fp8)
