@@ -18,12 +18,17 @@ class Float8ColwiseParallel(ColwiseParallel):
     gather). Other modules, and block-scaled layers, get the high-precision gather. The
     choice is made at each forward, so the style can be applied before fully_shard(fp8=...)
     converts the layer, as torchao's Float8ColwiseParallel cannot. Projections fed the same
-    sequence-sharded input share one gather, in FP8 (tp_gather.py) or in high precision."""
+    sequence-sharded input share one gather, in FP8 (tp_gather.py) or in high precision; an input
+    that arrives gathered (GatherSequenceOnce, in compiled layers) is taken as it is."""
 
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
         placement = input_layouts[0] if input_layouts else None
         x = inputs[0]
+        if isinstance(x, DTensor) and tuple(x.placements) == tuple(desired_input_layouts or ()):
+            # Gathered already (models/tp_plan.py GatherSequenceOnce). Redistributing it again would
+            # all-reduce this projection's whole input gradient in backward (Partial to Replicate).
+            return x
         gathers_itself = (isinstance(mod, Float8Linear) and mod.recipe.x_granularity is Granularity.TENSOR
                           and isinstance(placement, Shard) and placement.dim != -1
                           and placement.dim != x.ndim - 1)

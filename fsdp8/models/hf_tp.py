@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..fp8.tp import Float8ColwiseParallel
-from .tp_plan import ExpertParallelBlock, FamilyPlan, ReplicateParallel
+from .tp_plan import ExpertParallelBlock, FamilyPlan, GatherSequenceOnce, ReplicateParallel
 
 # Projections whose output features are attention heads, and the config field counting them.
 _HEAD_PROJECTIONS = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}
@@ -74,9 +74,9 @@ def hf_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool,
     Its keys are prefixed with the base model's name; the input embedding becomes
     vocabulary-sharded and the output head column-parallel (vocabulary-sharded logits with
     loss parallel). With sequence parallel, the residual stream's norms become
-    SequenceParallel and each column-parallel projection gathers the sequence itself (one
-    all-gather per projection: HF modules are called with positional or keyword hidden
-    states depending on the family, so no per-module input hook is assumed)."""
+    SequenceParallel and the column-parallel projections gather the sequence: eagerly each
+    itself, sharing one gather per input; in compiled layers their module gathers it once
+    (GatherSequenceOnce)."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "get_input_embeddings"):
         return None
@@ -111,6 +111,8 @@ def hf_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool,
     styles.update(_residual_norms(model, names, styles, sequence_parallel))
     if experts:  # after the norms: a block is no owner of sharded projections
         styles, unsupported = _experts_left_to_ep(experts, styles, unsupported, sequence_parallel)
+    if sequence_parallel:  # after the norms too: an owner's pattern would hide the norms beside it
+        styles.update(_gather_once_owners(styles))
     seq = Shard(1) if sequence_parallel else None
     embed = _module_name(model, model.get_input_embeddings())
     head = _module_name(model, model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None)
@@ -124,6 +126,20 @@ def hf_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool,
                                        use_local_output=not loss_parallel)
         vocab.append(head)
     return FamilyPlan(styles, heads=heads, vocab_modules=tuple(vocab), unsupported=unsupported)
+
+
+def _gather_once_owners(styles: Dict[str, ParallelStyle]) -> Dict[str, ParallelStyle]:
+    """GatherSequenceOnce for each module whose column-parallel projections all take the
+    sequence-sharded residual stream through Float8ColwiseParallel (which passes a gathered
+    input on as it is; torch's ColwiseParallel would redistribute it again)."""
+    owners: Dict[str, bool] = {}
+    for pattern, style in styles.items():
+        if "." not in pattern or not isinstance(style, ColwiseParallel):
+            continue
+        owner = pattern.rsplit(".", 1)[0]
+        ours = isinstance(style, Float8ColwiseParallel) and style.input_layouts[0] == Shard(1)
+        owners[owner] = owners.get(owner, True) and ours
+    return {owner: GatherSequenceOnce() for owner, ok in owners.items() if ok and owner not in styles}
 
 
 def _experts_left_to_ep(experts: Mapping[str, nn.Module], styles: Dict[str, ParallelStyle],

@@ -1,5 +1,6 @@
 """The words a model family's tensor-parallel plan is written in: FamilyPlan (the plan and the facts that
-check it), and the styles fsdp8 adds to torch's: ReplicateParallel and ExpertParallelBlock.
+check it), and the styles fsdp8 adds to torch's: ReplicateParallel, GatherSequenceOnce and
+ExpertParallelBlock.
 
 Here, below parallel/, because adapters (adapter.py) return plans and parallel/tp.py applies them."""
 
@@ -53,6 +54,45 @@ def _replicated_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tup
 
 def _local_output(module: nn.Module, output, mesh: DeviceMesh):
     return output.to_local() if isinstance(output, DTensor) else output
+
+
+class GatherSequenceOnce(ParallelStyle):
+    """The sequence-sharded hidden states a module (attention, an MLP) hands to several
+    column-parallel projections, gathered once in its forward pre-hook, in compiled layers.
+
+    torch's ColwiseParallel gathers its input per projection. Compiled, the forward's identical
+    gathers merge, but each gather's backward stays a reduce-scatter of that projection's whole
+    input gradient: three for q/k/v and two for gate/up, where one per input does (the partial
+    sums add up locally first). Gathered here, the projections get a replicated DTensor, which
+    Float8ColwiseParallel passes on as it is, and the one redistribution's backward sums the
+    partials once. Eager layers are left to the projections, which share one gather per input
+    by a cache on it (fp8/tp.py), in FP8 bytes where the recipe allows; a compiled graph cannot
+    keep such a cache. The hidden states are the first positional input or the keyword
+    ``hidden_states`` (Hugging Face modules use either); anything else passes through."""
+
+    def __init__(self, sequence_dim: int = 1):
+        super().__init__()
+        self.sequence_dim = sequence_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        sharded = Shard(self.sequence_dim)
+
+        def gather(_module, args, kwargs):
+            if not torch.compiler.is_compiling():
+                return None
+            if args and _sequence_sharded(args[0], sharded):
+                return (args[0].redistribute(device_mesh, [Replicate()]), *args[1:]), kwargs
+            if _sequence_sharded(kwargs.get("hidden_states"), sharded):
+                whole = kwargs["hidden_states"].redistribute(device_mesh, [Replicate()])
+                return args, {**kwargs, "hidden_states": whole}
+            return None
+
+        module.register_forward_pre_hook(gather, with_kwargs=True)
+        return module
+
+
+def _sequence_sharded(x, placement: Shard) -> bool:
+    return isinstance(x, DTensor) and x.device_mesh.ndim == 1 and x.placements[0] == placement
 
 
 def beside_router_and_experts(block: nn.Module) -> List[str]:

@@ -324,11 +324,12 @@ def fold_weight_errors(worst: Dict[str, float], model, reference: dict) -> None:
         worst["weight"] = max(worst["weight"], _rel(_full(p), reference["weights"][name]))
 
 
-def compiled(family: str, options: dict, checkpointing: str = "selective") -> dict:
+def compiled(family: str, options: dict, checkpointing: str = "selective", sequence_parallel: bool = False) -> dict:
     """Units compiled (``options`` for torch.compile) and checkpointed as ``checkpointing`` says, at dp 2 x tp 2."""
     initial = build(family)
     reference = reference_run(copy.deepcopy(initial), family)
-    config = fsdp8.ParallelConfig(tp=2, activation_checkpointing=checkpointing, compile=options, precision=FP32)
+    config = fsdp8.ParallelConfig(tp=2, activation_checkpointing=checkpointing, compile=options, precision=FP32,
+                                  sequence_parallel=sequence_parallel)
     return parallel_run(copy.deepcopy(initial), family, config, reference)
 
 

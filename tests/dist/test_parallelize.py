@@ -148,6 +148,16 @@ def test_compiled_units_keep_the_engine_hooks_outside():
         assert out["gathers"] == {"<root>": 1, "layers.0": 2, "layers.1": 1}
 
 
+def test_compiled_hf_layers_gather_the_sequence_once_per_module():
+    # Hugging Face's plan under sequence parallelism: compiled, attention and the MLP gather their
+    # input once for all their projections (GatherSequenceOnce), and the one gather's backward sums
+    # q/k/v's (gate/up's) partial input gradients; fp32 parity with one process as eager TP has.
+    pytest.importorskip("transformers")
+    for out in run_on_ranks(4, workers.compiled, "llama", {"backend": "aot_eager"}, "none", True):
+        errors = out["errors"]
+        assert errors["loss"] <= LOSS_TOL and errors["grad"] <= FP32_TOL and errors["weight"] <= FP32_TOL, errors
+
+
 def test_compiled_units_pass_the_gradient_to_the_embedding():
     # Without checkpointing the first compiled layer's input is the embedding's asynchronous
     # all-reduce output (an AsyncCollectiveTensor), which AOTAutograd traced as not requiring

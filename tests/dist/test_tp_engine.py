@@ -145,8 +145,8 @@ def test_fp8_sequence_parallel_gathers_fp8_bytes():
     assert len(fp8_hp_inputs) == len(hp_inputs) - 2, (fp8, bf16)
 
 
-@pytest.mark.parametrize("sequence_parallel", [True, False])
-def test_compiled_fp8_tp_moves_the_activations_bf16_moves(sequence_parallel):
+@pytest.mark.parametrize("family,sequence_parallel", [("builtin", True), ("builtin", False), ("hf", True)])
+def test_compiled_fp8_tp_moves_the_activations_bf16_moves(family, sequence_parallel):
     # FP8 adds scalar scale agreements to TP and nothing else: the activation-sized collectives
     # of a compiled step (q/k/v's and gate/up's input gradients summed once per input, under
     # sequence parallelism one reduce-scatter each) are bf16's, op for op and shape for shape.
@@ -154,10 +154,18 @@ def test_compiled_fp8_tp_moves_the_activations_bf16_moves(sequence_parallel):
     # all-reduce its own whole input gradient (five per layer here, instead of two reduce-scatters).
     # Each collective is waited for once (the scale agreements had a second wait of their own).
     fp8, collectives, waits = run_on_ranks(2, tp_fp8_workers.tp_compiled_collectives, "fp8-current",
-                                           sequence_parallel)[0]
-    bf16 = run_on_ranks(2, tp_fp8_workers.tp_compiled_collectives, "bf16", sequence_parallel)[0][0]
+                                           sequence_parallel, family)[0]
+    bf16 = run_on_ranks(2, tp_fp8_workers.tp_compiled_collectives, "bf16", sequence_parallel, family)[0][0]
     assert bf16 and fp8 == bf16, (fp8, bf16)
     assert collectives > len(fp8) and waits == collectives, (collectives, waits)
+    if sequence_parallel:
+        # The layer's two sequence-sharded inputs (attention's, the MLP's) are each gathered once in
+        # forward and their gradient reduce-scattered once in backward; the two row-parallel outputs
+        # are reduce-scattered in forward and their gradients gathered in backward: 4 of each. Hugging
+        # Face's plan gathered per projection (q/k/v, gate/up: 7 of each) until its attention and MLP
+        # gathered once (GatherSequenceOnce); the built-in plan does it with torch's PrepareModuleInput.
+        ops = [op for op, _ in fp8]
+        assert ops.count("all_gather_into_tensor") == ops.count("reduce_scatter_tensor") == 4, fp8
 
 
 def test_memory_report_per_rank():

@@ -175,8 +175,9 @@ def fp8_primary_tp(recipe_name: str = "fp8-current", steps: int = 3, vocab: int 
 _ACTIVATION_COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
 
 
-def tp_compiled_collectives(precision: str, sequence_parallel: bool):
-    """The collectives of one compiled training step of a tiny built-in Llama at tp = world through
+def tp_compiled_collectives(precision: str, sequence_parallel: bool, family: str = "builtin"):
+    """The collectives of one compiled training step of a tiny one-layer Llama (``family``: the built-in
+    one, or "hf": Hugging Face's, planned from its own TP plan) at tp = world through
     ``fsdp8.parallelize`` (``precision``: "bf16" or an FP8 recipe name), read from every forward and
     backward graph AOTAutograd hands its compiler (a capturing backend around aot_eager's): the
     activation-sized ones (op, shape), sorted, and how many collectives and waits of any size."""
@@ -192,14 +193,22 @@ def tp_compiled_collectives(precision: str, sequence_parallel: bool):
         return gm.forward
 
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                              max_seq_len=16)).to(common.device())
+    if family == "hf":
+        import transformers
+
+        hf_config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+        model = transformers.LlamaForCausalLM(hf_config).to(common.device())
+    else:
+        model = Llama(LlamaConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                                  max_seq_len=16)).to(common.device())
     fp8 = None if precision == "bf16" else recipe_from_name(precision)
     config = fsdp8.ParallelConfig(tp=dist.get_world_size(), sequence_parallel=sequence_parallel, fp8=fp8,
                                   compile={"backend": aot_autograd(fw_compiler=capture, bw_compiler=capture)})
     model = fsdp8.parallelize(model, config)
     x, y = common.global_batch(0, 2, 16, 64)
-    model(x.to(common.device()), y.to(common.device())).backward()
+    x, y = x.to(common.device()), y.to(common.device())
+    (model(input_ids=x, labels=x).loss if family == "hf" else model(x, y)).backward()
     activations, collectives, waits = [], 0, 0
     for gm in graphs:
         for node in gm.graph.nodes:
