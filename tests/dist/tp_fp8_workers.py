@@ -180,7 +180,7 @@ def tp_compiled_collectives(precision: str, sequence_parallel: bool, family: str
     one, or "hf": Hugging Face's, planned from its own TP plan) at tp = world through
     ``fsdp8.parallelize`` (``precision``: "bf16" or an FP8 recipe name), read from every forward and
     backward graph AOTAutograd hands its compiler (a capturing backend around aot_eager's): the
-    activation-sized ones (op, shape), sorted, and how many collectives and waits of any size."""
+    activation-sized ones (op, shape), sorted, how many collectives of any size, and the waits on them."""
     from torch._dynamo.backends.common import aot_autograd
 
     from fsdp8.fp8.recipes import recipe_from_name
@@ -216,7 +216,10 @@ def tp_compiled_collectives(precision: str, sequence_parallel: bool, family: str
                 continue
             name = node.target.__name__.split(".")[0]
             if name == "wait_tensor":
-                waits += 1
+                # Waits on this graph's own collectives; a wait on an input (the embedding's
+                # reduce-scatter, an asynchronous tensor on NCCL) has no collective here to pair with.
+                source = node.args[0]
+                waits += getattr(getattr(source, "target", None), "namespace", None) == "_c10d_functional"
                 continue
             collectives += 1
             shape = tuple(node.args[0].meta["val"].shape)
