@@ -109,10 +109,11 @@ def hf_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool,
     unsupported = {pattern: kind for pattern, kind in unsupported.items()
                    if not any(fnmatchcase(name, pattern) for name in per_head)}
     styles.update(_residual_norms(model, names, styles, sequence_parallel))
-    if experts:  # after the norms: a block is no owner of sharded projections
-        styles, unsupported = _experts_left_to_ep(experts, styles, unsupported, sequence_parallel)
-    if sequence_parallel:  # after the norms too: an owner's pattern would hide the norms beside it
+    if sequence_parallel:  # after the norms: an owner's pattern would hide the norms beside it
         styles.update(_gather_once_owners(styles))
+    if experts:  # after the norms: a block is no owner of sharded projections; its style (named per
+        # block) comes later than the owners' patterns, so a dense layer's MLP keeps its gather
+        styles, unsupported = _experts_left_to_ep(experts, styles, unsupported, sequence_parallel)
     seq = Shard(1) if sequence_parallel else None
     embed = _module_name(model, model.get_input_embeddings())
     head = _module_name(model, model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None)

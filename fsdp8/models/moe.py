@@ -10,7 +10,8 @@ A layer routes each of its T tokens to k of E experts, then runs every expert on
 - ``expert_mlp``: the experts' SwiGLU on rows already sorted by expert (``grouped_mm``: one GEMM
   per expert over its contiguous rows);
 - ``experts_forward``: the whole local computation, with transformers' experts signature
-  (permute, gather, ``expert_mlp``, weight and sum back per token).
+  (permute, gather, ``expert_mlp``, weight and sum back per token). The permutations move rows by
+  gathers both ways (``permute_rows``, ``dispatch_rows``), never by scatter-adds.
 
 Expert parallelism keeps the first two and puts its all-to-all exchanges around ``expert_mlp``.
 FP8 conversion attaches its recipe to an experts module as ``fp8_recipe`` (fsdp8.fp8.convert; only
@@ -142,6 +143,56 @@ def permute_by_expert(top_k_index: torch.Tensor, num_experts: int) -> Tuple[torc
     return order, counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
+def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
+    """``inverse`` with ``inverse[index[j]] == j``, on the device."""
+    return torch.empty_like(index).scatter_(0, index, torch.arange(index.numel(), device=index.device))
+
+
+class _Permute(torch.autograd.Function):
+    """``rows[index]`` for a permutation ``index`` whose inverse is ``inverse``, the gradient sent back
+    by ``inverse``: a gather both ways. (The backward autograd gives indexing is an accumulating
+    scatter, which takes atomics or a sort on GPUs although no two rows meet.)"""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return rows[index]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse], None, None
+
+
+def permute_rows(rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``rows[index]`` (``index`` a permutation, ``inverse`` its inverse), differentiable by gathers."""
+    return _Permute.apply(rows, index, inverse)
+
+
+class _DispatchRows(torch.autograd.Function):
+    """Each routed (token, slot) pair's row of ``hidden_states`` [T, H], in ``order``
+    (permute_by_expert's): ``hidden_states[order // k]``. Backward: each token's k row gradients
+    brought back to (token, slot) order by ``inverse`` and summed, a gather and a reduction (autograd's
+    own is an atomic scatter-add of k rows onto each token, in an order that varies run to run)."""
+
+    @staticmethod
+    def forward(ctx, hidden_states: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int):
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return hidden_states[order // k]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse].unflatten(0, (-1, ctx.k)).sum(1), None, None, None
+
+
+def dispatch_rows(hidden_states: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """``hidden_states[order // k]``: every routed pair's token row, sorted by expert (``inverse``:
+    ``inverse_permutation(order)``), its gradient summed per token without atomics."""
+    return _DispatchRows.apply(hidden_states, order, inverse, k)
+
+
 def expert_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                act_fn: Callable[[torch.Tensor], torch.Tensor], recipe: Optional[Recipe] = None,
                bounds: Optional[Bounds] = None, delayed: Optional[tuple] = None) -> torch.Tensor:
@@ -181,20 +232,22 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
     k = top_k_index.shape[-1]
     num_experts = experts.gate_up_proj.shape[0]
     order, counts = permute_by_expert(top_k_index, num_experts)
-    token = order // k
-    out = expert_mlp(hidden_states[token], counts, experts.gate_up_proj, experts.down_proj, experts.act_fn,
-                     getattr(experts, "fp8_recipe", None), delayed=delayed_of(experts, 0, num_experts))
-    return combine_by_token(out, order, token, top_k_weights, hidden_states)
+    inverse = inverse_permutation(order)
+    out = expert_mlp(dispatch_rows(hidden_states, order, inverse, k), counts, experts.gate_up_proj,
+                     experts.down_proj, experts.act_fn, getattr(experts, "fp8_recipe", None),
+                     delayed=delayed_of(experts, 0, num_experts))
+    return combine_by_token(out, order, inverse, top_k_weights, hidden_states)
 
 
-def combine_by_token(out: torch.Tensor, order: torch.Tensor, token: torch.Tensor, top_k_weights: torch.Tensor,
+def combine_by_token(out: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k_weights: torch.Tensor,
                      hidden_states: torch.Tensor) -> torch.Tensor:
-    """Each token's sum of its experts' rows ``out`` (in ``order``, permute_by_expert's; ``token``
-    is ``order // k``, the gather's own index, passed in so autograd saves one copy, not two),
-    weighted by its routing weights: as transformers, weighted in the product's dtype, summed in
-    the hidden states'."""
-    out = out * top_k_weights.reshape(-1)[order, None]
-    return torch.zeros_like(hidden_states).index_add_(0, token, out.to(hidden_states.dtype))
+    """Each token's sum of its experts' rows ``out`` (in ``order``, permute_by_expert's, whose inverse
+    is ``inverse``), weighted by its routing weights ``top_k_weights`` [T, k]: as transformers,
+    weighted in the product's dtype, summed in the hidden states'. The rows are brought back to
+    (token, slot) order and reduced over the slots: a gather and a sum, deterministic (a scatter-add
+    onto the tokens is neither cheap nor ordered on GPUs)."""
+    by_slot = permute_rows(out, inverse, order).unflatten(0, top_k_weights.shape)
+    return (by_slot * top_k_weights.unsqueeze(-1)).to(hidden_states.dtype).sum(1)
 
 
 def load_balancing_loss(router_probs: torch.Tensor, top_k: int, token_groups: Sequence = ()) -> torch.Tensor:

@@ -66,7 +66,8 @@ from ..distributed import comm
 from ..fp8.grouped import fp8_experts_forward, runs_fp8_experts
 from ..fp8.grouped_kernel import bounds_of
 from ..models.adapter import adapter_for
-from ..models.moe import combine_by_token, delayed_of, expert_mlp, experts_forward, permute_by_expert
+from ..models.moe import (combine_by_token, delayed_of, dispatch_rows, expert_mlp, experts_forward,
+                          inverse_permutation, permute_by_expert, permute_rows)
 from ..models.tp_plan import beside_router_and_experts
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -222,8 +223,8 @@ def dispatch_and_compute(module: nn.Module, group: ExpertGroup, hidden_states: t
     """The experts' output for this rank's tokens, each computed on its expert's ep rank."""
     k = top_k_index.shape[-1]
     order, counts = permute_by_expert(top_k_index, group.num_experts)
-    token = order // k
-    rows = hidden_states[token]
+    inverse = inverse_permutation(order)
+    rows = dispatch_rows(hidden_states, order, inverse, k)
     # counts[e] rows go to expert e; experts are laid out rank-major, so row j of this
     # [ep, local] matrix is what rank j receives.
     sent = counts.view(group.size, group.local_experts)
@@ -235,18 +236,19 @@ def dispatch_and_compute(module: nn.Module, group: ExpertGroup, hidden_states: t
     in_splits, out_splits, expert_rows = sizes[:group.size], sizes[group.size:2 * group.size], sizes[2 * group.size:]
     arrived = _AllToAll.apply(rows, out_splits, in_splits, group.group, "ep dispatch")
     regroup, local_counts = permute_by_expert(_local_expert_of_rows(received, sum(out_splits)), group.local_experts)
+    arrival = inverse_permutation(regroup)
     scale = 1.0 / group.size
     gate_up = _ScaleGrad.apply(_local(module.gate_up_proj, group.grad_placements), scale)
     down = _ScaleGrad.apply(_local(module.down_proj, group.grad_placements), scale)
     bounds = bounds_of(list(itertools.accumulate(expert_rows)))
     # Delayed scaling: every rank keeps all experts' histories and records its own experts' rows
     # (fsdp8/fp8/grouped_delayed.py).
-    computed = expert_mlp(arrived[regroup], local_counts, gate_up, down, module.act_fn,
+    computed = expert_mlp(permute_rows(arrived, regroup, arrival), local_counts, gate_up, down, module.act_fn,
                           recipe=getattr(module, "fp8_recipe", None), bounds=bounds,
                           delayed=delayed_of(module, group.first_expert, group.local_experts))
-    restored = computed.new_empty(computed.shape).index_copy(0, regroup, computed)  # back to arrival order
+    restored = permute_rows(computed, arrival, regroup)  # back to arrival order
     returned = _AllToAll.apply(restored, in_splits, out_splits, group.group, "ep combine")
-    return combine_by_token(returned, order, token, top_k_weights, hidden_states)
+    return combine_by_token(returned, order, inverse, top_k_weights, hidden_states)
 
 
 def _local_expert_of_rows(received: torch.Tensor, rows: int) -> torch.Tensor:

@@ -14,15 +14,16 @@ compute-dtype bytes e, autograd keeps:
 - the k routed rows of the token: the experts' input rows after sorting by expert (e k H, kept
   by the first grouped GEMM), that GEMM's [gate; up] output (e k 2I, read by SiLU's and the
   product's backward), SiLU's output (e k I), the product (e k I, the second GEMM's input), the
-  experts' output rows (e k H, kept by the weighting with the routing weights), those weights
-  per row (e k), and the weighted rows (e k H, kept by the index_add that sums them per token);
-- the int64 permutations that autograd's index and index_add need, 8 bytes per row each: the
-  row's token and the sort by expert (2); under ep > 1 also the regrouping of arrived rows by
-  local expert and its inverse (4 in all). The rows sent by the dispatch all-to-all and those
+  experts' output rows brought back to (token, slot) order (e k H, kept by the weighting with the
+  routing weights) and those weights per row (e k); the weighted rows are summed per token by a
+  reduction, which keeps nothing;
+- the int64 permutations that the gathers' backward needs, 8 bytes per row each: the sort by
+  expert and its inverse (2); under ep > 1 also the regrouping of arrived rows by local expert
+  and its inverse (4 in all). The rows sent by the dispatch all-to-all and those
   arriving are not kept (the all-to-all's backward needs only the split sizes; the index that
   regroups them keeps only its indices).
 
-So e k (3H + 4I + 1) + (16 or 32) k + 4 E + 12 k + 4, beside e H for the router's input. Per
+So e k (2H + 4I + 1) + (16 or 32) k + 4 E + 12 k + 4, beside e H for the router's input. Per
 layer, not per token (left out): the grouped GEMM's int32 group ends and the load-balancing
 loss's fp32 vector, E each. transformers' experts
 at ep = 1 (Qwen3-MoE, Mixtral) run their own code, which keeps the same rows and a few int64
@@ -89,7 +90,7 @@ def routed_bytes(spec: ModelSpec, setup: Setup) -> float:
     e, k, d, i = setup.compute_bytes, spec.experts_per_token, spec.hidden, spec.expert_ffn
     permutations = 4 if setup.parallel.ep > 1 else 2
     router = 4 * spec.experts + (INDEX_BYTES + 4) * k + 4
-    return router + e * k * (3 * d + 4 * i + 1) + permutations * INDEX_BYTES * k
+    return router + e * k * (2 * d + 4 * i + 1) + permutations * INDEX_BYTES * k
 
 
 def layer_activations(spec: ModelSpec, setup: Setup, fp8: Dict[str, bool]) -> Dict[str, Activations]:
