@@ -173,7 +173,7 @@ class _DispatchRows(torch.autograd.Function):
     """Each routed (token, slot) pair's row of ``hidden_states`` [T, H], in ``order``
     (permute_by_expert's): ``hidden_states[order // k]``. Backward: each token's k row gradients
     brought back to (token, slot) order by ``inverse`` and summed, a gather and a reduction (autograd's
-    own is an atomic scatter-add of k rows onto each token, in an order that varies run to run)."""
+    own is an accumulating scatter of k rows onto each token, which sorts the indices every time on GPUs)."""
 
     @staticmethod
     def forward(ctx, hidden_states: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int):
@@ -244,8 +244,8 @@ def combine_by_token(out: torch.Tensor, order: torch.Tensor, inverse: torch.Tens
     """Each token's sum of its experts' rows ``out`` (in ``order``, permute_by_expert's, whose inverse
     is ``inverse``), weighted by its routing weights ``top_k_weights`` [T, k]: as transformers,
     weighted in the product's dtype, summed in the hidden states'. The rows are brought back to
-    (token, slot) order and reduced over the slots: a gather and a sum, deterministic (a scatter-add
-    onto the tokens is neither cheap nor ordered on GPUs)."""
+    (token, slot) order and reduced over the slots: a gather and a sum, deterministic (``index_add_``
+    onto the tokens adds with atomics on GPUs, in an order that varies run to run)."""
     by_slot = permute_rows(out, inverse, order).unflatten(0, top_k_weights.shape)
     return (by_slot * top_k_weights.unsqueeze(-1)).to(hidden_states.dtype).sum(1)
 
