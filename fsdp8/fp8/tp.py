@@ -25,7 +25,7 @@ class Float8ColwiseParallel(ColwiseParallel):
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
         placement = input_layouts[0] if input_layouts else None
         x = inputs[0]
-        if isinstance(x, DTensor) and tuple(x.placements) == tuple(desired_input_layouts or ()):
+        if isinstance(x, DTensor) and x.placements == tuple(desired_input_layouts):
             # Gathered already (models/tp_plan.py GatherSequenceOnce). Redistributing it again would
             # all-reduce this projection's whole input gradient in backward (Partial to Replicate).
             return x

@@ -5,8 +5,8 @@ experts, load-balancing loss).
 [Note: the pieces of an MoE layer]
 A layer routes each of its T tokens to k of E experts, then runs every expert on its tokens:
 
-- ``permute_by_expert``: the order that sorts the T * k (token, slot) pairs by expert, and how
-  many went to each;
+- ``permute_by_expert``: the order that sorts the T * k (token, slot) pairs by expert, its
+  inverse, and how many went to each;
 - ``expert_mlp``: the experts' SwiGLU on rows already sorted by expert (``grouped_mm``: one GEMM
   per expert over its contiguous rows);
 - ``experts_forward``: the whole local computation, with transformers' experts signature
@@ -133,19 +133,16 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 # -- routing and experts ---------------------------------------------------------------------------
-def permute_by_expert(top_k_index: torch.Tensor, num_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def permute_by_expert(top_k_index: torch.Tensor, num_experts: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``order`` [T * k]: the flattened (token, slot) pairs of ``top_k_index`` [T, k] sorted by
-    expert, ties in token order; ``counts`` [num_experts] int64: the pairs of each expert. No host
-    synchronisation (a scatter, not bincount, which reads its maximum on the host on CUDA)."""
+    expert, ties in token order; ``inverse``: where each pair went (``inverse[order[j]] == j``), what
+    the gathers that move rows back need; ``counts`` [num_experts] int64: the pairs of each expert.
+    No host synchronisation (a scatter, not bincount, which reads its maximum on the host on CUDA)."""
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    return order, counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
-
-
-def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
-    """``inverse`` with ``inverse[index[j]] == j``, on the device."""
-    return torch.empty_like(index).scatter_(0, index, torch.arange(index.numel(), device=index.device))
+    return order, inverse, counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
 class _Permute(torch.autograd.Function):
@@ -189,7 +186,7 @@ class _DispatchRows(torch.autograd.Function):
 
 def dispatch_rows(hidden_states: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
     """``hidden_states[order // k]``: every routed pair's token row, sorted by expert (``inverse``:
-    ``inverse_permutation(order)``), its gradient summed per token without atomics."""
+    permute_by_expert's), its gradient summed per token without atomics."""
     return _DispatchRows.apply(hidden_states, order, inverse, k)
 
 
@@ -231,8 +228,7 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
     one (then the expert GEMMs run in FP8)."""
     k = top_k_index.shape[-1]
     num_experts = experts.gate_up_proj.shape[0]
-    order, counts = permute_by_expert(top_k_index, num_experts)
-    inverse = inverse_permutation(order)
+    order, inverse, counts = permute_by_expert(top_k_index, num_experts)
     out = expert_mlp(dispatch_rows(hidden_states, order, inverse, k), counts, experts.gate_up_proj,
                      experts.down_proj, experts.act_fn, getattr(experts, "fp8_recipe", None),
                      delayed=delayed_of(experts, 0, num_experts))

@@ -67,7 +67,7 @@ from ..fp8.grouped import fp8_experts_forward, runs_fp8_experts
 from ..fp8.grouped_kernel import bounds_of
 from ..models.adapter import adapter_for
 from ..models.moe import (combine_by_token, delayed_of, dispatch_rows, expert_mlp, experts_forward,
-                          inverse_permutation, permute_by_expert, permute_rows)
+                          permute_by_expert, permute_rows)
 from ..models.tp_plan import beside_router_and_experts
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -222,8 +222,7 @@ def dispatch_and_compute(module: nn.Module, group: ExpertGroup, hidden_states: t
                          top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts' output for this rank's tokens, each computed on its expert's ep rank."""
     k = top_k_index.shape[-1]
-    order, counts = permute_by_expert(top_k_index, group.num_experts)
-    inverse = inverse_permutation(order)
+    order, inverse, counts = permute_by_expert(top_k_index, group.num_experts)
     rows = dispatch_rows(hidden_states, order, inverse, k)
     # counts[e] rows go to expert e; experts are laid out rank-major, so row j of this
     # [ep, local] matrix is what rank j receives.
@@ -235,8 +234,8 @@ def dispatch_and_compute(module: nn.Module, group: ExpertGroup, hidden_states: t
     sizes = torch.cat([sent.sum(1), received.sum(1), received.sum(0)]).tolist()
     in_splits, out_splits, expert_rows = sizes[:group.size], sizes[group.size:2 * group.size], sizes[2 * group.size:]
     arrived = _AllToAll.apply(rows, out_splits, in_splits, group.group, "ep dispatch")
-    regroup, local_counts = permute_by_expert(_local_expert_of_rows(received, sum(out_splits)), group.local_experts)
-    arrival = inverse_permutation(regroup)
+    regroup, arrival, local_counts = permute_by_expert(_local_expert_of_rows(received, sum(out_splits)),
+                                                       group.local_experts)
     scale = 1.0 / group.size
     gate_up = _ScaleGrad.apply(_local(module.gate_up_proj, group.grad_placements), scale)
     down = _ScaleGrad.apply(_local(module.down_proj, group.grad_placements), scale)

@@ -148,10 +148,11 @@ def test_compiled_units_keep_the_engine_hooks_outside():
         assert out["gathers"] == {"<root>": 1, "layers.0": 2, "layers.1": 1}
 
 
-def test_compiled_hf_layers_gather_the_sequence_once_per_module():
-    # Hugging Face's plan under sequence parallelism: compiled, attention and the MLP gather their
-    # input once for all their projections (GatherSequenceOnce), and the one gather's backward sums
-    # q/k/v's (gate/up's) partial input gradients; fp32 parity with one process as eager TP has.
+def test_compiled_hf_layers_under_sequence_parallelism_match_one_process():
+    # Hugging Face's plan under sequence parallelism, compiled: attention and the MLP gather their
+    # input once (GatherSequenceOnce) and the one gather's backward sums q/k/v's (gate/up's) partial
+    # input gradients. This holds the sums right (fp32 parity with one process, as eager TP has);
+    # that the gather happens once is test_tp_engine.py's collectives test.
     pytest.importorskip("transformers")
     for out in run_on_ranks(4, workers.compiled, "llama", {"backend": "aot_eager"}, "none", True):
         errors = out["errors"]

@@ -104,12 +104,13 @@ def test_grouped_mm_in_bf16_is_a_rounded_exact_product():
 
 
 # -- permute_by_expert -----------------------------------------------------------------------------
-def test_permute_by_expert_is_a_stable_sort_with_counts():
+def test_permute_by_expert_is_a_stable_sort_with_its_inverse_and_counts():
     index = torch.randint(0, 5, (40, 3), generator=torch.Generator().manual_seed(0))
     index[index == 2] = 3  # an expert with no tokens
-    order, counts = permute_by_expert(index, 6)
+    order, inverse, counts = permute_by_expert(index, 6)
     flat = index.flatten().tolist()
     assert order.tolist() == sorted(range(len(flat)), key=lambda i: flat[i])  # Python's sort is stable
+    assert [order.tolist().index(i) for i in range(len(flat))] == inverse.tolist()
     assert order.dtype == torch.int64 and counts.dtype == torch.int64
     assert counts.tolist() == [flat.count(e) for e in range(6)]
 
