@@ -63,6 +63,8 @@ def layout_flags(p) -> None:
     p.add_argument("--fp8", default="none", choices=("none", "current", "delayed", "block", "mxfp8"),
                    help="FP8 recipe of the layers' linears (default: %(default)s)")
     p.add_argument("--ac", default="none", choices=AC_MODES, help="activation checkpointing (default: %(default)s)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer, as ParallelConfig(compile=True) (default: off, eager)")
     p.add_argument("--offload", default="none", choices=OFFLOAD_MODES,
                    help="optim: main weights, gradients and optimizer state in host memory (default: %(default)s)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: plan 2048, bench 128)")

@@ -38,6 +38,28 @@ its activations add the experts' output and input rows' (e k 2H) and SwiGLU's th
 
 Expert parallelism assumes balanced routing: each rank computes T k rows, as many as it sends.
 
+[Note: what a compiled layer keeps]
+Under ``ParallelConfig(compile=True)`` Inductor's partitioner chooses what a layer saves and
+recomputes the cheap rest in backward. Measured on one H200 (torch 2.11, a world-1 layer at
+hidden 4096, 4096 tokens; benchmarks/debug/compiled_layer_probe.py, docs/PLANNING.md), against
+the eager count above, which matched those runs to the byte:
+
+- each RMSNorm keeps its input in the compute dtype and its fp32 rsqrt (e dn + 4), not its fp32
+  copies (both families);
+- SwiGLU's SiLU output is recomputed from the gate's output: the MLP keeps 3 e f, not 4 e f;
+- with FP8 linears traced into the graph (every recipe but delayed scaling under TP, which is
+  an opaque call there), a linear keeps its input as the block has it, never an FP8 copy
+  (fp8/linear.py): no FP8 input bytes. Such a layer kept a further ``2 e dn - kv`` less than
+  the same layer in bf16 (at world 1: 15,360 bytes at kv 1024, 12,288 at kv 4096, ffn 8192 and
+  14336 alike): the norms' outputs are recomputed into the backward's quantization, and one
+  kv-wide byte per token is kept that the count does not attribute. Under TP with sequence
+  parallelism the same term, at the norms' dn and the rank's kv, brings the predicted peaks of
+  2-GPU FP8 + TP runs to within 0.5% of the measured ones (docs/PLANNING.md); it was fitted
+  without TP and checked there, not derived.
+
+Everything else (attention's inputs and outputs, the linears' bf16 inputs, an MoE layer's
+routed rows) is kept as in eager layers.
+
 [Note: a mixture of experts beside tensor parallelism]
 With tp > 1 (and ep > 1, fsdp8.models.tp_plan.ExpertParallelBlock) attention is split over tp as
 in a dense layer, but the router and the experts are not: each tp rank routes and computes its own
@@ -77,6 +99,13 @@ def expands_kv(spec: ModelSpec) -> bool:
     return spec.family == "fsdp8" and spec.kv_heads != spec.heads
 
 
+def traces_fp8(setup: Setup) -> bool:
+    """Whether compiled layers trace their FP8 linears into the graph (fp8/linear.py
+    ``Float8Linear.traced``): every recipe under the engine, but delayed scaling under TP, an
+    opaque call there."""
+    return not (setup.fp8 == "delayed" and setup.parallel.tp > 1)
+
+
 def routed_share(setup: Setup) -> float:
     """The share of the tp group's tokens that one tp rank routes through an MoE layer's router and
     experts (see [Note: a mixture of experts beside tensor parallelism])."""
@@ -106,13 +135,17 @@ def activations(spec: ModelSpec, setup: Setup, fp8: Dict[str, bool], kind: str =
     d, q, kv, f, v = spec.hidden, spec.q_dim / tp, spec.kv_dim / tp, spec.ffn / tp, spec.vocab
     dn = d / tp if setup.parallel.sequence_parallel else d  # the residual stream as norms see it
     moe = kind == "moe"
+    compiled = setup.parallel.compile is not False
+    traced_fp8 = compiled and traces_fp8(setup)
     # RMSNorm: fsdp8's keeps x in fp32 and the normalized fp32 product; transformers' keeps x in
-    # fp32 and the normalized value in the compute dtype; both a fp32 rsqrt per token.
-    norm = (8 * dn if spec.family == "fsdp8" else (4 + e) * dn) + 4
+    # fp32 and the normalized value in the compute dtype; both a fp32 rsqrt per token. Compiled:
+    # its input and the rsqrt (see [Note: what a compiled layer keeps]).
+    norm = (e * dn if compiled else 8 * dn if spec.family == "fsdp8" else (4 + e) * dn) + 4
 
     def inputs(*names: str, width: float) -> float:
-        # A linear saves its input: in the compute dtype, or as FP8 bytes (shared by its siblings).
-        kinds = {fp8.get(n, False) for n in names}
+        # A linear saves its input: in the compute dtype, or as FP8 bytes (shared by its siblings);
+        # a traced FP8 linear the input itself.
+        kinds = {fp8.get(n, False) and not traced_fp8 for n in names}
         return (e * width if False in kinds else 0) + (width if True in kinds else 0)
 
     # SDPA keeps its inputs: under GQA fsdp8's Llama passes repeat_interleave copies, transformers
@@ -120,14 +153,17 @@ def activations(spec: ModelSpec, setup: Setup, fp8: Dict[str, bool], kind: str =
     # are the whole sequence's keys and values, gathered from the cp ranks.
     k_saved = e * (q if expands_kv(spec) else kv) * setup.parallel.cp
     attention = e * q + 2 * k_saved + e * q + 4 * spec.heads / tp  # q, k, v, output, logsumexp
-    wo_input = q if fp8.get("wo") else 0  # the output is kept for SDPA already; FP8 adds its bytes
+    wo_input = q if fp8.get("wo") and not traced_fp8 else 0  # SDPA keeps the output already; FP8 adds its bytes
     qk_norm = ((4 + e) * (q + kv) + 8) if spec.qk_norm else 0
     share = routed_share(setup)
     if moe:  # the router's input (never FP8), then what routing and the experts keep, for this rank's tokens
         mlp_input, mlp = e * d * share, routed_bytes(spec, setup) * share
-    else:  # w1 and w3's input, their outputs, silu, the product
-        mlp_input, mlp = inputs("w1", "w3", width=d), 3 * e * f + (f if fp8.get("w2") else e * f)
+    else:  # w1 and w3's input, their outputs, silu (recomputed in a compiled layer), the product
+        product = f if fp8.get("w2") and not traced_fp8 else e * f
+        mlp_input, mlp = inputs("w1", "w3", width=d), (2 if compiled else 3) * e * f + product
     none = 2 * norm + inputs("wq", "wk", "wv", width=d) + attention + wo_input + qk_norm + mlp_input + mlp
+    if traced_fp8 and any(fp8.values()):  # see [Note: what a compiled layer keeps]
+        none -= 2 * e * dn - kv
     x_in = e * dn  # the block input, which checkpointing keeps
     if setup.parallel.activation_checkpointing == "full":
         saved = x_in

@@ -179,17 +179,29 @@ LAYER_OPS, ROOT_OPS, ENGINE_OPS = 48, 15, 10
 # weighted sum back), and expert parallelism's dispatch adds to those (parallel/ep.py: the counts'
 # all-to-all, the split sizes, two all-to-alls, the regrouping and its inverse).
 MOE_OPS, EP_OPS = 30, 12
+# Kernels a compiled Llama block's forward launches (Inductor's fused kernels, the GEMMs and
+# attention) and what a traced FP8 linear adds to them (its amax and scaled cast): docs/PERFORMANCE.md
+# counted ~1,200 kernels in a compiled bf16 step of a 16-layer model and ~1,800 with FP8 linears,
+# ~70 and ~105 a layer over forward and backward.
+COMPILED_LAYER_OPS, TRACED_FP8_OPS = 24, 2
 
 
-def host_model(eff: Efficiency, ac: str, fp8_linears: int, extra_ops: int = 0, units: int = 1) -> HostCost:
+def host_model(eff: Efficiency, ac: str, fp8_linears: int, extra_ops: int = 0, units: int = 1,
+               compiled: bool = False, traced_fp8: bool = False) -> HostCost:
     """The host's time per pass when nothing measured it: it issues every op of forward,
     backward (two passes' worth) and recomputation; an FP8 linear costs more (its forward's
     share again when recomputed), and selective checkpointing's policy runs in Python for every
     op of forward and of the recomputation. ``extra_ops``: kernels a layer issues beyond the
-    Llama block's; ``units``: the engine's units a layer gathers and reduces."""
-    op, fp8 = eff.host_op_us * 1e-6, fp8_linears * eff.fp8_linear_host_ms * 1e-3
+    Llama block's; ``units``: the engine's units a layer gathers and reduces. A ``compiled``
+    layer launches Inductor's fused kernels instead, and FP8 linears ``traced_fp8`` into its
+    graph cost their kernels only, not the eager linear's Python."""
+    op = eff.host_op_us * 1e-6
+    block_ops = LAYER_OPS
+    if compiled:
+        block_ops = COMPILED_LAYER_OPS + (TRACED_FP8_OPS * fp8_linears if traced_fp8 else 0)
+    fp8 = 0.0 if compiled and traced_fp8 else fp8_linears * eff.fp8_linear_host_ms * 1e-3
     recomputed = ac != "none"
-    layer_ops, engine_ops = LAYER_OPS + extra_ops, units * ENGINE_OPS
+    layer_ops, engine_ops = block_ops + extra_ops, units * ENGINE_OPS
     sac = layer_ops * eff.sac_op_us * 1e-6 if ac == "selective" else 0.0
     return HostCost(layer_fwd=(layer_ops + engine_ops) * op + fp8 / 3 + sac,
                     layer_bwd=((2 + recomputed) * layer_ops + engine_ops) * op + fp8 * (2 + recomputed) / 3 + sac,

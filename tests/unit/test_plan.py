@@ -3,6 +3,7 @@ times, validation, the search's ranking, and `fsdp8 plan` on the command line.""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -116,12 +117,16 @@ def test_tensor_parallel_pieces_and_fp8_conversion():
 
 
 # -- activations -------------------------------------------------------------------------------
-def saved_by_first_block(cfg: LlamaConfig) -> dict:
+def saved_by_first_block(cfg: LlamaConfig, compiled: bool = False) -> dict:
     """The storages autograd saves in a forward of the built-in Llama's first block of ``cfg`` on
-    a batch of 2 x 16 tokens, by address: their bytes (parameters and buffers excluded)."""
+    a batch of 2 x 16 tokens, by address: their bytes (parameters, buffers and the rotary tables
+    excluded). ``compiled``: the block under torch.compile (Inductor), measured on its second
+    call, after it was compiled."""
     torch.manual_seed(0)
     model = Llama(cfg)
-    fixed = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    cos, sin = model.rotary(16, torch.float32)
+    fixed = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers()) + [cos, sin]}
+    block = torch.compile(model.layers[0]) if compiled else model.layers[0]
     saved = {}
 
     def pack(t):
@@ -129,9 +134,10 @@ def saved_by_first_block(cfg: LlamaConfig) -> dict:
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    cos, sin = model.rotary(16, torch.float32)
+    if compiled:
+        block(torch.randn(2, 16, cfg.dim, requires_grad=True), cos, sin).sum().backward()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.layers[0](torch.randn(2, 16, cfg.dim, requires_grad=True), cos, sin)
+        block(torch.randn(2, 16, cfg.dim, requires_grad=True), cos, sin)
     return saved
 
 
@@ -146,6 +152,26 @@ def test_activation_formula_counts_what_autograd_saves():
     # On the CPU, SDPA's output is head-major, so wo's input is a copy (on CUDA it is a view).
     cpu_copy = 4 * spec.q_dim
     assert sum(saved.values()) == (per_token + cpu_copy) * 2 * 16
+
+
+@pytest.mark.parametrize("dim, ffn, heads, kv_heads", [(48, 80, 3, 1), (64, 160, 4, 2)])
+def test_compiled_activation_formula_counts_what_inductor_saves(dim, ffn, heads, kv_heads):
+    """The same block compiled: Inductor's partitioner keeps each norm's input and rsqrt, not its
+    fp32 copies, and recomputes SiLU (activations.py [Note: what a compiled layer keeps]); the
+    bytes it saves against the compiled formula, which is below the eager one."""
+    cfg = LlamaConfig(vocab_size=37, dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, ffn_dim=ffn,
+                      max_seq_len=16)
+    saved = saved_by_first_block(cfg, compiled=True)
+    spec = model_spec(None, layers=1, hidden=dim, ffn=ffn, heads=heads, kv_heads=kv_heads, vocab=37)
+    per_token = {}
+    for compiled in (False, True):
+        layout = ParallelConfig(precision=Precision(), compile=compiled)
+        per_token[compiled] = activations(spec, _setup(spec, world=1, gpus_per_node=1, parallel=layout,
+                                                       micro_batch=2), {}).saved
+    cpu_copy = 4 * spec.q_dim  # as in the eager test above
+    assert sum(saved.values()) == (per_token[True] + cpu_copy) * 2 * 16
+    # fp32: each norm's two fp32 copies (8 dn) become its input (4 dn); SiLU's output (4 f) is recomputed.
+    assert per_token[True] == per_token[False] - 2 * 4 * dim - 4 * ffn
 
 
 def test_checkpointing_keeps_less():
@@ -343,6 +369,57 @@ def test_fixes_are_distinct_changes_of_settings_not_in_effect(layout, kwargs, ex
     assert all(not a <= b for a, b in itertools.permutations(changes, 2)), found
 
 
+def _layer_parts(spec, parallel, **kw):
+    """One dense layer's activation bytes per token, GPU seconds and host seconds under ``parallel``."""
+    from fsdp8.planner.compute import compute
+
+    setup = _setup(spec, world=kw.pop("world", 8), parallel=parallel, **kw)
+    layer = compute(spec, setup).layers["dense"]
+    fp8 = {p.name: converts_to_fp8(p, setup.fp8, setup.parallel.tp, 0) for p in spec.block_params()}
+    return activations(spec, setup, fp8).saved, layer.fwd + layer.bwd, layer.host_fwd + layer.host_bwd
+
+
+@pytest.mark.parametrize("recipe", [None, fsdp8.Float8CurrentScaling()])
+def test_compiled_layers_fuse_elementwise_work_and_issue_fewer_kernels(recipe):
+    # Inductor fuses the norms with the residual adds, rotary and SwiGLU (compute.py); the GEMMs
+    # and attention take what they take eagerly. Traced FP8 linears cost kernels, not Python.
+    spec = model_spec("8b")
+    eager = _layer_parts(spec, ParallelConfig(fp8=recipe), seq_len=2048, micro_batch=1)
+    compiled = _layer_parts(spec, ParallelConfig(fp8=recipe, compile=True), seq_len=2048, micro_batch=1)
+    gpu = gpu_named("h100")
+    e, d, q, kv, f = 2, spec.hidden, spec.q_dim, spec.kv_dim, spec.ffn
+    eager_bytes = 2 * (32 + 2 * e) * d + 9 * e * (q + kv) + 2 * e * (kv + q) + 6 * e * d + 5 * e * f
+    compiled_bytes = 8 * e * d + 2 * e * (q + kv) + 2 * e * (kv + q) + 3 * e * f
+    hbm = gpu.hbm_gbps * 1e9 * Efficiency().hbm
+    # forward once, backward twice: 3 passes over 2048 tokens
+    assert eager[1] - compiled[1] == pytest.approx(3 * (eager_bytes - compiled_bytes) * 2048 / hbm)
+    # The host: Inductor's fused kernels (and each traced FP8 linear's two) per pass, the engine's
+    # own ops per unit; an eager FP8 linear's Python on top of eager's op count.
+    from fsdp8.planner.hardware import COMPILED_LAYER_OPS, ENGINE_OPS, LAYER_OPS, TRACED_FP8_OPS
+
+    op, linears = Efficiency().host_op_us * 1e-6, 7 if recipe else 0
+    assert compiled[2] == pytest.approx((3 * (COMPILED_LAYER_OPS + TRACED_FP8_OPS * linears) + 2 * ENGINE_OPS) * op)
+    assert eager[2] == pytest.approx((3 * LAYER_OPS + 2 * ENGINE_OPS) * op + linears * Efficiency().fp8_linear_host_ms * 1e-3)
+
+
+def test_compiled_fp8_layers_keep_their_inputs_not_fp8_copies():
+    """activations.py [Note: what a compiled layer keeps]: traced FP8 linears keep the block's own
+    tensors, and the norms' outputs go into the backward's quantization; delayed scaling under TP
+    is an opaque call in compiled layers and keeps its FP8 copies as eagerly."""
+    spec = model_spec("8b")
+    e, dn, kv = 2, spec.hidden / 2, spec.kv_dim / 2
+    tp = dict(tp=2, sequence_parallel=True)
+    bf16 = _layer_parts(spec, ParallelConfig(compile=True, **tp), seq_len=2048, micro_batch=1)[0]
+    current = _layer_parts(spec, ParallelConfig(compile=True, fp8=fsdp8.Float8CurrentScaling(), **tp),
+                           seq_len=2048, micro_batch=1)[0]
+    assert current == bf16 - (2 * e * dn - kv)
+    delayed = ParallelConfig(fp8=fsdp8.DelayedScaling(), **tp)
+    eager_delayed = _layer_parts(spec, delayed, seq_len=2048, micro_batch=1)[0]
+    compiled_delayed = _layer_parts(spec, dataclasses.replace(delayed, compile=True), seq_len=2048, micro_batch=1)[0]
+    # eager and compiled keep the same FP8 bytes; compiled only the norms' and SiLU's savings
+    assert eager_delayed - compiled_delayed == 2 * (8 - e) * dn + e * spec.ffn / 2  # fsdp8 norms keep 8 dn eagerly
+
+
 def test_efficiency_is_the_stated_fraction():
     base = plan("1b")
     half = plan("1b", efficiency=Efficiency(gemm=0.35))
@@ -364,6 +441,12 @@ def test_plan_cli_table_json_and_search(capsys):
                      "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["memory"]["fits"] and data["model"]["layers"] == 4 and data["tokens_per_s_per_gpu"] > 0
+    assert data["setup"]["compile"] is False
+    assert cli.main(["plan", "--layers", "4", "--hidden", "256", "--ffn", "512", "--heads", "4", "--vocab", "1000",
+                     "--json", "--compile"]) == 0
+    compiled = json.loads(capsys.readouterr().out)
+    assert compiled["setup"]["compile"] is True
+    assert compiled["memory"]["peak_allocated"] < data["memory"]["peak_allocated"]
     assert cli.main(["plan", "--model", "1b", "--search", "--top", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("fsdp8 plan --search") and len(out) == 5
