@@ -249,6 +249,11 @@ class ParallelConfig:
     offload: Optional[str] = None
     skip_packed_sequence_check: bool = False
 
+    @property
+    def compiled(self) -> bool:
+        """Whether units are compiled: ``compile`` True, or a dict of torch.compile options (``{}`` too)."""
+        return self.compile is not False
+
     def __post_init__(self):
         self._check_sizes()
         for name in ("sequence_parallel", "loss_parallel", "reshard_after_forward", "skip_packed_sequence_check"):

@@ -81,7 +81,7 @@ class Float8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, DTensor):
-            if torch.compiler.is_compiling() and self.recipe.traceable and not self.recipe.delayed:
+            if torch.compiler.is_compiling() and self.recipe.traced_under_tp:
                 return tensor_parallel_forward(self, x, traced=True)  # tp_forward.py: FP8 under TP, compiled
             return self._tensor_parallel_forward(x)
         if not self.traced():

@@ -49,6 +49,12 @@ class Recipe(FP8Recipe):
     # Float8Linear.traced); checked bit for bit against eager on CPU (torch 2.13) only.
     traceable = True
 
+    @property
+    def traced_under_tp(self) -> bool:
+        """Whether a tensor-parallel Float8Linear of this recipe is traced into a compiled block:
+        delayed scaling is not (its state update runs on the host there; fp8/linear.py)."""
+        return self.traceable and not self.delayed
+
     def _check_format(self, allowed=_FORMATS) -> None:
         if self.fp8_format not in allowed:
             raise ValueError(f"{type(self).__name__}.fp8_format={self.fp8_format!r}: use one of {', '.join(map(repr, allowed))}")

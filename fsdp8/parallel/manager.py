@@ -220,7 +220,7 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
     unit_modules = [unit.module for unit in sharded._fsdp8.units if id(unit.module) not in expert_ids]
     if config.activation_checkpointing != "none":
         checkpoint_units(unit_modules, config.activation_checkpointing, adapter.checkpoint_filter(model))
-    if config.compile is not False:  # True, or a dict of torch.compile options ({} too)
+    if config.compiled:
         options = compile_options(config)
         if config.fp8 is not None:
             probe_before_compiling(model, mesh_device(mesh))

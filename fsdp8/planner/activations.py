@@ -76,7 +76,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict
 
-from .model import ModelSpec
+from .model import ModelSpec, traces_fp8
 from .setup import Setup
 
 INDEX_BYTES = 8  # int64 permutations
@@ -97,13 +97,6 @@ class Activations:
 def expands_kv(spec: ModelSpec) -> bool:
     """Whether the attention repeats K and V to every query head before SDPA."""
     return spec.family == "fsdp8" and spec.kv_heads != spec.heads
-
-
-def traces_fp8(setup: Setup) -> bool:
-    """Whether compiled layers trace their FP8 linears into the graph (fp8/linear.py
-    ``Float8Linear.traced``): every recipe under the engine, but delayed scaling under TP, an
-    opaque call there."""
-    return not (setup.fp8 == "delayed" and setup.parallel.tp > 1)
 
 
 def routed_share(setup: Setup) -> float:
@@ -135,8 +128,7 @@ def activations(spec: ModelSpec, setup: Setup, fp8: Dict[str, bool], kind: str =
     d, q, kv, f, v = spec.hidden, spec.q_dim / tp, spec.kv_dim / tp, spec.ffn / tp, spec.vocab
     dn = d / tp if setup.parallel.sequence_parallel else d  # the residual stream as norms see it
     moe = kind == "moe"
-    compiled = setup.parallel.compile is not False
-    traced_fp8 = compiled and traces_fp8(setup)
+    compiled, traced_fp8 = setup.parallel.compiled, traces_fp8(setup.parallel)
     # RMSNorm: fsdp8's keeps x in fp32 and the normalized fp32 product; transformers' keeps x in
     # fp32 and the normalized value in the compute dtype; both a fp32 rsqrt per token. Compiled:
     # its input and the rsqrt (see [Note: what a compiled layer keeps]).

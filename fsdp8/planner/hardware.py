@@ -194,12 +194,10 @@ def host_model(eff: Efficiency, ac: str, fp8_linears: int, extra_ops: int = 0, u
     op of forward and of the recomputation. ``extra_ops``: kernels a layer issues beyond the
     Llama block's; ``units``: the engine's units a layer gathers and reduces. A ``compiled``
     layer launches Inductor's fused kernels instead, and FP8 linears ``traced_fp8`` into its
-    graph cost their kernels only, not the eager linear's Python."""
+    graph (only where ``compiled``) cost their kernels only, not the eager linear's Python."""
     op = eff.host_op_us * 1e-6
-    block_ops = LAYER_OPS
-    if compiled:
-        block_ops = COMPILED_LAYER_OPS + (TRACED_FP8_OPS * fp8_linears if traced_fp8 else 0)
-    fp8 = 0.0 if compiled and traced_fp8 else fp8_linears * eff.fp8_linear_host_ms * 1e-3
+    block_ops = COMPILED_LAYER_OPS + (TRACED_FP8_OPS * fp8_linears if traced_fp8 else 0) if compiled else LAYER_OPS
+    fp8 = 0.0 if traced_fp8 else fp8_linears * eff.fp8_linear_host_ms * 1e-3
     recomputed = ac != "none"
     layer_ops, engine_ops = block_ops + extra_ops, units * ENGINE_OPS
     sac = layer_ops * eff.sac_op_us * 1e-6 if ac == "selective" else 0.0

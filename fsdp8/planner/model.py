@@ -9,6 +9,7 @@ import os
 from dataclasses import replace
 from typing import List, Optional, Tuple
 
+from ..config import ParallelConfig
 from ..models.hf_dir import config_file, read_config
 from ..models.llama import PRESETS
 from ..models.spec import ModelSpec, Param, hf_spec_of, llama_spec
@@ -52,6 +53,16 @@ def converts_to_fp8(param: Param, recipe: Optional[str], tp: int, rank: int) -> 
         return False
     split = local[0] if param.tp == "col" else local[1]
     return split % _BLOCK[recipe] == 0
+
+
+def traces_fp8(parallel: ParallelConfig) -> bool:
+    """Whether ``parallel``'s layers are compiled with their FP8 linears traced into the graph
+    (fp8/linear.py), not opaque calls: every recipe under the engine (which updates delayed
+    scaling's states outside the block), but under TP only what ``Recipe.traced_under_tp`` says."""
+    recipe = parallel.fp8
+    if recipe is None or not parallel.compiled:
+        return False
+    return recipe.traced_under_tp if parallel.tp > 1 else recipe.traceable
 
 
 def gathers_fp8_experts(experts: List[Param], recipe: Optional[str]) -> bool:

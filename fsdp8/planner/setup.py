@@ -58,7 +58,7 @@ class Setup:
         mesh = f"dp_replicate {p.dp_replicate} x {shard} x cp {p.cp} x tp {p.tp}"
         extra = [f"outer {p.outer_strategy.label}" if p.dp_replicate > 1 else "",
                  "sequence parallel" if p.sequence_parallel else "", "loss parallel" if p.loss_parallel else "",
-                 f"offload {p.offload}" if p.offload else "", "compiled" if p.compile is not False else ""]
+                 f"offload {p.offload}" if p.offload else "", "compiled" if p.compiled else ""]
         return (f"{mesh}, {p.strategy.label}{''.join(', ' + x for x in extra if x)}, {self.precision}"
                 f"{', fp8 ' + self.fp8 if self.fp8 else ''}, AC {p.activation_checkpointing}")
 
@@ -71,7 +71,7 @@ def layout_fields(parallel: ParallelConfig, precision: str) -> dict:
             "cp": p.cp, "tp": p.tp, "ep": p.ep, "sequence_parallel": p.sequence_parallel,
             "loss_parallel": p.loss_parallel, "precision": precision, "fp8": p.fp8.name if p.fp8 is not None else None,
             "activation_checkpointing": p.activation_checkpointing, "offload": p.offload,
-            "compile": p.compile is not False}
+            "compile": p.compiled}
 
 
 def _positive(name: str, value) -> int:

@@ -31,7 +31,7 @@ from ..config import OuterStrategy, Strategy
 from .activations import routed_share
 from .compute import compute
 from .memory import MAIN_BYTES, REDUCE_BYTES, LayerGroup, UnitPlan, layer_groups
-from .model import ModelSpec, converts_to_fp8
+from .model import ModelSpec, converts_to_fp8, traces_fp8
 from .setup import Setup
 
 ADAMW_BYTES = 28  # fused AdamW per fp32 element: reads weight, gradient and 2 moments, writes 3
@@ -229,10 +229,11 @@ def _reductions(u: UnitPlan, setup: Setup, g: Groups, sync: bool) -> List[Transf
 
 
 def _gathers_fp8_bytes(setup: Setup) -> bool:
-    """Whether FP8 layers all-gather a sequence-sharded input as FP8 bytes: per-tensor recipes in
-    eager layers, and delayed scaling (an opaque call) in compiled ones too; compiled current
-    scaling is traced and gathers in high precision (fp8/tp_forward.py [Note: FP8 under TP, compiled])."""
-    return setup.fp8 == "delayed" or (setup.fp8 == "current" and setup.parallel.compile is False)
+    """Whether FP8 layers all-gather a sequence-sharded input as FP8 bytes: per-tensor recipes
+    whose linears are not traced into a compiled graph (eager layers; delayed scaling under TP in
+    compiled ones); traced linears gather in high precision (fp8/tp_forward.py [Note: FP8 under
+    TP, compiled])."""
+    return setup.fp8 in ("current", "delayed") and not traces_fp8(setup.parallel)
 
 
 def _amax_agreements(spec: ModelSpec, setup: Setup, g: Groups) -> Transfer:
