@@ -13,6 +13,28 @@ from .process_group import default_device_type, init_distributed
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
+# [Note: one mesh per layout] Each init_device_mesh call splits new process groups off the
+# world (on GPUs an NCCL communicator per group: a collective split and its buffers). A process
+# that lays out several models (a student and a teacher, an evaluation copy, a test's twenty
+# layouts) reuses the mesh of the first, as torchtitan keeps one world mesh. The memo belongs
+# to the default process group: once it is destroyed and started again, meshes are built anew.
+_meshes: dict[tuple, DeviceMesh] = {}
+_meshes_world: Optional[object] = None
+
+
+def _device_mesh(device_type: str, dims: dict[str, int]) -> tuple[DeviceMesh, bool]:
+    """The mesh of ``dims`` (names to sizes, outermost first) on this default process group, and
+    whether this call built it."""
+    global _meshes_world
+    if dist.group.WORLD is not _meshes_world:
+        _meshes.clear()
+        _meshes_world = dist.group.WORLD
+    key = (device_type, tuple(dims.items()))
+    built = key not in _meshes
+    if built:
+        _meshes[key] = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    return _meshes[key], built
+
 
 def mesh_dims(world: int, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1) -> dict[str, int]:
     """The world mesh's dimensions, outermost first: ``{name: size}`` in ``MESH_DIMS`` order.
@@ -70,9 +92,10 @@ def make_mesh(dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 
     ``mesh["tp"]`` work; ``data_parallel_mesh`` and ``tp_mesh`` pick the sub-meshes."""
     init_distributed()
     dims = mesh_dims(dist.get_world_size(), dp_replicate, dp_shard, cp, tp)
-    mesh = init_device_mesh(default_device_type(), tuple(dims.values()), mesh_dim_names=tuple(dims))
-    for name, parts in flattened_dims(dims).items():
-        mesh[parts]._flatten(name)
+    mesh, built = _device_mesh(default_device_type(), dims)
+    if built:
+        for name, parts in flattened_dims(dims).items():
+            mesh[parts]._flatten(name)
     return mesh
 
 
@@ -102,8 +125,8 @@ def make_expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
             dims["efsdp"], dims["ep"] = size // ep, ep
         else:
             dims[name] = size
-    expert = init_device_mesh(mesh.device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
-    if "cp" in dims:
+    expert, built = _device_mesh(mesh.device_type, dims)
+    if built and "cp" in dims:
         expert["efsdp", "cp"]._flatten("efsdp_cp")
     return expert
 

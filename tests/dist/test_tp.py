@@ -153,6 +153,13 @@ def test_mesh_layouts():
             assert dp_group_size == dp.shape[-1]
 
 
+def test_one_layout_builds_its_mesh_once():
+    # [Note: one mesh per layout]: laying out a second model builds no new process groups.
+    for built, rebuilt, same, other_is_new, dp_size in run_on_ranks(4, tp_workers.mesh_reuse):
+        assert built > 0 and rebuilt == 0 and same and other_is_new
+        assert dp_size == 2  # dp_replicate 2 x dp_shard 1
+
+
 def test_loss_parallel_logits_need_the_context():
     for message in run_on_ranks(2, tp_workers.loss_outside_loss_parallel):
         assert message is not None and "inside torch.distributed.tensor.parallel.loss_parallel()" in message

@@ -272,3 +272,28 @@ def loss_outside_loss_parallel():
     except RuntimeError as e:
         return str(e)
     return None
+
+
+def mesh_reuse():
+    """Process groups the first and the second make_mesh / make_expert_mesh of one layout create,
+    whether the second returned the first's meshes, and whether another layout got its own."""
+    from torch.distributed import distributed_c10d
+
+    from fsdp8.distributed.mesh import make_expert_mesh
+
+    def groups():
+        return len(distributed_c10d._world.pg_map)
+
+    before = groups()
+    first = make_mesh(dp_replicate=2, tp=2)
+    first_expert = make_expert_mesh(make_mesh(dp_shard=4), 2)
+    after_first = groups()
+    second = make_mesh(dp_replicate=2, tp=2)
+    second_expert = make_expert_mesh(make_mesh(dp_shard=4), 2)
+    after_second = groups()
+    other = make_mesh(dp_shard=2, tp=2)
+    one = torch.ones((), device=common.device())
+    dist_group = second["dp"].get_group()
+    torch.distributed.all_reduce(one, group=dist_group)  # the reused mesh's groups still work
+    return (after_first - before, after_second - after_first, first is second and first_expert is second_expert,
+            other is not first, int(one))
