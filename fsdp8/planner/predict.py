@@ -191,9 +191,9 @@ def _time_lines(p: Plan) -> List[str]:
         f"  compute: GEMMs at {eff.gemm:.0%} of {gpu.bf16_tflops:g} TFLOP/s (FP8 {eff.fp8_gemm:.0%} of "
         f"{gpu.fp8_tflops:g}), attention at {eff.attention:.0%},",
         ms(f"  other kernels at {eff.hbm:.0%} of {gpu.hbm_gbps:g} GB/s", t.compute),
-        ms(f"host issuing the kernels ({'measured here' if eff.host else 'per-op model'})", t.host),
-        ms("forward + backward, each waiting for the slower", t.issue_bound),
         ms("TP/CP/EP collectives (compute stream)", t.model_parallel),
+        ms(f"host issuing the kernels ({'measured here' if eff.host else 'per-op model'})", t.host),
+        ms("forward + backward: each pass the slower of the two", t.issue_bound),
         *([ms(f"host synchronisations ({p.setup.efficiency.host_sync_us:g} us each)", t.syncs)] if t.syncs else []),
         ms("data-parallel communication left exposed", t.exposed),
         ms("optimizer step" + (" (on the host)" if p.setup.parallel.offload else ""), t.optimizer),

@@ -344,14 +344,22 @@ class StepTime:
 
     @property
     def issue_bound(self) -> float:
-        """Forward, then backward: each pass waits for the slower of the GPU and the host
-        issuing its kernels (a host ahead in forward cannot lend that time to backward, which
-        starts when the loss does)."""
-        return max(self.compute_fwd, self.host_fwd) + max(self.compute - self.compute_fwd, self.host - self.host_fwd)
+        """Forward, then backward: each pass waits for the slower of the GPU's compute stream
+        and the host issuing its kernels (a host ahead in forward cannot lend that time to
+        backward, which starts when the loss does). The compute stream also runs the tensor-,
+        context- and expert-parallel collectives, whose launches the host issues among the
+        layers' (a measured host counts them): while the host sets the pace they run in its
+        shadow, not after it. They are split between the passes as the compute is."""
+        share = self.compute_fwd / self.compute if self.compute > 0 else 0.0
+        stream_fwd = self.compute_fwd + share * self.model_parallel
+        stream_bwd = self.compute - self.compute_fwd + (1.0 - share) * self.model_parallel
+        return max(stream_fwd, self.host_fwd) + max(stream_bwd, self.host - self.host_fwd)
 
     @property
     def step(self) -> float:
-        return self.issue_bound + self.model_parallel + self.exposed + self.optimizer + self.syncs
+        # The optimizer's kernels start once backward's last reduction ends: after the issue-bound
+        # passes, whoever set their pace.
+        return self.issue_bound + self.exposed + self.optimizer + self.syncs
 
 
 def step_time(spec: ModelSpec, setup: Setup, units: List[UnitPlan]) -> StepTime:

@@ -77,6 +77,32 @@ def test_a_measured_host_replaces_the_per_op_model_and_bounds_each_pass():
     with pytest.raises(ValueError, match="Efficiency.host must be a HostCost"):
         Efficiency(host=0.5)
 
+def test_tensor_parallel_collectives_run_in_a_slow_hosts_shadow():
+    # TP collectives run on the compute stream and the host issues them among the layers' kernels:
+    # a GPU-bound step adds them to its compute, a host-bound one hides them in the host's time.
+    kw = dict(gpu="h200", gpus_per_node=2, seq_len=2048, micro_batch=4, global_batch=4,
+              parallel=ParallelConfig(tp=2, sequence_parallel=True), **MODEL_A)
+    gpu_bound = plan(None, **kw).time
+    assert gpu_bound.model_parallel > 0
+    assert gpu_bound.step == pytest.approx(gpu_bound.compute + gpu_bound.model_parallel + gpu_bound.exposed
+                                           + gpu_bound.optimizer)
+    layers = MODEL_A["layers"]
+    slow = HostCost(layer_fwd=2 * gpu_bound.compute / layers, layer_bwd=2 * gpu_bound.compute / layers,
+                    root_fwd=0.0, root_bwd=0.0)
+    t = plan(None, efficiency=Efficiency(host=slow), **kw).time
+    assert t.host == pytest.approx(4 * gpu_bound.compute) and t.host > t.compute + t.model_parallel
+    assert t.step == pytest.approx(t.host + t.exposed + t.optimizer)
+    # A backward host slower than backward's compute alone but not than its compute and its share of
+    # the collectives (split as the compute is): the stream still sets the step.
+    g = gpu_bound
+    compute_bwd = g.compute - g.compute_fwd
+    stream_bwd = compute_bwd + (compute_bwd / g.compute) * g.model_parallel
+    edge = HostCost(layer_fwd=0.0, layer_bwd=(compute_bwd + stream_bwd) / 2 / layers, root_fwd=0.0, root_bwd=0.0)
+    t = plan(None, efficiency=Efficiency(host=edge), **kw).time
+    assert compute_bwd < t.host < stream_bwd
+    assert t.step == pytest.approx(g.step)
+
+
 
 def test_bench_flag_turns_the_probe_off():
     parse = lambda *argv: bench_config(build_parser().parse_args(["bench", *argv]))  # noqa: E731
