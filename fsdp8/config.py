@@ -198,6 +198,12 @@ class ParallelConfig:
       model then needs ep > 1), the router replicated over tp; each tp rank has its own ep
       group (the ranks of its tp coordinate). With ``sequence_parallel`` each tp rank routes
       its part of the sequences; without, every tp rank routes and computes the same tokens.
+    - ``fp8_dispatch`` (with ep > 1): the dispatch all-to-all sends each token as e4m3 bytes
+      with one fp32 scale per 128 of its values (``H + 4 ceil(H / 128)`` bytes a token against
+      bf16's ``2 H``, as DeepSeek-V3 dispatches); the experts then compute on their input rounded
+      to FP8 (on any ep degree the same, so a run equals one process whose experts take their
+      input so rounded: ``fsdp8.parallel.ep.rows_through_fp8``). The rounding's gradient is the
+      identity; the combine and every backward all-to-all stay in the compute dtype.
     - ``load_balancing`` (mixture-of-experts models whose adapter computes the router's
       load-balancing loss: the built-in Llama): ``"local"`` counts each rank's own tokens per
       expert (data-parallel semantics: each rank's rows one batch); ``"global"`` counts the
@@ -234,6 +240,7 @@ class ParallelConfig:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    fp8_dispatch: bool = False
     load_balancing: str = "local"
     sequence_parallel: bool = False
     loss_parallel: bool = False
@@ -256,7 +263,8 @@ class ParallelConfig:
 
     def __post_init__(self):
         self._check_sizes()
-        for name in ("sequence_parallel", "loss_parallel", "reshard_after_forward", "skip_packed_sequence_check"):
+        for name in ("sequence_parallel", "loss_parallel", "reshard_after_forward", "skip_packed_sequence_check",
+                     "fp8_dispatch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ParallelConfig.{name} must be True or False, got {getattr(self, name)!r}")
         # Normalised once, so config.strategy is always a Strategy.
@@ -306,6 +314,10 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.load_balancing must be 'local' or 'global', got {self.load_balancing!r}")
         if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
             raise ValueError(f"ParallelConfig.ep must be a positive int (the expert-parallel ranks), got {self.ep!r}")
+        if self.fp8_dispatch and self.ep == 1:
+            raise LayoutError("fp8_dispatch_without_ep",
+                              "fp8_dispatch sends tokens to their experts' ranks in FP8, but ep=1 sends none; set ep > 1 "
+                              "(a divisor of dp_shard) or drop fp8_dispatch")
 
     def _check_tensor_parallel(self) -> None:
         if self.tp != 1:

@@ -65,6 +65,8 @@ def layout_flags(p) -> None:
     p.add_argument("--ac", default="none", choices=AC_MODES, help="activation checkpointing (default: %(default)s)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer, as ParallelConfig(compile=True) (default: off, eager)")
+    p.add_argument("--fp8-dispatch", action="store_true",
+                   help="with --ep: tokens sent to their experts' ranks as FP8 bytes with 1x128 scales (default: off)")
     p.add_argument("--offload", default="none", choices=OFFLOAD_MODES,
                    help="optim: main weights, gradients and optimizer state in host memory (default: %(default)s)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: plan 2048, bench 128)")
@@ -94,7 +96,7 @@ def flags_of(parallel: ParallelConfig) -> dict:
     return {"strategy": p.strategy.label, "precision": precision, "tp": p.tp, "ep": p.ep, "dp_replicate": p.dp_replicate,
             "outer_strategy": p.outer_strategy.label, "cp": p.cp, "sequence_parallel": p.sequence_parallel,
             "loss_parallel": p.loss_parallel, "ac": p.activation_checkpointing, "compile": p.compile,
-            "offload": p.offload or "none", "load_balancing": p.load_balancing}
+            "offload": p.offload or "none", "load_balancing": p.load_balancing, "fp8_dispatch": p.fp8_dispatch}
 
 
 # Every layout flag (fsdp8 plan and bench name the FP8 recipe with --fp8) and its default.
@@ -133,7 +135,7 @@ def parallel_from_flags(flags: Mapping[str, Any]) -> ParallelConfig:
                               fp8=recipe_from_name(f"fp8-{fp8}") if fp8 != "none" else None,
                               precision=_PRECISION[precision], strategy=f["strategy"],
                               outer_strategy=f["outer_strategy"], offload=none(f["offload"]),
-                              load_balancing=f["load_balancing"])
+                              load_balancing=f["load_balancing"], fp8_dispatch=f["fp8_dispatch"])
     except LayoutError as e:
         raise ValueError(_in_flags(e.rule, f) or str(e)) from None
     except TypeError as e:  # a saved setting of the wrong type
@@ -157,6 +159,9 @@ def _in_flags(rule: str, f: dict) -> Optional[str]:
                 "context-parallel attention's causal mask); use --ac full")
     if rule == "offload":
         return f"--offload must be one of {', '.join(OFFLOAD_MODES)}, got {f['offload']!r}"
+    if rule == "fp8_dispatch_without_ep":
+        return ("--fp8-dispatch sends tokens to their experts' ranks in FP8, but without --ep N (N > 1) none are "
+                "sent; pass --ep too, or drop --fp8-dispatch")
     if rule == "offload_without_sharding":
         return ("--offload optim moves the sharded main weights and optimizer state to the host, but --strategy "
                 "no_shard shards nothing; use --strategy optim or higher")

@@ -312,10 +312,18 @@ def _model_parallel(spec: ModelSpec, setup: Setup, g: Groups) -> List[Transfer]:
         # T k rows dispatched (this tp rank's share of T) and as many combined; backward sends
         # the gradients back, twice.
         forwards = spec.moe_layers * (1 + (ac != "none"))
-        rows = t * routed_share(setup) * spec.experts_per_token * spec.hidden * e
-        out += [Transfer("EP all-to-all tokens", "all_to_all", g.ep, rows, "compute",
-                         2 * forwards + 2 * spec.moe_layers),
-                Transfer("EP all-to-all counts per expert", "all_to_all", g.ep, 8 * spec.experts, "compute", forwards)]
+        routed = t * routed_share(setup) * spec.experts_per_token
+        rows = routed * spec.hidden * e
+        if p.fp8_dispatch:  # each dispatched row as e4m3 bytes and a 4-byte scale per 128 (parallel/ep.py)
+            out += [Transfer("EP all-to-all tokens, FP8 dispatch", "all_to_all", g.ep,
+                             routed * (spec.hidden + 4 * -(-spec.hidden // 128)), "compute", forwards),
+                    Transfer("EP all-to-all tokens", "all_to_all", g.ep, rows, "compute",
+                             forwards + 2 * spec.moe_layers)]
+        else:
+            out.append(Transfer("EP all-to-all tokens", "all_to_all", g.ep, rows, "compute",
+                                2 * forwards + 2 * spec.moe_layers))
+        out.append(Transfer("EP all-to-all counts per expert", "all_to_all", g.ep, 8 * spec.experts, "compute",
+                            forwards))
     return out
 
 

@@ -104,6 +104,8 @@ def test_overwrite_deletes_the_earlier_run_and_says_so(tmp_path, capsys, launche
     (["--nproc", "4", "--tp", "2", "--preset", "moe-tiny"],
      "--tp 2 with a mixture-of-experts model: tensor parallelism splits attention and dense layers, and the experts "
      "go to expert parallelism; add --ep N"),
+    (["--preset", "moe-tiny", "--fp8-dispatch"], "--fp8-dispatch sends tokens to their experts' ranks in FP8, but "
+                                                   "without --ep N (N > 1) none are sent; pass --ep too"),
     (["--load-balancing", "global"], "--load-balancing global: load_balancing='global' applies to a "
                                      "mixture-of-experts model's router loss, and this built-in Llama is dense"),
     (["--outer-strategy", "optim"], "--outer-strategy optim shards across HSDP replicas, but there are none"),

@@ -9,7 +9,7 @@ SGD with momentum (Adam would turn a near-zero gradient's rounding into a whole 
 from __future__ import annotations
 
 import copy
-from typing import Dict
+from typing import Callable, Dict
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,8 @@ import torch.nn as nn
 
 import fsdp8
 from fsdp8.models import adapter_for
-from fsdp8.parallel.ep import computed_in_fp8
+from fsdp8.parallel import ep as ep_module
+from fsdp8.parallel.ep import computed_in_fp8, rows_through_fp8
 
 from . import common
 from .parallelize_workers import _full, _rel, loss_of, reference_backward
@@ -82,14 +83,15 @@ def reference_run(model: nn.Module, family: str, dp: int, clip: float) -> dict:
     return out
 
 
-def parity(family: str, layout: dict, clip: float = 0.5) -> dict:
-    """``family`` parallelized by ``ParallelConfig(**layout)`` against one process: worst
-    relative errors of loss, gradients, the clipped norm and the final weights, and what each
-    rank holds of the experts."""
+def parity(family: str, layout: dict, clip: float = 0.5, precision: fsdp8.Precision = FP32,
+           one_process: Callable[[nn.Module], nn.Module] = lambda m: m) -> dict:
+    """``family`` parallelized by ``ParallelConfig(**layout)`` against one process (the model as
+    ``one_process`` makes it): worst relative errors of loss, gradients, the clipped norm and the
+    final weights, and what each rank holds of the experts."""
     initial = build(family)
-    config = fsdp8.ParallelConfig(**layout, precision=FP32)
+    config = fsdp8.ParallelConfig(**layout, precision=precision)
     model = fsdp8.parallelize(copy.deepcopy(initial), config)
-    reference = reference_run(initial, family, model.dp_size, clip)
+    reference = reference_run(one_process(initial), family, model.dp_size, clip)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     worst = {"loss": 0.0, "grad": 0.0, "norm": 0.0, "weight": 0.0}
     for step in range(STEPS):
@@ -114,6 +116,40 @@ def parity(family: str, layout: dict, clip: float = 0.5) -> dict:
     experts = {name: dict(zip(p.device_mesh.mesh_dim_names, map(str, p.placements)))
                for name, p in model.named_parameters() if name.endswith(("gate_up_proj", "down_proj"))}
     return {"errors": worst, "experts": experts, "dp": (model.dp_rank, model.dp_size)}
+
+
+def _experts_fed_fp8_rows(model: nn.Module) -> nn.Module:
+    """``model`` in fp64 with each experts module computing on its input rounded as FP8 dispatch
+    delivers it ([Note: FP8 dispatch]): the one process an ``fp8_dispatch`` run equals."""
+    model = model.to(torch.float64)
+    computed_in_fp8(model)  # transformers' experts take fsdp8's forward (theirs refuses fp64), as under ep
+    for module in adapter_for(model).experts(model).values():
+        def fed(hidden_states, *args, _forward=module.forward, **kwargs):
+            return _forward(rows_through_fp8(hidden_states), *args, **kwargs)
+
+        module.forward = fed
+    return model
+
+
+def fp8_dispatch_parity(family: str, ep: int) -> dict:
+    """``parity`` of ``ParallelConfig(ep=ep, fp8_dispatch=True)`` in fp64 compute against one
+    process whose experts take their input rounded to FP8, and what each dispatch all-to-all
+    sent: (dtype, bytes per row) of the rows handed to it."""
+    sent = []
+    original = ep_module.comm.all_to_all
+
+    def spy(out, inp, out_splits, in_splits, group, label):
+        if label == "ep dispatch":
+            sent.append((str(inp.dtype), inp.shape[1] * inp.element_size()))
+        return original(out, inp, out_splits, in_splits, group, label)
+
+    ep_module.comm.all_to_all = spy
+    try:
+        out = parity(family, {"ep": ep, "fp8_dispatch": True}, precision=common.FP8_PARITY_PRECISION,
+                     one_process=_experts_fed_fp8_rows)
+    finally:
+        ep_module.comm.all_to_all = original
+    return dict(out, sent=sorted(set(sent)))
 
 
 def bad_config(family: str, layout: dict) -> str:

@@ -138,6 +138,20 @@ def test_load_pretrained_reads_hugging_face_experts_into_their_ep_ranks(tmp_path
         assert any("experts" in name for name in worst) and max(worst.values()) == 0.0, worst
 
 
+@pytest.mark.parametrize("family,ep", [("builtin", 2), ("qwen3_moe", 4)])
+def test_fp8_dispatch_equals_one_process_on_rounded_rows(family, ep):
+    # Bound: fp64 compute on both sides (common.FP8_PARITY_PRECISION), and each dispatched row is
+    # rounded to FP8 on its own, so the ep run and one process whose experts take rows_through_fp8
+    # of their input round the same values the same way; what is left is the router's fp32 softmax
+    # (an ulp, 6e-8 relative, when its fp64 logits were summed in another order): 1e-6.
+    if family != "builtin":
+        pytest.importorskip("transformers")
+    for out in run_on_ranks(4, workers.fp8_dispatch_parity, family, ep):
+        assert max(out["errors"].values()) <= 1e-6, out["errors"]
+        # hidden 32: 32 e4m3 bytes and one fp32 scale a row, against 32 x 8 bytes in fp64 compute
+        assert out["sent"] == [("torch.uint8", 32 + 4)], out["sent"]
+
+
 @pytest.mark.parametrize("family,layout", [("builtin", {"ep": 2}), ("qwen3_moe", {})])
 def test_fp8_experts(family, layout):
     # Bound: fp64 compute around exact FP8 products (common.FP8_PARITY_PRECISION), but the

@@ -422,3 +422,26 @@ def test_fp8_conversion_converts_experts_and_names_routers_kept_in_high_precisio
     fp8, high = projection_layers(model)
     assert "layers.1.ffn.experts" in fp8 and [h for h in high if "gate" in h] == [
         "layers.0.ffn.gate (Router)", "layers.1.ffn.gate (Router)"], (fp8, high)
+
+
+def test_fp8_dispatch_rows_are_each_rows_1x128_fp8_rounding():
+    # [Note: FP8 dispatch]: what travels is each row's e4m3 bytes and its fp32 scales, one uint8 row;
+    # what arrives is quantize(ROW_1x128) then dequantize of that row alone; its gradient passes through.
+    from fsdp8.fp8.formats import Granularity
+    from fsdp8.fp8.kernels import quantize
+    from fsdp8.parallel.ep import _fp8_rows_packed, _fp8_rows_unpacked, rows_through_fp8
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 200, generator=g) * torch.logspace(-3, 3, 5)[:, None]).requires_grad_()
+    packed = _fp8_rows_packed(x.detach())
+    assert packed.dtype == torch.uint8 and packed.shape == (5, 200 + 4 * 2)
+    want = quantize(x.detach(), torch.float8_e4m3fn, Granularity.ROW_1x128).dequantize(torch.float32)
+    assert torch.equal(_fp8_rows_unpacked(packed, 200, torch.float32), want)
+    # Row by row: a row's bytes do not depend on the rows beside it (any ep degree sends the same).
+    assert torch.equal(torch.cat([_fp8_rows_packed(x.detach()[i:i + 1]) for i in range(5)]), packed)
+    y = rows_through_fp8(x)
+    assert torch.equal(y.detach(), want) and not torch.equal(y.detach(), x.detach())
+    y.backward(torch.arange(1000.0).view(5, 200))
+    assert torch.equal(x.grad, torch.arange(1000.0).view(5, 200))
+    empty = _fp8_rows_packed(torch.empty(0, 200))
+    assert empty.shape == (0, 208) and _fp8_rows_unpacked(empty, 200, torch.bfloat16).shape == (0, 200)

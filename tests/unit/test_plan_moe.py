@@ -180,6 +180,24 @@ def test_all_to_all_traffic_and_host_syncs(ac, forwards):
     assert dense.time.syncs == 0 and not [c for c in dense.time.collectives if c.op == "all_to_all"]
 
 
+def test_fp8_dispatch_sends_a_byte_and_a_scale_per_128_values_of_each_row():
+    spec = _moe()
+    plain, fp8 = (plan(spec, ParallelConfig(ep=4, fp8_dispatch=f), micro_batch=2) for f in (False, True))
+    rows = {c.what: c for c in fp8.time.collectives if c.what.startswith("EP all-to-all tokens")}
+    [bf16] = [c for c in plain.time.collectives if c.what == "EP all-to-all tokens"]
+    routed = 2 * 2048 * spec.experts_per_token
+    dispatch = rows["EP all-to-all tokens, FP8 dispatch"]
+    assert dispatch.nbytes == routed * (256 + 4 * 2) and bf16.nbytes == routed * 256 * 2
+    # The forward dispatch goes in FP8; the combine and both backward all-to-alls stay bf16.
+    assert dispatch.calls == spec.moe_layers and rows["EP all-to-all tokens"].calls == 3 * spec.moe_layers
+    assert rows["EP all-to-all tokens"].nbytes == bf16.nbytes and bf16.calls == 4 * spec.moe_layers
+    assert fp8.time.model_parallel < plain.time.model_parallel
+    with pytest.raises(ValueError, match="fp8_dispatch .* but ep=1 sends none; set ep > 1"):
+        ParallelConfig(fp8_dispatch=True)
+    with pytest.raises(TypeError, match="fp8_dispatch must be True or False"):
+        ParallelConfig(ep=2, fp8_dispatch="yes")
+
+
 # -- beside tensor parallelism (ep x tp) ---------------------------------------------------------------
 @pytest.mark.parametrize("sp", [False, True])
 def test_tp_splits_attention_but_not_the_experts(sp):

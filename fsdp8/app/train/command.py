@@ -65,6 +65,8 @@ def add_parser(sub) -> None:
                  "multiple of 2 x N)", type=int)
     flag("--ep", "expert-parallel degree of a mixture-of-experts model (--preset moe-*): its experts split over N "
                  "of the data-parallel ranks, tokens sent to them and back with all-to-all", type=int)
+    switch("--fp8-dispatch", "with --ep: tokens sent to their experts' ranks as e4m3 bytes with one scale per 128 "
+                              "values (about half bf16's bytes); the experts compute on them rounded to FP8")
     flag("--load-balancing", "a mixture-of-experts router's load-balancing loss: local (each rank's tokens, as "
                              "data parallelism) or global (the experts' token counts of the whole global batch)",
          choices=("local", "global"))
