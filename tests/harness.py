@@ -33,6 +33,16 @@ class RankFailure(AssertionError):
     pass
 
 
+def _fresh_meshes() -> None:
+    """Each task starts with no meshes kept from the tasks before it, as in a fresh process: fsdp8
+    reuses a layout's mesh for the life of the default process group ([Note: one mesh per layout]),
+    which a pool keeps from test to test, and compiled code and DTensor caches keyed on a reused
+    mesh would then carry one test's state into the next."""
+    from fsdp8.distributed import mesh
+
+    mesh._meshes.clear()
+
+
 def _worker(rank: int, world: int, port: int, tasks, results, stacks_path: str) -> None:
     # SIGUSR1 writes every thread's Python stack here: what a hung rank waits on (see RankPool.run).
     stacks = open(stacks_path, "w")
@@ -62,6 +72,7 @@ def _worker(rank: int, world: int, port: int, tasks, results, stacks_path: str) 
             break
         module, name, args = task
         try:
+            _fresh_meshes()
             fn = getattr(importlib.import_module(module), name)
             value = fn(*args)
         except BaseException:  # report everything, keep serving
