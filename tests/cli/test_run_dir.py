@@ -356,5 +356,5 @@ def test_a_resume_takes_the_layout_from_the_flat_saved_settings(tmp_path, launch
     # What it saves in turn is the same flat dict (plus the settings added since, at their
     # defaults, as the resume took them): a later resume reads it alike.
     assert cfg.settings() == dict(FLAT_SAVED, out=str(out), steps=12, resume=str(checkpoint), ep=1,
-                                        load_balancing="local")
+                                        load_balancing="local", fp8_dispatch=False)
     assert TrainConfig.from_settings(cfg.settings()) == cfg
