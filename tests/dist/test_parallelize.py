@@ -27,7 +27,7 @@ import torch.nn as nn
 import fsdp8
 from fsdp8.parallel.checkpointing import checkpoint_units, _selective_policy
 from tests.dist import parallelize_workers as workers
-from tests.harness import BACKEND, run_on_ranks
+from tests.harness import BACKEND, retire_pool, run_on_ranks
 
 FP32_TOL = 4e-6
 LOSS_TOL = 1e-6
@@ -153,6 +153,10 @@ def test_compiled_hf_layers_under_sequence_parallelism_match_one_process():
     # input once (GatherSequenceOnce) and the one gather's backward sums q/k/v's (gate/up's) partial
     # input gradients. This holds the sums right (fp32 parity with one process, as eager TP has);
     # that the gather happens once is test_tp_engine.py's collectives test.
+    # Fresh ranks: after test_ep.py's world-4 runs (the FP8 dispatch ones among them) the same ranks
+    # failed here in AOTAutograd's partitioner ("Node tangents_2 was invalid, but is output"), the
+    # process-history-dependent torch 2.13 failure test_ep.py's test_ep2_with_tp2_compiled meets.
+    retire_pool(4)
     pytest.importorskip("transformers")
     for out in run_on_ranks(4, workers.compiled, "llama", {"backend": "aot_eager"}, "none", True):
         errors = out["errors"]
