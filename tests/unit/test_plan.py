@@ -24,7 +24,7 @@ from fsdp8.planner.activations import activations
 from fsdp8.planner.model import converts_to_fp8, hf_spec, model_spec, tp_piece
 from fsdp8.planner.predict import plan_setup
 from fsdp8.planner.setup import make_setup
-from fsdp8.planner.time import collective_seconds, group, groups
+from fsdp8.planner.links import collective_seconds, group, groups
 
 H100 = gpu_named("h100")
 

@@ -21,7 +21,8 @@ from fsdp8.planner.memory import layer_groups, memory_report, unit_plans
 from fsdp8.planner.model import ModelSpec, model_spec
 from fsdp8.planner.predict import plan_setup
 from fsdp8.planner.setup import make_setup
-from fsdp8.planner.time import collective_seconds, groups, host_syncs
+from fsdp8.planner.links import collective_seconds, groups
+from fsdp8.planner.time import host_syncs
 from tests.unit.test_plan import saved_by_first_block
 
 H100 = gpu_named("h100")
