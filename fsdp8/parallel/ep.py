@@ -38,18 +38,6 @@ rounding's gradient is the identity (the backward all-to-all sends the rows' gra
 compute dtype), and the combine stays in the compute dtype: it carries the experts' outputs,
 which are summed per token.
 
-[Note: compiled local experts]
-The dispatch runs outside compiled graphs (its row count changes every step and its split sizes
-are host integers). The experts between the two all-to-alls ran there too, so under FP8 each
-grouped GEMM paid the eager path's Python, about 2 ms of host time per projection (forward and
-backward) on an H200's host, and the step waited for its host. With compiled units
-(``ParallelConfig(compile=...)``) ``local_experts`` (regroup the arrived rows by local expert,
-both grouped GEMMs with their SwiGLU, put the rows back) is compiled as a function of its own,
-its row count marked dynamic, so one graph serves every step and layer. It is compiled where its
-GEMMs read nothing on the host: high precision, and FP8 on the one-kernel path (traced as
-grouped_traced.py's custom ops). Other FP8 recipes read each expert's rows on the host and run
-eagerly, as before.
-
 Gradients: the engine shards the experts over the data-parallel ranks of the experts' mesh
 (``efsdp``, with ``dp_replicate`` and ``cp`` as for dense weights) and averages their
 gradients over those ranks, while a dense weight's gradient is averaged over all of
@@ -76,7 +64,7 @@ from __future__ import annotations
 import itertools
 import types
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -85,7 +73,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 from ..distributed import comm
-from ..fp8.formats import E4M3, Granularity
+from ..fp8.formats import Granularity
 from ..fp8.grouped import fp8_experts_forward, runs_fp8_experts
 from ..fp8.grouped_kernel import bounds_of
 from ..fp8.kernels import Quantized, quantize
@@ -108,7 +96,6 @@ class ExpertGroup:
     grad_placements: Optional[Tuple[Placement, ...]] = None
     rank: int = 0  # this rank's index in the ep group
     fp8_dispatch: bool = False  # [Note: FP8 dispatch]
-    compiled: Optional[Callable] = None  # local_experts compiled ([Note: compiled local experts])
 
     @property
     def local_experts(self) -> int:
@@ -251,29 +238,27 @@ def _check_blocks(model: nn.Module, experts: Dict[str, nn.Module], ep: int, tp: 
 
 
 def expert_parallel(model: nn.Module, expert_mesh: DeviceMesh, sequence_parallel: bool = False,
-                    fp8_dispatch: bool = False, compile_options: Optional[Dict] = None) -> nn.Module:
+                    fp8_dispatch: bool = False) -> nn.Module:
     """Split ``model``'s experts over ``expert_mesh["ep"]`` and dispatch tokens to them with
     all-to-all (see [Note: expert parallelism]); returns ``model``. Call before
     ``fully_shard``, on every rank (``fsdp8.parallelize(model, ParallelConfig(ep=N))`` does).
     With a ``tp`` dim in ``expert_mesh`` the experts are replicated over it, and
     ``sequence_parallel`` says whether tp ranks hold different tokens ([Note: experts beside
     tensor parallelism]); apply ``fsdp8.parallel.tensor_parallel`` first. ``fp8_dispatch``: tokens
-    travel to their experts as FP8 bytes ([Note: FP8 dispatch]). ``compile_options``: ``torch.compile``
-    options for the local experts' computation ([Note: compiled local experts]); None: eager."""
+    travel to their experts as FP8 bytes ([Note: FP8 dispatch])."""
     ep_mesh = expert_mesh["ep"]
     tp = expert_mesh["tp"].size() if "tp" in (expert_mesh.mesh_dim_names or ()) else 1
     experts = check_expert_parallel(model, ep_mesh.size(), tp)
     mesh = expert_mesh["ep", "tp"] if tp > 1 else ep_mesh
     placements = [Shard(0)] + [Replicate()] * (tp > 1)
     grad_placements = (Shard(0), Partial()) if tp > 1 and sequence_parallel else None
-    compiled = compiled_local_experts(compile_options)
     for module in experts.values():
         for name in EXPERT_PARAMS:
             param = getattr(module, name)
             placed = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)
             module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
         group = ExpertGroup(ep_mesh.get_group(), ep_mesh.size(), module.gate_up_proj.shape[0], grad_placements,
-                            ep_mesh.get_local_rank(), fp8_dispatch, compiled)
+                            ep_mesh.get_local_rank(), fp8_dispatch)
         module.forward = types.MethodType(_dispatching_forward(group), module)
     return model
 
@@ -300,9 +285,7 @@ def _dispatching_forward(group: ExpertGroup):
 
 
 # Outside compiled graphs: the rows that arrive change in number every step (a recompilation
-# each time), and the split sizes are host values anyway. The local experts' computation between
-# the two all-to-alls may be compiled on its own, with the rows' count dynamic ([Note: compiled
-# local experts]).
+# each time), and the split sizes are host values anyway.
 @torch.compiler.disable
 def dispatch_and_compute(module: nn.Module, group: ExpertGroup, hidden_states: torch.Tensor,
                          top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -324,16 +307,11 @@ def dispatch_and_compute(module: nn.Module, group: ExpertGroup, hidden_states: t
     scale = 1.0 / group.size
     gate_up = _ScaleGrad.apply(_local(module.gate_up_proj, group.grad_placements), scale)
     down = _ScaleGrad.apply(_local(module.down_proj, group.grad_placements), scale)
-    recipe = getattr(module, "fp8_recipe", None)
-    if group.compiled is not None and traceable(recipe):
-        torch._dynamo.maybe_mark_dynamic(arrived, 0)
-        restored = group.compiled(arrived, received, gate_up, down, module.act_fn, recipe)
-    else:
-        # Delayed scaling: every rank keeps all experts' histories and records its own experts' rows
-        # (fsdp8/fp8/grouped_delayed.py).
-        restored = local_experts(arrived, received, gate_up, down, module.act_fn, recipe,
-                                 bounds_of(list(itertools.accumulate(expert_rows))),
-                                 delayed_of(module, group.first_expert, group.local_experts))
+    # Delayed scaling: every rank keeps all experts' histories and records its own experts' rows
+    # (fsdp8/fp8/grouped_delayed.py).
+    restored = local_experts(arrived, received, gate_up, down, module.act_fn, getattr(module, "fp8_recipe", None),
+                             bounds_of(list(itertools.accumulate(expert_rows))),
+                             delayed_of(module, group.first_expert, group.local_experts))
     returned = _AllToAll.apply(restored, in_splits, out_splits, group.group, "ep combine")
     return combine_by_token(returned, order, inverse, top_k_weights, hidden_states)
 
@@ -342,34 +320,13 @@ def local_experts(arrived: torch.Tensor, received: torch.Tensor, gate_up: torch.
                   act_fn, recipe=None, bounds=None, delayed=None) -> torch.Tensor:
     """The local experts' SwiGLU on the rows that ``arrived`` source-rank-major (``received[j, e]``
     of local expert ``e`` from rank ``j``), returned in arrival order: the rows regrouped by local
-    expert, one grouped GEMM per projection (``expert_mlp``), and put back."""
+    expert, one grouped GEMM per projection (``expert_mlp``), and put back. ``bounds``: each local
+    expert's rows on the host, where the caller has them."""
     regroup, arrival, local_counts = permute_by_expert(_local_expert_of_rows(received, arrived.shape[0]),
                                                        received.shape[1])
     computed = expert_mlp(permute_rows(arrived, regroup, arrival), local_counts, gate_up, down, act_fn,
                           recipe=recipe, bounds=bounds, delayed=delayed)
     return permute_rows(computed, arrival, regroup)
-
-
-def traceable(recipe) -> bool:
-    """Whether the local experts' GEMMs under ``recipe`` can live in a compiled graph: high
-    precision, or FP8 on the one-kernel path, which reads nothing on the host (per-tensor current
-    scaling with e4m3 gradients; fsdp8/fp8/grouped_traced.py). Others read each expert's rows on the
-    host and run eagerly, where the caller's host read gives them."""
-    if recipe is None:
-        return True
-    per_tensor = all(g is Granularity.TENSOR for g in (recipe.x_granularity, recipe.w_granularity,
-                                                       recipe.g_granularity))
-    return per_tensor and not recipe.delayed and recipe.bwd_dtype == E4M3
-
-
-def compiled_local_experts(options: Optional[Dict]):
-    """``local_experts`` compiled with the units' ``torch.compile`` options (None: not compiled). The
-    rows' count varies every step: it is marked dynamic at each call, whatever ``dynamic`` the units
-    take (their DTensors may need static shapes; these are plain tensors)."""
-    if options is None:
-        return None
-    options = {key: value for key, value in options.items() if key != "dynamic"}
-    return torch.compile(local_experts, **options)
 
 
 def _local_expert_of_rows(received: torch.Tensor, rows: int) -> torch.Tensor:

@@ -206,8 +206,7 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
     units = config.units if config.units is not None else adapter.units(model)
     expert_mesh = make_expert_mesh(mesh, config.ep) if experts else None
     if experts:
-        expert_parallel(model, expert_mesh, config.sequence_parallel, config.fp8_dispatch,
-                        compile_options(config) if config.compiled else None)
+        expert_parallel(model, expert_mesh, config.sequence_parallel, config.fp8_dispatch)
         units = _units_and_experts(model, units, experts)
     elif config.fp8 is not None:
         computed_in_fp8(model)
