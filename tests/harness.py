@@ -16,8 +16,10 @@ import faulthandler
 import importlib
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -33,14 +35,29 @@ class RankFailure(AssertionError):
     pass
 
 
-def _fresh_meshes() -> None:
-    """Each task starts with no meshes kept from the tasks before it, as in a fresh process: fsdp8
-    reuses a layout's mesh for the life of the default process group ([Note: one mesh per layout]),
-    which a pool keeps from test to test, and compiled code and DTensor caches keyed on a reused
-    mesh would then carry one test's state into the next."""
+def _fresh_state() -> None:
+    """Each task starts as in a fresh process: with no meshes kept from the tasks before it (fsdp8
+    reuses a layout's mesh for the life of the default process group, [Note: one mesh per
+    layout], which a pool keeps from test to test; compiled code and DTensor caches keyed on a
+    reused mesh would carry one test's state into the next) and no compiled code (Dynamo marks a
+    dimension dynamic when code it compiled once meets another size, so an earlier test's shapes
+    would make this test's graphs symbolic)."""
     from fsdp8.distributed import mesh
 
     mesh._meshes.clear()
+    if "torch._dynamo" in sys.modules:  # only where a task compiled: importing Dynamo takes seconds
+        sys.modules["torch._dynamo"].reset()
+
+
+def _picklable(value):
+    """``value`` if it can travel back to pytest's process, else an error that says why: a queue
+    pickles in a thread of its own, where a failure is printed and the result lost (the test then
+    waited for its timeout)."""
+    try:
+        pickle.dumps(value)
+    except Exception as e:  # noqa: BLE001 -- any pickling failure is the task's failure
+        return False, f"the task returned a value that cannot be sent back ({type(e).__name__}: {e}): {value!r:.500}"
+    return True, value
 
 
 def _worker(rank: int, world: int, port: int, tasks, results, stacks_path: str) -> None:
@@ -72,13 +89,13 @@ def _worker(rank: int, world: int, port: int, tasks, results, stacks_path: str) 
             break
         module, name, args = task
         try:
-            _fresh_meshes()
+            _fresh_state()
             fn = getattr(importlib.import_module(module), name)
             value = fn(*args)
         except BaseException:  # report everything, keep serving
             results.put((rank, False, traceback.format_exc(), _threads()))
         else:
-            results.put((rank, True, value, _threads()))
+            results.put((rank, *_picklable(value), _threads()))
     dist.destroy_process_group()
 
 

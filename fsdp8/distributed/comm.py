@@ -54,6 +54,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from . import watchdog
@@ -248,6 +249,10 @@ def summed(tensor: torch.Tensor, groups, label: str) -> torch.Tensor:
 # top-level ACT arguments in its pre-forward hook, outside any compiled code (``waited``): an
 # identity for autograd whose output is a plain tensor. The unit would wait on it first thing
 # anyway (the compiled code emits that ``trigger_wait()``; eager code waits at the first op).
+# Under sequence parallelism the input is a DTensor whose local tensor is an ACT: waited on the
+# same way, it becomes a DTensor over a plain tensor, like every later unit's input. Left as it
+# was, the first unit's compiled code guarded on the ACT type and every later unit (the same code)
+# compiled the layer a second time (seen on CPUs: 56 of a test's 67 s were compiling).
 class _Waited(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
@@ -259,9 +264,14 @@ class _Waited(torch.autograd.Function):
 
 
 def waited(x):
-    """``x`` as a plain tensor connected to autograd if it is an AsyncCollectiveTensor, else ``x``
-    ([Note: async-collective inputs])."""
-    return _Waited.apply(x) if isinstance(x, funcol.AsyncCollectiveTensor) else x
+    """``x`` as a plain tensor connected to autograd if it is an AsyncCollectiveTensor, as a DTensor
+    over a plain tensor if it is a DTensor over one, else ``x`` ([Note: async-collective inputs])."""
+    if isinstance(x, funcol.AsyncCollectiveTensor):
+        return _Waited.apply(x)
+    if isinstance(x, DTensor) and isinstance(x._local_tensor, funcol.AsyncCollectiveTensor):
+        return DTensor.from_local(_Waited.apply(x.to_local()), x.device_mesh, x.placements, run_check=False,
+                                  shape=x.shape, stride=x.stride())
+    return x
 
 
 def maxed(tensor: torch.Tensor, mesh) -> torch.Tensor:

@@ -24,7 +24,10 @@ except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
 
+@functools.lru_cache(maxsize=None)
 def available() -> bool:
+    """Whether the Triton kernels can run (asked for every cast: cached, as CUDA's presence in a
+    process does not change)."""
     return triton is not None and torch.cuda.is_available()
 
 

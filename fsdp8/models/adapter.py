@@ -92,8 +92,9 @@ class ModelAdapter:
         )
 
     def checkpoint_filter(self, model: nn.Module) -> Optional[CallFilter]:
-        """What activation checkpointing must take out of a unit's call before it is recomputed
-        (a KV cache that would be appended to twice); None: nothing."""
+        """What a unit's training call must not carry, taken out before activation checkpointing
+        (a KV cache would be appended to twice when recomputed) and before a compiled unit's code
+        (a cache in another state at every layer would compile the layer again); None: nothing."""
         return None
 
     def planner_spec(self, model: nn.Module) -> ModelSpec:

@@ -492,9 +492,9 @@ def _counting_tp_fp8_collectives(counts: Dict[str, int]):
 
 def compiled_fp8_tp_in_graph(family: str = "llama") -> Dict[str, int]:
     """Compiled layers with FP8 current scaling at tp 2 with sequence parallelism, two training
-    steps: Dynamo's graph breaks, and the eager calls of fsdp8's tensor-parallel FP8 collectives,
-    which a linear traced into the graph never makes. Counted from before the first compile, so
-    the patch itself changes nothing Dynamo guards on."""
+    steps: Dynamo's graph breaks, the graphs it compiled, and the eager calls of fsdp8's
+    tensor-parallel FP8 collectives, which a linear traced into the graph never makes. Counted from
+    before the first compile, so the patch itself changes nothing Dynamo guards on."""
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -504,7 +504,7 @@ def compiled_fp8_tp_in_graph(family: str = "llama") -> Dict[str, int]:
         model = fsdp8.parallelize(build(family), config)
         for step in range(2):
             loss_of(model, model.shard_batch(batch(family, step))).backward()
-    return dict(eager, graph_breaks=sum(counters["graph_break"].values()))
+    return dict(eager, graph_breaks=sum(counters["graph_break"].values()), graphs=counters["stats"]["unique_graphs"])
 
 
 def sequence_parallel_collectives(family: str = "llama", fp8: bool = True) -> Dict[str, int]:
