@@ -162,9 +162,9 @@ def _import_torchtitan():
 # ----------------------------------------------------------------------------- stacks
 
 
-def build_fsdp8(spec: MoeSpec, ctx: Context, ep: int, recipe=None) -> Built:
+def build_fsdp8(spec: MoeSpec, ctx: Context, ep: int, recipe=None, fp8_dispatch: bool = False) -> Built:
     model = build_hf_moe(spec, ctx.device, ctx.args.seed)
-    config = fsdp8.ParallelConfig(ep=ep, fp8=recipe, compile=ctx.device.type == "cuda",
+    config = fsdp8.ParallelConfig(ep=ep, fp8=recipe, compile=ctx.device.type == "cuda", fp8_dispatch=fp8_dispatch,
                                   precision=fsdp8.Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     return plain_optimizer(fsdp8.parallelize(model, config), ctx)
 
@@ -211,6 +211,10 @@ BUILDERS: Dict[str, Callable[[MoeSpec, Context], Built]] = {
     "fsdp8-ep-fp8-e4m3": lambda spec, ctx: build_fsdp8(spec, ctx, ctx.args.ep,
                                                       fsdp8.Float8CurrentScaling(fp8_format="e4m3")),
     "fsdp8-ep-fp8-block": lambda spec, ctx: build_fsdp8(spec, ctx, ctx.args.ep, fsdp8.Float8BlockScaling()),
+    # Tokens dispatched to their experts as FP8 bytes and 1x128 scales (ParallelConfig(fp8_dispatch=True)).
+    "fsdp8-ep-fp8dispatch": lambda spec, ctx: build_fsdp8(spec, ctx, ctx.args.ep, fp8_dispatch=True),
+    "fsdp8-ep-fp8-e4m3-fp8dispatch": lambda spec, ctx: build_fsdp8(
+        spec, ctx, ctx.args.ep, fsdp8.Float8CurrentScaling(fp8_format="e4m3"), fp8_dispatch=True),
     "fsdp8": lambda spec, ctx: build_fsdp8(spec, ctx, 1),
     "fsdp8-fp8-e4m3": lambda spec, ctx: build_fsdp8(spec, ctx, 1, fsdp8.Float8CurrentScaling(fp8_format="e4m3")),
     "fsdp8-fp8-delayed": lambda spec, ctx: build_fsdp8(spec, ctx, 1, fsdp8.DelayedScaling()),
