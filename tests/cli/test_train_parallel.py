@@ -19,6 +19,8 @@ import torch
 
 from fsdp8.app import cli
 from fsdp8.app.train import command as train_command
+from tests.cli import train_workers
+from tests.harness import run_on_ranks
 
 STEPS = 8
 COMMON = ["--steps", str(STEPS), "--seq-len", "32", "--batch-size", "4", "--micro-batches", "2", "--log-every", "1",
@@ -31,6 +33,12 @@ def _train(out, *args):
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
+
+
+def _train_on_pool(out, *args):
+    """A two-rank reference run: `fsdp8 train` as its workers run it, on the test pool's ranks (the
+    same losses bit for bit, without a launcher's and two workers' start-up)."""
+    run_on_ranks(2, train_workers.train_on_pool, ["--out", str(out), *args], timeout=300)
 
 
 def _records(out):
@@ -60,7 +68,7 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(runs):
     """Two data-parallel ranks, nothing else."""
-    _train(runs / "reference", "--nproc", "2", *COMMON)
+    _train_on_pool(runs / "reference", *COMMON)
     return runs / "reference"
 
 
@@ -164,7 +172,7 @@ def test_moe_preset_with_expert_parallelism_trains_as_data_parallel_and_resumes_
     loss equals the plain data-parallel run's (the checkpoint reshards the experts)."""
     moe = ["--preset", "moe-tiny", *COMMON]
     reference = runs / "moe-reference"
-    _train(reference, "--nproc", "2", *moe)
+    _train_on_pool(reference, *moe)
     out = runs / "moe-ep"
     first = _train(out, "--nproc", "2", "--ep", "2", "--save-every", "4", "--stop-at", "4", *moe)
     assert "2 x cpu as dp_shard 2 (experts over ep 2 of dp_shard)" in first
