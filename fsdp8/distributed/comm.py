@@ -251,8 +251,8 @@ def summed(tensor: torch.Tensor, groups, label: str) -> torch.Tensor:
 # anyway (the compiled code emits that ``trigger_wait()``; eager code waits at the first op).
 # Under sequence parallelism the input is a DTensor whose local tensor is an ACT: waited on the
 # same way, it becomes a DTensor over a plain tensor, like every later unit's input. Left as it
-# was, the first unit's compiled code guarded on the ACT type and every later unit (the same code)
-# compiled the layer a second time (seen on CPUs: 56 of a test's 67 s were compiling).
+# was, the first unit's compiled code guarded on the ACT type, and the later units (the same code)
+# compiled the layer a second time.
 class _Waited(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:

@@ -244,8 +244,7 @@ def _compiled(forward: Callable, options: Dict[str, Any], filter_call: Optional[
     """``forward`` compiled; in training (grad enabled) its calls first pass the model adapter's
     filter, outside the compiled code: Hugging Face layers drop the KV cache a training forward
     builds and never reads. Each layer finds that cache in another state (the layers before it
-    filled theirs), so the compiled code, shared by the layers, was compiled again for the next
-    layer, and once more in any layer whose state differed."""
+    filled theirs), so the code the layers share was compiled again for the next layer."""
     compiled = torch.compile(forward, **options)
     adapt = filter_call(forward) if filter_call is not None else None
     if adapt is None:
