@@ -372,7 +372,9 @@ def tree_of(rev: str, own_harness: bool) -> tuple[Path, str]:
         # A machine without this repository's current .git (a copied working tree) describes its
         # HEAD wrongly: `prepare` recorded what the checkout was where git is.
         recorded = REPO / ".ab" / "CHECKOUT"
-        return REPO, "this checkout: " + (recorded.read_text().strip() if recorded.is_file() else describe(REPO, "HEAD"))
+        if recorded.is_file():  # run `prepare` again after committing, or this names an older HEAD
+            return REPO, f"this checkout, as `prepare` last recorded it: {recorded.read_text().strip()}"
+        return REPO, "this checkout: " + describe(REPO, "HEAD")
     tree = Path(tempfile.mkdtemp(prefix="fsdp8-ab-"))
     prepared = REPO / ".ab" / rev
     if prepared.is_dir():  # carried from a machine with git (`gpu_run.py prepare REV`)
