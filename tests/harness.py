@@ -49,15 +49,14 @@ def _fresh_state() -> None:
         sys.modules["torch._dynamo"].reset()
 
 
-def _picklable(value):
-    """``value`` if it can travel back to pytest's process, else an error that says why: a queue
-    pickles in a thread of its own, where a failure is printed and the result lost (the test then
-    waited for its timeout)."""
+def _pickled(value):
+    """(True, ``value`` pickled) to travel back to pytest's process, or (False, why it cannot): a
+    queue pickles in a thread of its own, where a failure is printed and the result lost (the test
+    then waited for its timeout). Pickled here, once; the queue sends the bytes as they are."""
     try:
-        pickle.dumps(value)
+        return True, pickle.dumps(value)
     except Exception as e:  # noqa: BLE001 -- any pickling failure is the task's failure
         return False, f"the task returned a value that cannot be sent back ({type(e).__name__}: {e}): {value!r:.500}"
-    return True, value
 
 
 def _worker(rank: int, world: int, port: int, tasks, results, stacks_path: str) -> None:
@@ -95,7 +94,7 @@ def _worker(rank: int, world: int, port: int, tasks, results, stacks_path: str) 
         except BaseException:  # report everything, keep serving
             results.put((rank, False, traceback.format_exc(), _threads()))
         else:
-            results.put((rank, *_picklable(value), _threads()))
+            results.put((rank, *_pickled(value), _threads()))
     dist.destroy_process_group()
 
 
@@ -166,7 +165,7 @@ class RankPool:
                 # Other ranks may now wait in a collective forever: replace the whole pool.
                 self.close()
                 raise RankFailure(f"{fn.__name__} failed on rank {rank} of {self.world}:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
             self.threads = max(self.threads, threads)
         return [out[r] for r in range(self.world)]
 

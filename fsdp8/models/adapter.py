@@ -35,7 +35,7 @@ from .tp_plan import FamilyPlan
 
 # What fully_shard's ``units`` takes: module classes, or a predicate over (name, module).
 Units = Union[Sequence[type], Callable[[str, nn.Module], bool]]
-# Given a unit's forward, the function that adapts each checkpointed call's (args, kwargs).
+# Given a unit's forward, the function that adapts each training call's (args, kwargs) (checkpointed or compiled).
 CallFilter = Callable[[Callable], Callable[[tuple, dict], Tuple[tuple, dict]]]
 
 

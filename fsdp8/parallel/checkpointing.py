@@ -78,19 +78,32 @@ def selective_contexts():
     return create_selective_checkpoint_contexts(_selective_policy(defaultdict(int)))
 
 
-def _checkpointed(forward: Callable, context_fn: Optional[Callable], filter_call: Optional[CallFilter]):
+def filter_training_calls(call: Callable, filter_call: Optional[CallFilter], forward: Callable) -> Callable:
+    """``call`` (a unit's ``forward`` checkpointed or compiled) whose calls with gradients enabled
+    first pass ``filter_call(forward)``: what a training call must not carry (the model adapter's
+    ``checkpoint_filter``; Hugging Face layers drop the KV cache). ``call`` itself without a filter."""
     adapt = filter_call(forward) if filter_call is not None else None
+    if adapt is None:
+        return call
 
+    @functools.wraps(call)
+    def run(*args, **kwargs):
+        if torch.is_grad_enabled():
+            args, kwargs = adapt(args, kwargs)
+        return call(*args, **kwargs)
+
+    return run
+
+
+def _checkpointed(forward: Callable, context_fn: Optional[Callable], filter_call: Optional[CallFilter]):
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)  # nothing is saved for a backward that never comes
-        if adapt is not None:
-            args, kwargs = adapt(args, kwargs)
         extra = {"context_fn": context_fn} if context_fn is not None else {}
         return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
-    return run
+    return filter_training_calls(run, filter_call, forward)
 
 
 def checkpoint_units(modules: Iterable[nn.Module], mode: str, filter_call: Optional[CallFilter] = None) -> None:

@@ -23,7 +23,7 @@ import inspect
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Union
+from typing import Any, Dict, Mapping, Union
 
 import torch
 import torch.distributed as dist
@@ -38,9 +38,9 @@ from ..engine.model import fully_shard
 from ..engine.sharded import ShardedModel
 from ..engine.units_and_mesh import find_units
 from ..fp8.grouped import probe_before_compiling
-from ..models.adapter import CallFilter, ModelAdapter, adapter_for
+from ..models.adapter import ModelAdapter, adapter_for
 from .auto import auto_choice, describe_choice
-from .checkpointing import checkpoint_units
+from .checkpointing import checkpoint_units, filter_training_calls
 from .cp import context_parallel, loss_divisor, shard_sequence
 from .ep import check_expert_parallel, computed_in_fp8, expert_parallel
 from .tp import tensor_parallel
@@ -218,15 +218,19 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
     # which checkpointing and compiling already cover.
     expert_ids = {id(m) for m in experts.values()}
     unit_modules = [unit.module for unit in sharded._fsdp8.units if id(unit.module) not in expert_ids]
+    # What a training call must not carry (a KV cache) is taken out once, by the outermost wrapper:
+    # before the compiled code where units are compiled (a cache in another state at each layer
+    # would compile the layers' shared code again for the next layer), else before checkpointing.
+    filter_call = adapter.checkpoint_filter(model)
     if config.activation_checkpointing != "none":
-        checkpoint_units(unit_modules, config.activation_checkpointing, adapter.checkpoint_filter(model))
+        checkpoint_units(unit_modules, config.activation_checkpointing, None if config.compiled else filter_call)
     if config.compiled:
         options = compile_options(config)
         if config.fp8 is not None:
             probe_before_compiling(model, mesh_device(mesh))
-        filter_call = adapter.checkpoint_filter(model)
         for module in unit_modules:
-            module.forward = _compiled(module.forward, options, filter_call)
+            compiled = torch.compile(module.forward, **options)
+            module.forward = filter_training_calls(compiled, filter_call, module.forward)
     if skip_packed is not None:
         skip_packed()
     dp_rank, dp_size = _data_parallel_place(mesh)
@@ -238,24 +242,6 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
 # torch 2.13's DTensor hashes a symbolic shape (pytorch#185190); torch 2.11's does not (seen on
 # the GPU machines); 2.12 was not tried, so it counts as not.
 _DTENSOR_HASHES_SYMBOLIC_SHAPES = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
-
-
-def _compiled(forward: Callable, options: Dict[str, Any], filter_call: Optional[CallFilter]) -> Callable:
-    """``forward`` compiled; in training (grad enabled) its calls first pass the model adapter's
-    filter, outside the compiled code: Hugging Face layers drop the KV cache a training forward
-    builds and never reads. Each layer finds that cache in another state (the layers before it
-    filled theirs), so the code the layers share was compiled again for the next layer."""
-    compiled = torch.compile(forward, **options)
-    adapt = filter_call(forward) if filter_call is not None else None
-    if adapt is None:
-        return compiled
-
-    def run(*args, **kwargs):
-        if torch.is_grad_enabled():
-            args, kwargs = adapt(args, kwargs)
-        return compiled(*args, **kwargs)
-
-    return run
 
 
 def compile_options(config: ParallelConfig) -> Dict[str, Any]:
