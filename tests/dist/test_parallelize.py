@@ -143,10 +143,10 @@ def test_compiled_fp8_linears_under_tp_stay_in_the_graph():
 
 def test_compiled_checkpointed_layers_compile_once():
     # Checkpointed and compiled, the KV cache is taken out once, before the compiled code (the
-    # outermost wrapper), so the layers' shared code compiles once. At dp 2: under tensor
-    # parallelism full checkpointing of a compiled Hugging Face layer fails on torch 2.13 in
-    # AOTAutograd, which saves a DeviceMesh among the forward's tensors ("expected all
-    # tensors_saved_with_vc_check to be Tensors"), with or without FP8; not solved yet.
+    # outermost wrapper), so the layers' shared code compiles once. At dp 2: under tensor and
+    # sequence parallelism full checkpointing of a compiled layer (built-in or Hugging Face's) fails
+    # on torch 2.13 in AOTAutograd, which saves a DeviceMesh among the forward's tensors ("expected
+    # all tensors_saved_with_vc_check to be Tensors"), with or without FP8; not solved yet.
     pytest.importorskip("transformers")
     for counts in run_on_ranks(2, workers.compiled_fp8_tp_in_graph, "llama", "full", False, 1):
         assert counts["graph_breaks"] == 0 and counts["graphs"] == 1, counts
