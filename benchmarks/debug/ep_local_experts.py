@@ -63,7 +63,7 @@ def measure(fn, args, recipe, reps: int):
     return (end - start) * 1e3 / reps, (issued - start) * 1e3 / reps
 
 
-def host_profile(args, reps: int) -> None:
+def host_profile(args, reps: int, dump: str = "") -> None:
     import cProfile
     import pstats
 
@@ -73,6 +73,8 @@ def host_profile(args, reps: int) -> None:
     profiler.enable()
     measure(local_experts, args, recipe, reps)
     profiler.disable()
+    if dump:
+        profiler.dump_stats(dump)
     stats = pstats.Stats(profiler)
     print(f"per call: {stats.total_tt * 1e3 / reps:.2f} ms of profiled host time over {reps} calls")
     stats.sort_stats("tottime").print_stats(30)
@@ -96,12 +98,13 @@ def main() -> None:
     p.add_argument("--sources", type=int, default=2)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--host-profile", action="store_true", help="cProfile the eager FP8 calls: where the host goes")
+    p.add_argument("--dump", default="", help="with --host-profile: write the pstats to this file")
     a = p.parse_args()
     print("kernel_runs:", grouped_kernel.kernel_runs(torch.device("cuda")))
     problems = [problem(a.rows + 97 * i, a.experts, a.hidden, a.width, a.sources, i) for i in range(4)]
     args = ([x for x, _ in problems], [r for _, r in problems], *weights(a.experts, a.hidden, a.width))
     if a.host_profile:
-        host_profile(args, a.reps)
+        host_profile(args, a.reps, a.dump)
         return
     compiled = torch.compile(local_experts)
     print(f"local experts: {a.experts} of [{2 * a.width}, {a.hidden}] and [{a.hidden}, {a.width}], about "

@@ -78,6 +78,28 @@ def selective_contexts():
     return create_selective_checkpoint_contexts(_selective_policy(defaultdict(int)))
 
 
+def _full_compiled_policy(ctx, op, *args, **kwargs):
+    """Full checkpointing in a compiled unit: everything recomputed, except the outputs of random
+    ops that compute on a CPU (see compiled_full_contexts)."""
+    random = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+    if random and any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def compiled_full_contexts():
+    """The ``context_fn`` of full checkpointing in a compiled unit.
+
+    AOTAutograd recomputes a random op (SDPA counts as one, whatever its dropout) with the RNG state
+    of its forward, which it passes from the forward graph to the backward. On a CPU (no graph-safe
+    RNG) torch 2.13 appends that state after the forward's saved opaque objects, the DeviceMesh of
+    DTensor parameters among them, and its runtime then reads the mesh as a saved tensor ("expected all
+    tensors_saved_with_vc_check to be Tensors"): every compiled layer under tensor parallelism
+    failed. CUDA tensors take the graph-safe path, which passes the state as inputs and is not
+    affected. So on CPUs the random ops' outputs (attention's) are kept, and the rest recomputed."""
+    return create_selective_checkpoint_contexts(_full_compiled_policy)
+
+
 def filter_training_calls(call: Callable, filter_call: Optional[CallFilter], forward: Callable) -> Callable:
     """``call`` (a unit's ``forward`` checkpointed or compiled) whose calls with gradients enabled
     first pass ``filter_call(forward)``: what a training call must not carry (the model adapter's
@@ -106,14 +128,19 @@ def _checkpointed(forward: Callable, context_fn: Optional[Callable], filter_call
     return filter_training_calls(run, filter_call, forward)
 
 
-def checkpoint_units(modules: Iterable[nn.Module], mode: str, filter_call: Optional[CallFilter] = None) -> None:
+def checkpoint_units(modules: Iterable[nn.Module], mode: str, filter_call: Optional[CallFilter] = None,
+                     compiled: bool = False) -> None:
     """Recompute each module's activations in backward: ``mode`` ``"full"`` or ``"selective"``.
 
     ``filter_call(forward)`` gives the function that adapts the arguments of each checkpointed
     call (the model adapter's ``checkpoint_filter``: Hugging Face layers drop their KV cache, as
-    a recomputation would append to it a second time)."""
+    a recomputation would append to it a second time). ``compiled``: the modules' forwards will be
+    compiled around the checkpoint (full checkpointing then takes compiled_full_contexts)."""
     if mode not in ("full", "selective"):
         raise ValueError(f"activation checkpointing mode {mode!r}: use 'full' or 'selective'")
-    context_fn = selective_contexts if mode == "selective" else None
+    if mode == "selective":
+        context_fn = selective_contexts
+    else:
+        context_fn = compiled_full_contexts if compiled else None
     for module in modules:
         module.forward = _checkpointed(module.forward, context_fn, filter_call)

@@ -223,7 +223,8 @@ def parallelize(model: nn.Module, config: Union[ParallelConfig, str, None] = Non
     # would compile the layers' shared code again for the next layer), else before checkpointing.
     filter_call = adapter.checkpoint_filter(model)
     if config.activation_checkpointing != "none":
-        checkpoint_units(unit_modules, config.activation_checkpointing, None if config.compiled else filter_call)
+        checkpoint_units(unit_modules, config.activation_checkpointing, None if config.compiled else filter_call,
+                         compiled=config.compiled)
     if config.compiled:
         options = compile_options(config)
         if config.fp8 is not None:
