@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 import fsdp8
-from fsdp8.parallel.checkpointing import checkpoint_units, _selective_policy
+from fsdp8.parallel.checkpointing import _full_compiled_policy, _selective_policy, checkpoint_units
 from tests.dist import parallelize_workers as workers
 from tests.harness import BACKEND, retire_pool, run_on_ranks
 
@@ -241,6 +241,20 @@ def test_selective_policy_keeps_every_other_matmul_and_attention():
     assert forward == ["MUST_SAVE", "PREFER_RECOMPUTE", "MUST_SAVE", "PREFER_RECOMPUTE", "PREFER_RECOMPUTE",
                        "MUST_SAVE", "MUST_SAVE", "PREFER_RECOMPUTE", "MUST_SAVE"]
     assert [policy(_Ctx(True), op).name for op in ops] == forward  # recomputation counts afresh
+
+
+def test_compiled_full_policy_keeps_only_random_ops_on_a_cpu():
+    # Compiled full checkpointing (checkpointing.py, compiled_full_contexts): SDPA computing on a CPU
+    # is kept (torch 2.13 cannot recompute it beside DTensor parameters there); on any other device,
+    # and every other op, everything is recomputed.
+    aten = torch.ops.aten
+    cpu, elsewhere = torch.zeros(2), torch.zeros(2, device="meta")
+    attention = aten._scaled_dot_product_flash_attention_for_cpu.default
+    decide = {(op, t.device.type): _full_compiled_policy(_Ctx(False), op, t).name
+              for op in (attention, aten.mm.default, aten.add.Tensor) for t in (cpu, elsewhere)}
+    assert decide == {(attention, "cpu"): "MUST_SAVE", (attention, "meta"): "PREFER_RECOMPUTE",
+                      (aten.mm.default, "cpu"): "PREFER_RECOMPUTE", (aten.mm.default, "meta"): "PREFER_RECOMPUTE",
+                      (aten.add.Tensor, "cpu"): "PREFER_RECOMPUTE", (aten.add.Tensor, "meta"): "PREFER_RECOMPUTE"}
 
 
 class _Chain(nn.Module):
