@@ -115,7 +115,10 @@ def parallel_run(model: nn.Module, family: str, config: fsdp8.ParallelConfig, re
     layer = model._fsdp8.units[0].module
     child = next(iter(layer.children()))
     calls: List[int] = []
-    child.register_forward_hook(lambda *_: calls.append(1))
+    if not config.compiled:
+        # Counting in a compiled layer would be a side effect inside the checkpoint that Dynamo
+        # cannot trace: it would run the checkpointed layer eagerly, outside the graph under test.
+        child.register_forward_hook(lambda *_: calls.append(1))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
     gathers = None
@@ -126,7 +129,7 @@ def parallel_run(model: nn.Module, family: str, config: fsdp8.ParallelConfig, re
             loss = loss_of(model, model.shard_batch(batch(family, step)))
             loss.backward()
         if step == 1:
-            gathers, recomputed = counter.counts, len(calls)
+            gathers, recomputed = counter.counts, (None if config.compiled else len(calls))
         fold_step_errors(worst, model, loss, reference, step)
         opt.step()
         opt.zero_grad()
@@ -325,12 +328,17 @@ def fold_weight_errors(worst: Dict[str, float], model, reference: dict) -> None:
 
 
 def compiled(family: str, options: dict, checkpointing: str = "selective", sequence_parallel: bool = False) -> dict:
-    """Units compiled (``options`` for torch.compile) and checkpointed as ``checkpointing`` says, at dp 2 x tp 2."""
+    """Units compiled (``options`` for torch.compile) and checkpointed as ``checkpointing`` says, at dp 2 x tp 2;
+    with Dynamo's graph breaks (a break inside a checkpoint runs the whole checkpointed layer eagerly)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     initial = build(family)
     reference = reference_run(copy.deepcopy(initial), family)
     config = fsdp8.ParallelConfig(tp=2, activation_checkpointing=checkpointing, compile=options, precision=FP32,
                                   sequence_parallel=sequence_parallel)
-    return parallel_run(copy.deepcopy(initial), family, config, reference)
+    return dict(parallel_run(copy.deepcopy(initial), family, config, reference),
+                graph_breaks=sum(counters["graph_break"].values()))
 
 
 def auto_layout(family: str = "builtin") -> dict:

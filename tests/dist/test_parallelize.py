@@ -155,11 +155,14 @@ def test_compiled_checkpointed_layers_compile_once():
 @pytest.mark.parametrize("checkpointing, sequence_parallel", [("selective", False), ("full", True)])
 def test_compiled_units_keep_the_engine_hooks_outside(checkpointing, sequence_parallel):
     # aot_eager: Dynamo and AOTAutograd trace the checkpointed forward as inductor would,
-    # without its minutes of C++ compilation on a CPU runner. Compiled full checkpointing keeps
-    # attention's outputs on a CPU (checkpointing.py, compiled_full_contexts): fp32 parity holds.
+    # without its minutes of C++ compilation on a CPU runner. No graph break: one inside the
+    # checkpoint would run the checkpointed layer eagerly (the recompute-counting hook of an earlier
+    # version of this test did, unseen). Compiled full checkpointing under TP failed on a CPU before it
+    # kept attention's outputs there (checkpointing.py, compiled_full_contexts).
     for out in run_on_ranks(4, workers.compiled, "builtin", {"backend": "aot_eager"}, checkpointing,
                             sequence_parallel):
         errors = out["errors"]
+        assert out["graph_breaks"] == 0, out
         assert errors["loss"] <= LOSS_TOL and errors["grad"] <= FP32_TOL and errors["weight"] <= FP32_TOL, errors
         assert out["gathers"] == {"<root>": 1, "layers.0": 2, "layers.1": 1}
 
