@@ -498,19 +498,16 @@ def _counting_tp_fp8_collectives(counts: Dict[str, int]):
         comm.all_reduce, comm.all_gather, tp_gather.reduce_scatter_sum = originals
 
 
-def compiled_fp8_tp_in_graph(family: str = "llama", checkpointing: str = "none", fp8: bool = True,
-                             tp: int = 0) -> Dict[str, int]:
-    """Compiled layers with FP8 current scaling (``fp8``) at tp = world (``tp``: another degree) with
-    sequence parallelism, ``checkpointing`` as given, two training steps: Dynamo's graph breaks, the graphs it compiled, and the eager calls of fsdp8's
+def compiled_fp8_tp_in_graph(family: str = "llama", checkpointing: str = "none") -> Dict[str, int]:
+    """Compiled layers with FP8 current scaling at tp 2 with sequence parallelism, ``checkpointing`` as
+    given, two training steps: Dynamo's graph breaks, the graphs it compiled, and the eager calls of fsdp8's
     tensor-parallel FP8 collectives, which a linear traced into the graph never makes. Counted from
     before the first compile, so the patch itself changes nothing Dynamo guards on."""
     from torch._dynamo.utils import counters
 
     counters.clear()
     with _counting_tp_fp8_collectives({"amax": 0, "gather": 0, "reduce_scatter": 0}) as eager:
-        tp = tp or dist.get_world_size()
-        config = fsdp8.ParallelConfig(tp=tp, sequence_parallel=tp > 1,
-                                      fp8=fsdp8.Float8CurrentScaling() if fp8 else None,
+        config = fsdp8.ParallelConfig(tp=dist.get_world_size(), sequence_parallel=True, fp8=fsdp8.Float8CurrentScaling(),
                                       precision=common.FP8_PARITY_PRECISION, compile={"backend": "aot_eager"},
                                       activation_checkpointing=checkpointing)
         model = fsdp8.parallelize(build(family), config)
